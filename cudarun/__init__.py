@@ -1,0 +1,2 @@
+"""The GPU runtime: a cuda-python layer, Numba CUDA kernels, the memory map, schedules and the
+executor. Built by the kernels and runtime issues; checked against `refengine.engine.NumpyEngine`."""

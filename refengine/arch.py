@@ -1,0 +1,63 @@
+"""Per-architecture differences, in one table.
+
+Everything that varies between the supported GGUF architectures is a field of `ArchTraits`; the
+forward pass, the spec reader and the synthetic writer read these fields and never test the
+architecture's name. Semantics follow llama.cpp (src/models/*.cpp, src/llama-model.cpp):
+
+- RoPE: `norm` rotates adjacent pairs (2i, 2i+1) — llama files, whose Q/K rows the converter
+  permuted for it; `neox` rotates (i, i + n_rot/2) — qwen2/qwen3/qwen3moe/gemma3.
+- gemma3: embeddings scaled by sqrt(n_embd); RMSNorm on Q and K per head; norms after attention and
+  after the FFN (before the residual add); GELU (tanh form) gate; layer il uses a sliding window
+  unless il % pattern == pattern - 1 (pattern 6), with RoPE base 10000 on sliding layers and the
+  file's `rope.freq_base` on global ones. Its GGUF norm weights already include gemma's "+1".
+- qwen2: biases on Q, K and V. qwen3: RMSNorm on Q and K per head, before RoPE.
+- qwen3moe: softmax router over all experts, top-k, weights renormalized to sum 1.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .errors import UserError
+
+
+@dataclass(frozen=True)
+class ArchTraits:
+    name: str
+    rope_style: str  # "norm" (adjacent pairs) or "neox" (halves)
+    ffn_act: str  # "silu" or "gelu" (tanh approximation), applied to the gate
+    qkv_bias: bool = False  # attn_q/k/v carry .bias tensors
+    qk_norm: bool = False  # per-head RMSNorm of Q and K before RoPE
+    post_norms: bool = False  # attn_post_norm and ffn_post_norm before each residual add
+    embed_scale: bool = False  # token embeddings multiplied by sqrt(n_embd)
+    moe: bool = False  # routed experts instead of a dense FFN
+    expert_weights_norm: bool = False  # top-k router weights renormalized to sum 1
+    swa_pattern: int = 0  # layers il with il % p != p-1 use the sliding window; 0: no SWA
+    rope_base_swa: float = 0.0  # RoPE base of sliding-window layers (llama.cpp hard-codes it)
+    default_rope_base: float = 10000.0
+
+
+ARCHES: dict[str, ArchTraits] = {
+    t.name: t
+    for t in (
+        ArchTraits("llama", rope_style="norm", ffn_act="silu"),
+        ArchTraits("qwen2", rope_style="neox", ffn_act="silu", qkv_bias=True, default_rope_base=1e6),
+        ArchTraits("qwen3", rope_style="neox", ffn_act="silu", qk_norm=True, default_rope_base=1e6),
+        ArchTraits(
+            "qwen3moe", rope_style="neox", ffn_act="silu", qk_norm=True, moe=True,
+            expert_weights_norm=True, default_rope_base=1e6,
+        ),
+        ArchTraits(
+            "gemma3", rope_style="neox", ffn_act="gelu", qk_norm=True, post_norms=True,
+            embed_scale=True, swa_pattern=6, rope_base_swa=10000.0, default_rope_base=1e6,
+        ),
+    )
+}
+
+
+def arch_traits(name: str) -> ArchTraits:
+    if name not in ARCHES:
+        raise UserError(
+            f"architecture {name!r} is not supported (supported: {', '.join(ARCHES)})"
+        )
+    return ARCHES[name]

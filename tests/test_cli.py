@@ -1,0 +1,114 @@
+"""The command line, run as a user runs it (a subprocess), including every way to misuse it."""
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType, GGUFWriter
+
+
+def refengine(*args, cwd=None):
+    return subprocess.run([sys.executable, "-m", "refengine", *map(str, args)],
+                          capture_output=True, text=True, cwd=cwd, timeout=300)
+
+
+def assert_one_line_error(r, *fragments):
+    assert r.returncode == 2, (r.returncode, r.stdout, r.stderr)
+    err = r.stderr.strip()
+    assert err.startswith("error: ") and "\n" not in err, err
+    assert "Traceback" not in r.stderr
+    for f in fragments:
+        assert f in err, err
+
+
+def test_info_table_and_json(small_models):
+    r = refengine("info", small_models["qwen3moe"])
+    assert r.returncode == 0, r.stderr
+    assert "qwen3moe" in r.stdout and "experts" in r.stdout and "router" in r.stdout
+    r = refengine("info", small_models["gemma3"], "--json")
+    d = json.loads(r.stdout)
+    assert d["arch"] == "gemma3" and d["hparams"]["n_swa"] == 5
+    assert sum(d["nbytes_by_role"].values()) == d["nbytes"]
+    assert [row["layer"] for row in d["layers"]] == [None, 0, 1, 2, 3, 4, 5]
+    assert [row["swa"] for row in d["layers"][1:]] == [True] * 5 + [False]
+
+
+def test_run_tokens_dump_logits(small_models, tmp_path):
+    out = tmp_path / "logits.npy"
+    r = refengine("run", small_models["llama"], "--tokens", "3,4,5,6,7", "-n", "0",
+                  "--dump-logits", out)
+    assert r.returncode == 0, r.stderr
+    logits = np.load(out)
+    assert logits.shape == (5, 300) and logits.dtype == np.float32
+    from refengine.engine import NumpyEngine
+    np.testing.assert_allclose(logits, NumpyEngine(small_models["llama"]).prefill(
+        [3, 4, 5, 6, 7], all_logits=True), rtol=1e-6)
+
+
+def test_run_streams_text_greedy_and_seeded(small_models):
+    r = refengine("run", small_models["qwen2"], "-p", "hello there", "-n", "8")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.startswith("hello there") and "generated" in r.stderr
+    again = refengine("run", small_models["qwen2"], "-p", "hello there", "-n", "8")
+    assert again.stdout == r.stdout
+    a = refengine("run", small_models["qwen2"], "-p", "hello", "-n", "8", "--temp", "1.0", "--seed", "3")
+    b = refengine("run", small_models["qwen2"], "-p", "hello", "-n", "8", "--temp", "1.0", "--seed", "3")
+    assert a.returncode == 0 and a.stdout == b.stdout
+
+
+def test_synth_writes_a_loadable_model(tmp_path):
+    out = tmp_path / "m.gguf"
+    r = refengine("synth", out, "--arch", "qwen3", "--layers", "1", "--embd", "64", "--ff", "64",
+                  "--heads", "2", "--kv-heads", "1", "--vocab", "260", "--qtype", "Q8_0")
+    assert r.returncode == 0, r.stderr
+    from refengine.spec import load_spec
+    spec = load_spec(out)
+    assert spec.arch.name == "qwen3" and spec.hparams.n_layer == 1
+
+
+def test_not_a_gguf(tmp_path):
+    p = tmp_path / "notes.gguf"
+    p.write_text("this is not a model\n" * 10)
+    assert_one_line_error(refengine("info", p), "not a GGUF")
+
+
+def test_missing_file(tmp_path):
+    assert_one_line_error(refengine("info", tmp_path / "nope.gguf"), "no such file")
+
+
+@pytest.mark.parametrize("keep", [100, 0.6])
+def test_truncated_file(small_models, tmp_path, keep):
+    data = small_models["llama"].read_bytes()
+    p = tmp_path / "cut.gguf"
+    p.write_bytes(data[: keep if isinstance(keep, int) else int(len(data) * keep)])
+    assert_one_line_error(refengine("info", p), "truncated")
+
+
+def test_unsupported_architecture(tmp_path):
+    p = tmp_path / "falcon.gguf"
+    w = GGUFWriter(p, "falcon")
+    w.add_block_count(1)
+    w.add_tensor("token_embd.weight", np.zeros((4, 8), np.float32))
+    w.write_header_to_file(), w.write_kv_data_to_file(), w.write_tensors_to_file(), w.close()
+    assert_one_line_error(refengine("info", p), "architecture 'falcon' is not supported")
+
+
+def test_unsupported_tensor_type(tmp_path):
+    p = tmp_path / "q2k.gguf"
+    w = GGUFWriter(p, "llama")
+    w.add_tensor("token_embd.weight", np.zeros((4, 84), np.uint8), raw_dtype=GGMLQuantizationType.Q2_K)
+    w.write_header_to_file(), w.write_kv_data_to_file(), w.write_tensors_to_file(), w.close()
+    assert_one_line_error(refengine("info", p), "Q2_K is not supported")
+
+
+def test_prompt_longer_than_context(small_models):
+    toks = ",".join(str(i) for i in range(2, 40))
+    assert_one_line_error(refengine("run", small_models["llama"], "--tokens", toks, "-c", "16", "-n", "0"),
+                          "context of 16")
+
+
+def test_bad_token_ids(small_models):
+    assert_one_line_error(refengine("run", small_models["llama"], "--tokens", "1,x"), "--tokens")
+    assert_one_line_error(refengine("run", small_models["llama"], "--tokens", "1,999"), "outside")

@@ -1,0 +1,81 @@
+from dataclasses import replace
+
+import numpy as np
+import pytest
+from gguf import GGUFReader
+
+from refengine.gguf_file import read_gguf
+from refengine.layout import tensor_layout
+from refengine.spec import ATTENTION, EMBEDDING, EXPERT, FFN, NORM, OUTPUT, ROUTER, load_spec, tensor_role
+from refengine.synthetic import PRESETS, preset, spec_from_hparams
+
+from .conftest import SMALL
+
+
+@pytest.mark.parametrize("arch", sorted(SMALL))
+def test_spec_of_a_synthetic_file_round_trips_its_config(small_models, arch):
+    spec = load_spec(small_models[arch])
+    cfg = SMALL[arch]
+    assert spec.arch.name == arch
+    stored = cfg.hparams()  # GGUF keeps floats as float32
+    assert spec.hparams == replace(stored, rms_eps=float(np.float32(stored.rms_eps)))
+    assert spec.path is not None and spec.file_nbytes == small_models[arch].stat().st_size
+    expected = spec_from_hparams(cfg)
+    assert [(t.name, t.shape, t.qtype, t.nbytes, t.layer, t.role) for t in spec.tensors] == \
+        [(t.name, t.shape, t.qtype, t.nbytes, t.layer, t.role) for t in expected.tensors]
+
+
+@pytest.mark.parametrize("arch", sorted(SMALL))
+def test_our_reader_agrees_with_gguf_py(small_models, arch):
+    ours, theirs = read_gguf(small_models[arch]), GGUFReader(small_models[arch])
+    assert [t.name for t in ours.tensors] == [t.name for t in theirs.tensors]
+    for a, b in zip(ours.tensors, theirs.tensors):
+        assert a.ne == tuple(int(d) for d in b.shape) and a.ggml_type == int(b.tensor_type)
+        assert a.offset == b.data_offset
+    for key, f in theirs.fields.items():
+        if key.startswith("GGUF."):
+            continue
+        v, w = ours.fields[key], f.contents()
+        assert (np.asarray(v).tolist() if isinstance(v, np.ndarray) else v) == pytest.approx(w), key
+
+
+def test_roles():
+    assert tensor_role("token_embd.weight") == EMBEDDING
+    assert tensor_role("output.weight") == OUTPUT
+    assert tensor_role("output_norm.weight") == NORM
+    assert tensor_role("blk.3.attn_output.weight") == ATTENTION
+    assert tensor_role("blk.3.attn_q.bias") == ATTENTION
+    assert tensor_role("blk.3.attn_k_norm.weight") == NORM
+    assert tensor_role("blk.3.post_ffw_norm.weight") == NORM
+    assert tensor_role("blk.3.ffn_up.weight") == FFN
+    assert tensor_role("blk.3.ffn_gate_inp.weight") == ROUTER
+    assert tensor_role("blk.3.ffn_down_exps.weight") == EXPERT
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["smollm2-135m", "gemma3-270m"])
+def test_real_models_have_the_layout_of_their_preset(name):
+    from refengine.models import resolve_model
+
+    spec = load_spec(resolve_model(name))
+    cfg = PRESETS[name]
+    assert spec.hparams.n_layer == cfg.n_layer and spec.hparams.n_embd == cfg.n_embd
+    layout = tensor_layout(spec.arch, spec.hparams, cfg.tied_output)
+    assert sorted((s.name, s.shape) for s in layout) == sorted((t.name, t.shape) for t in spec.tensors)
+    if name == "gemma3-270m":
+        hp = spec.hparams
+        assert (hp.n_swa, hp.rope_base, hp.rope_base_swa) == (512, 1e6, 1e4)
+        assert [il for il in range(hp.n_layer) if not spec.is_swa(il)] == [5, 11, 17]
+
+
+def test_spec_only_presets_have_plausible_sizes():
+    gib = 2**30
+    seventy = spec_from_hparams(preset("llama3-70b"))
+    assert seventy.path is None and 68e9 < seventy.n_params < 72e9
+    assert 36 * gib < seventy.weights_nbytes < 40 * gib  # Q4_K, 4.5 bits per weight
+    moe = spec_from_hparams(preset("qwen3moe-235b-a22b"))
+    assert 230e9 < moe.n_params < 240e9
+    experts = sum(t.nbytes for t in moe.tensors if t.role == EXPERT)
+    assert experts > 0.9 * moe.weights_nbytes
+    big = spec_from_hparams(preset("qwen3moe-122b-a10b"))
+    assert 115e9 < big.n_params < 125e9
