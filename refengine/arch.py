@@ -34,7 +34,7 @@ class ArchTraits:
     expert_weights_norm: bool = False  # top-k router weights renormalized to sum 1
     swa_pattern: int = 0  # layers il with il % p != p-1 use the sliding window; 0: no SWA
     rope_base_swa: float = 0.0  # RoPE base of sliding-window layers (llama.cpp hard-codes it)
-    default_rope_base: float = 10000.0
+    default_rope_base: float = 10000.0  # the usual base, for synthetic and spec-only models
 
 
 ARCHES: dict[str, ArchTraits] = {

@@ -134,18 +134,20 @@ def swa_layers(traits: ArchTraits, n_layer: int, pattern: int | None = None) -> 
 
 
 class _Meta:
-    """Typed access to `{arch}.*` metadata with one clear error for a missing key."""
+    """`{arch}.*` metadata: `need` for keys llama.cpp requires (one clear error when missing),
+    `get` with llama.cpp's default for the others."""
 
     def __init__(self, fields: dict, arch: str, path: Path):
         self.fields, self.arch, self.path = fields, arch, path
 
-    def get(self, key: str, default=None, *, arch_key: bool = True):
-        full = f"{self.arch}.{key}" if arch_key else key
-        if full in self.fields:
-            return self.fields[full]
-        if default is None:
+    def need(self, key: str):
+        full = f"{self.arch}.{key}"
+        if full not in self.fields:
             raise UserError(f"{self.path}: metadata key {full!r} is missing; the file is incomplete")
-        return default
+        return self.fields[full]
+
+    def get(self, key: str, default):
+        return self.fields.get(f"{self.arch}.{key}", default)
 
 
 def load_spec(path: str | os.PathLike) -> ModelSpec:
@@ -174,17 +176,17 @@ def load_spec(path: str | os.PathLike) -> ModelSpec:
             layer=int(mt.group(1)) if mt else None, role=tensor_role(t.name), offset=t.offset,
         ))
 
-    n_embd = int(m.get("embedding_length"))
-    n_head = int(m.get("attention.head_count"))
+    n_embd = int(m.need("embedding_length"))
+    n_head = int(m.need("attention.head_count"))
     head_dim = int(m.get("attention.key_length", n_embd // n_head))
-    n_layer = int(m.get("block_count"))
+    n_layer = int(m.need("block_count"))
     embd = next((t for t in tensors if t.name == "token_embd.weight"), None)
     if embd is None:
         raise UserError(f"{p}: no token_embd.weight tensor; not a supported model file")
-    scaling = fields.get(f"{arch_name}.rope.scaling.type", "none")
+    scaling = m.get("rope.scaling.type", "none")
     factor = float(m.get("rope.scaling.factor", 1.0)) if scaling == "linear" else 1.0
     n_swa = int(m.get("attention.sliding_window", 0)) if traits.swa_pattern else 0
-    pattern = fields.get(f"{arch_name}.attention.sliding_window_pattern")
+    pattern = m.get("attention.sliding_window_pattern", None)
     if n_swa == 0:
         swa = ()
     elif isinstance(pattern, np.ndarray):
@@ -193,7 +195,7 @@ def load_spec(path: str | os.PathLike) -> ModelSpec:
         swa = swa_layers(traits, n_layer, int(pattern) if pattern is not None else None)
     hp = HParams(
         n_vocab=int(embd.shape[0]),
-        n_ctx_train=int(m.get("context_length")),
+        n_ctx_train=int(m.need("context_length")),
         n_embd=n_embd,
         n_layer=n_layer,
         n_ff=int(m.get("feed_forward_length", 0)),
@@ -205,7 +207,7 @@ def load_spec(path: str | os.PathLike) -> ModelSpec:
         rope_base=float(m.get("rope.freq_base", 10000.0)),
         rope_base_swa=float(m.get("rope.freq_base_swa", traits.rope_base_swa)),
         rope_scale=1.0 / factor,
-        rms_eps=float(m.get("attention.layer_norm_rms_epsilon")),
+        rms_eps=float(m.need("attention.layer_norm_rms_epsilon")),
         n_swa=n_swa,
         swa_layers=swa,
         n_expert=int(m.get("expert_count", 0)),
@@ -214,6 +216,8 @@ def load_spec(path: str | os.PathLike) -> ModelSpec:
     )
     if traits.moe and not (hp.n_expert and hp.n_expert_used):
         raise UserError(f"{p}: MoE architecture without expert_count/expert_used_count metadata")
+    if traits.moe and not hp.n_ff_exp:  # llama.cpp's fallback when the key is absent
+        hp = replace(hp, n_ff_exp=hp.n_ff // hp.n_expert_used)
     st = p.stat()
     return ModelSpec(
         arch=traits, hparams=hp, tensors=tuple(tensors), path=p.resolve(),

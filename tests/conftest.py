@@ -1,4 +1,5 @@
 import pytest
+from gguf import GGUFWriter
 
 from refengine.synthetic import SyntheticConfig, write_synthetic
 
@@ -22,3 +23,18 @@ def small_models(tmp_path_factory):
     """One tiny synthetic GGUF per architecture: {arch: path}."""
     root = tmp_path_factory.mktemp("models")
     return {arch: write_synthetic(root / f"{arch}.gguf", cfg) for arch, cfg in SMALL.items()}
+
+
+def tiny_gguf(path, arch: str, tensors: dict, **writer_calls):
+    """A hand-made GGUF: `tensors` maps name -> (array, raw ggml type or None); each keyword
+    calls `GGUFWriter.add_<keyword>(value)` (e.g. embedding_length=8)."""
+    w = GGUFWriter(path, arch)
+    for call, value in writer_calls.items():
+        getattr(w, f"add_{call}")(value)
+    for name, (array, raw_dtype) in tensors.items():
+        w.add_tensor(name, array, raw_dtype=raw_dtype)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path

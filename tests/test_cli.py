@@ -6,7 +6,9 @@ import sys
 
 import numpy as np
 import pytest
-from gguf import GGMLQuantizationType, GGUFWriter
+from gguf import GGMLQuantizationType
+
+from .conftest import tiny_gguf
 
 
 def refengine(*args, cwd=None):
@@ -87,19 +89,14 @@ def test_truncated_file(small_models, tmp_path, keep):
 
 
 def test_unsupported_architecture(tmp_path):
-    p = tmp_path / "falcon.gguf"
-    w = GGUFWriter(p, "falcon")
-    w.add_block_count(1)
-    w.add_tensor("token_embd.weight", np.zeros((4, 8), np.float32))
-    w.write_header_to_file(), w.write_kv_data_to_file(), w.write_tensors_to_file(), w.close()
+    p = tiny_gguf(tmp_path / "falcon.gguf", "falcon",
+                  {"token_embd.weight": (np.zeros((4, 8), np.float32), None)}, block_count=1)
     assert_one_line_error(refengine("info", p), "architecture 'falcon' is not supported")
 
 
 def test_unsupported_tensor_type(tmp_path):
-    p = tmp_path / "q2k.gguf"
-    w = GGUFWriter(p, "llama")
-    w.add_tensor("token_embd.weight", np.zeros((4, 84), np.uint8), raw_dtype=GGMLQuantizationType.Q2_K)
-    w.write_header_to_file(), w.write_kv_data_to_file(), w.write_tensors_to_file(), w.close()
+    q2k = (np.zeros((4, 84), np.uint8), GGMLQuantizationType.Q2_K)
+    p = tiny_gguf(tmp_path / "q2k.gguf", "llama", {"token_embd.weight": q2k})
     assert_one_line_error(refengine("info", p), "Q2_K is not supported")
 
 

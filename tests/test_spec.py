@@ -9,7 +9,7 @@ from refengine.layout import tensor_layout
 from refengine.spec import ATTENTION, EMBEDDING, EXPERT, FFN, NORM, OUTPUT, ROUTER, load_spec, tensor_role
 from refengine.synthetic import PRESETS, preset, spec_from_hparams
 
-from .conftest import SMALL
+from .conftest import SMALL, tiny_gguf
 
 
 @pytest.mark.parametrize("arch", sorted(SMALL))
@@ -79,3 +79,12 @@ def test_spec_only_presets_have_plausible_sizes():
     assert experts > 0.9 * moe.weights_nbytes
     big = spec_from_hparams(preset("qwen3moe-122b-a10b"))
     assert 115e9 < big.n_params < 125e9
+
+
+def test_missing_required_metadata_is_a_user_error(tmp_path):
+    from refengine.errors import UserError
+
+    p = tiny_gguf(tmp_path / "bare.gguf", "llama",
+                  {"token_embd.weight": (np.zeros((4, 8), np.float32), None)}, embedding_length=8)
+    with pytest.raises(UserError, match="llama.attention.head_count' is missing"):
+        load_spec(p)
