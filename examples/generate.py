@@ -1,6 +1,6 @@
 """Greedy generation with the library API: tokenizer, reference engine and sampler.
 
-    .venv/bin/python examples/generate.py smollm2-135m "The capital of France is"
+.venv/bin/python examples/generate.py smollm2-135m "The capital of France is"
 """
 
 import sys

@@ -33,31 +33,59 @@ class ArchTraits:
     moe: bool = False  # routed experts instead of a dense FFN
     expert_weights_norm: bool = False  # top-k router weights renormalized to sum 1
     swa_pattern: int = 0  # layers il with il % p != p-1 use the sliding window; 0: no SWA
-    rope_base_swa: float = 0.0  # RoPE base of sliding-window layers (llama.cpp hard-codes it)
+    rope_base_swa: float = 0.0  # RoPE base of sliding-window layers (llama.cpp's default)
+    gemma3_27b_scale: bool = False  # llama.cpp's 62-layer special case of the attention scale
     default_rope_base: float = 10000.0  # the usual base, for synthetic and spec-only models
+    synthetic_pre_tokenizer: str = "default"  # what the synthetic writer declares
 
 
 ARCHES: dict[str, ArchTraits] = {
     t.name: t
     for t in (
         ArchTraits("llama", rope_style="norm", ffn_act="silu"),
-        ArchTraits("qwen2", rope_style="neox", ffn_act="silu", qkv_bias=True, default_rope_base=1e6),
-        ArchTraits("qwen3", rope_style="neox", ffn_act="silu", qk_norm=True, default_rope_base=1e6),
         ArchTraits(
-            "qwen3moe", rope_style="neox", ffn_act="silu", qk_norm=True, moe=True,
-            expert_weights_norm=True, default_rope_base=1e6,
+            "qwen2",
+            rope_style="neox",
+            ffn_act="silu",
+            qkv_bias=True,
+            default_rope_base=1e6,
+            synthetic_pre_tokenizer="qwen2",
         ),
         ArchTraits(
-            "gemma3", rope_style="neox", ffn_act="gelu", qk_norm=True, post_norms=True,
-            embed_scale=True, swa_pattern=6, rope_base_swa=10000.0, default_rope_base=1e6,
+            "qwen3",
+            rope_style="neox",
+            ffn_act="silu",
+            qk_norm=True,
+            default_rope_base=1e6,
+            synthetic_pre_tokenizer="qwen2",
+        ),
+        ArchTraits(
+            "qwen3moe",
+            rope_style="neox",
+            ffn_act="silu",
+            qk_norm=True,
+            moe=True,
+            expert_weights_norm=True,
+            default_rope_base=1e6,
+            synthetic_pre_tokenizer="qwen2",
+        ),
+        ArchTraits(
+            "gemma3",
+            rope_style="neox",
+            ffn_act="gelu",
+            qk_norm=True,
+            post_norms=True,
+            embed_scale=True,
+            swa_pattern=6,
+            rope_base_swa=10000.0,
+            gemma3_27b_scale=True,
+            default_rope_base=1e6,
         ),
     )
 }
 
 
-def arch_traits(name: str) -> ArchTraits:
-    if name not in ARCHES:
-        raise UserError(
-            f"architecture {name!r} is not supported (supported: {', '.join(ARCHES)})"
-        )
+def arch_traits(name) -> ArchTraits:
+    if not isinstance(name, str) or name not in ARCHES:
+        raise UserError(f"architecture {name!r} is not supported (supported: {', '.join(ARCHES)})")
     return ARCHES[name]

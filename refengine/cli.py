@@ -37,6 +37,7 @@ def cli() -> None:
 
 # -- info -----------------------------------------------------------------------------------------
 
+
 def _layer_rows(spec: ModelSpec) -> list[dict]:
     rows = []
     layers = sorted({t.layer for t in spec.tensors if t.layer is not None})
@@ -45,11 +46,15 @@ def _layer_rows(spec: ModelSpec) -> list[dict]:
         by_role = defaultdict(int)
         for t in ts:
             by_role[t.role] += t.nbytes
-        rows.append({
-            "layer": il, "swa": spec.is_swa(il) if il is not None else None,
-            "nbytes": sum(by_role.values()), "by_role": dict(by_role),
-            "types": sorted({t.qtype.name for t in ts}),
-        })
+        rows.append(
+            {
+                "layer": il,
+                "swa": spec.is_swa(il) if il is not None else None,
+                "nbytes": sum(by_role.values()),
+                "by_role": dict(by_role),
+                "types": sorted({t.qtype.name for t in ts}),
+            }
+        )
     return rows
 
 
@@ -58,14 +63,28 @@ def info_dict(spec: ModelSpec) -> dict:
     for t in spec.tensors:
         totals[t.role] += t.nbytes
     return {
-        "path": str(spec.path), "name": spec.name, "arch": spec.arch.name,
-        "hparams": {k: (list(v) if isinstance(v, tuple) else v)
-                    for k, v in vars(spec.hparams).items()},
-        "n_params": spec.n_params, "nbytes": spec.weights_nbytes,
-        "nbytes_by_role": dict(totals), "tied_output": spec.tied_output,
+        "path": str(spec.path),
+        "name": spec.name,
+        "arch": spec.arch.name,
+        "hparams": {
+            k: (list(v) if isinstance(v, tuple) else v) for k, v in vars(spec.hparams).items()
+        },
+        "n_params": spec.n_params,
+        "nbytes": spec.weights_nbytes,
+        "nbytes_by_role": dict(totals),
+        "tied_output": spec.tied_output,
         "layers": _layer_rows(spec),
-        "tensors": [{"name": t.name, "shape": list(t.shape), "type": t.qtype.name,
-                     "nbytes": t.nbytes, "layer": t.layer, "role": t.role} for t in spec.tensors],
+        "tensors": [
+            {
+                "name": t.name,
+                "shape": list(t.shape),
+                "type": t.qtype.name,
+                "nbytes": t.nbytes,
+                "layer": t.layer,
+                "role": t.role,
+            }
+            for t in spec.tensors
+        ],
     }
 
 
@@ -89,9 +108,11 @@ def info(model: str, as_json: bool, tensors: bool) -> None:
         return
     con = Console()
     con.print(f"[bold]{spec.name}[/]  {spec.path}")
-    con.print(f"architecture {spec.arch.name}, {spec.n_params / 1e6:,.1f} M parameters, "
-              f"{_mib(spec.weights_nbytes)} MiB of weights"
-              + (", output tied to token_embd" if spec.tied_output else ""))
+    con.print(
+        f"architecture {spec.arch.name}, {spec.n_params / 1e6:,.1f} M parameters, "
+        f"{_mib(spec.weights_nbytes)} MiB of weights"
+        + (", output tied to token_embd" if spec.tied_output else "")
+    )
     hp = Table(title="hyperparameters", show_header=False)
     for k, v in d["hparams"].items():
         if k == "swa_layers":
@@ -104,23 +125,35 @@ def info(model: str, as_json: bool, tensors: bool) -> None:
     for col in ["layer", *roles, "total", "types"]:
         t.add_column(short.get(col, col), justify="left" if col in ("layer", "types") else "right")
     for row in d["layers"]:
-        name = "global" if row["layer"] is None else str(row["layer"]) + (" swa" if row["swa"] else "")
-        t.add_row(name, *[_mib(row["by_role"].get(r, 0)) for r in roles], _mib(row["nbytes"]),
-                  ",".join(row["types"]))
-    t.add_row("[bold]total[/]", *[_mib(d["nbytes_by_role"][r]) for r in roles],
-              _mib(spec.weights_nbytes), "")
+        name = (
+            "global" if row["layer"] is None else str(row["layer"]) + (" swa" if row["swa"] else "")
+        )
+        t.add_row(
+            name,
+            *[_mib(row["by_role"].get(r, 0)) for r in roles],
+            _mib(row["nbytes"]),
+            ",".join(row["types"]),
+        )
+    t.add_row(
+        "[bold]total[/]",
+        *[_mib(d["nbytes_by_role"][r]) for r in roles],
+        _mib(spec.weights_nbytes),
+        "",
+    )
     con.print(t)
     if tensors:
         tt = Table(title="tensors")
         for col in ("name", "shape", "type", "bytes", "role"):
             tt.add_column(col)
         for x in d["tensors"]:
-            tt.add_row(x["name"], "x".join(map(str, x["shape"])), x["type"], f"{x['nbytes']:,}",
-                       x["role"])
+            tt.add_row(
+                x["name"], "x".join(map(str, x["shape"])), x["type"], f"{x['nbytes']:,}", x["role"]
+            )
         con.print(tt)
 
 
 # -- run ------------------------------------------------------------------------------------------
+
 
 def _parse_tokens(s: str) -> list[int]:
     try:
@@ -129,32 +162,50 @@ def _parse_tokens(s: str) -> list[int]:
         raise UserError(f"--tokens takes comma-separated integers, not {s!r}") from None
 
 
+ENGINES = ("numpy",)
+
+
 def _make_engine(name: str, spec: ModelSpec, n_ctx: int):
     from .engine import NumpyEngine
 
-    engines = {"numpy": NumpyEngine}
-    return engines[name](spec, n_ctx=n_ctx)
+    return {"numpy": NumpyEngine}[name](spec, n_ctx=n_ctx)
 
 
 @cli.command()
 @click.argument("model")
 @click.option("-p", "--prompt", help="Prompt text.")
 @click.option("--tokens", help="Prompt as comma-separated token ids, instead of text.")
-@click.option("-n", "--n-predict", default=defaults.N_PREDICT, show_default=True,
-              help="Tokens to generate (0: only the prompt).")
-@click.option("-c", "--ctx-size", default=defaults.N_CTX, show_default=True,
-              help="Context size in tokens (capped by the model's training context).")
-@click.option("--engine", "engine_name", type=click.Choice(["numpy"]), default="numpy",
-              show_default=True)
+@click.option(
+    "-n",
+    "--n-predict",
+    default=defaults.N_PREDICT,
+    show_default=True,
+    help="Tokens to generate (0: only the prompt).",
+)
+@click.option(
+    "-c",
+    "--ctx-size",
+    default=defaults.N_CTX,
+    show_default=True,
+    help="Context size in tokens (capped by the model's training context).",
+)
+@click.option(
+    "--engine", "engine_name", type=click.Choice(ENGINES), default=ENGINES[0], show_default=True
+)
 @click.option("--temp", default=defaults.TEMPERATURE, show_default=True, help="0: greedy.")
 @click.option("--top-k", default=defaults.TOP_K, show_default=True)
 @click.option("--top-p", default=defaults.TOP_P, show_default=True)
 @click.option("--seed", default=defaults.SEED, show_default=True)
-@click.option("--dump-logits", type=click.Path(dir_okay=False, path_type=Path),
-              help="Save float32 logits of every prompt position, [n_prompt, n_vocab], as .npy.")
-def run(model, prompt, tokens, n_predict, ctx_size, engine_name, temp, top_k, top_p, seed,
-        dump_logits) -> None:
+@click.option(
+    "--dump-logits",
+    type=click.Path(dir_okay=False, path_type=Path),
+    help="Save float32 logits of every prompt position, [n_prompt, n_vocab], as .npy.",
+)
+def run(
+    model, prompt, tokens, n_predict, ctx_size, engine_name, temp, top_k, top_p, seed, dump_logits
+) -> None:
     """Generate text from a prompt, streaming it as it comes."""
+    from .engine import check_context
     from .sampling import Sampler
     from .tokenizer import Tokenizer
 
@@ -175,28 +226,34 @@ def run(model, prompt, tokens, n_predict, ctx_size, engine_name, temp, top_k, to
         raise UserError("the prompt has no tokens")
     bad = [i for i in ids if not 0 <= i < spec.hparams.n_vocab]
     if bad:
-        raise UserError(f"token ids {bad[:5]} are outside the vocabulary (0..{spec.hparams.n_vocab - 1})")
-    t_load = time.perf_counter()
-    engine = _make_engine(engine_name, spec, ctx_size)
-    t_load = time.perf_counter() - t_load
-    if len(ids) + n_predict > engine.n_ctx:
-        raise UserError(f"{len(ids)} prompt tokens + {n_predict} to generate exceed the context of "
-                        f"{engine.n_ctx}; pass -c {len(ids) + n_predict} or more (at most "
-                        f"{spec.hparams.n_ctx_train}), or a shorter prompt")
+        raise UserError(
+            f"token ids {bad[:5]} are outside the vocabulary (0..{spec.hparams.n_vocab - 1})"
+        )
+    # the last generated token is printed, never fed back
+    check_context(
+        len(ids) + max(n_predict - 1, 0),
+        min(ctx_size, spec.hparams.n_ctx_train),
+        spec.hparams.n_ctx_train,
+    )
+    dump = _open_for_writing(dump_logits) if dump_logits is not None else None
 
-    t0 = time.perf_counter()
-    logits = engine.prefill(ids, all_logits=dump_logits is not None)
-    t_prompt = time.perf_counter() - t0
-    if dump_logits is not None:
-        np.save(dump_logits, logits.astype(np.float32))
+    load_seconds = time.perf_counter()
+    engine = _make_engine(engine_name, spec, ctx_size)
+    load_seconds = time.perf_counter() - load_seconds
+    prompt_seconds = time.perf_counter()
+    logits = engine.prefill(ids, all_logits=dump is not None)
+    prompt_seconds = time.perf_counter() - prompt_seconds
+    if dump is not None:
+        with dump:
+            np.save(dump, logits.astype(np.float32))
         logits = logits[-1]
     out = sys.stdout
     if tok is not None and prompt is not None:
         out.write(prompt)
     sampler = Sampler(temp, top_k, top_p, seed)
     generated, shown = [], ""
-    t1 = time.perf_counter()
-    for _ in range(n_predict):
+    gen_seconds = time.perf_counter()
+    for i in range(n_predict):
         nxt = sampler(logits)
         if tok is not None and nxt in tok.eog_ids:
             break
@@ -204,20 +261,33 @@ def run(model, prompt, tokens, n_predict, ctx_size, engine_name, temp, top_k, to
         if tok is not None:
             text = tok.decode(generated)
             if not text.endswith("\ufffd"):  # hold back an incomplete UTF-8 sequence
-                out.write(text[len(shown):])
+                out.write(text[len(shown) :])
                 shown = text
         else:
             out.write(f"{nxt},")
         out.flush()
-        logits = engine.decode(nxt)
-    t_gen = time.perf_counter() - t1
+        if i + 1 < n_predict:
+            logits = engine.decode(nxt)
+    gen_seconds = time.perf_counter() - gen_seconds
     out.write("\n")
-    click.echo(f"[{engine_name}] loaded in {t_load:.1f} s; prompt {len(ids)} tokens in {t_prompt:.2f} s "
-               f"({len(ids) / t_prompt:.1f} t/s); generated {len(generated)} tokens in "
-               f"{t_gen:.2f} s ({len(generated) / max(t_gen, 1e-9):.1f} t/s)", err=True)
+    click.echo(
+        f"[{engine_name}] loaded in {load_seconds:.1f} s; prompt {len(ids)} tokens in "
+        f"{prompt_seconds:.2f} s ({len(ids) / prompt_seconds:.1f} t/s); generated "
+        f"{len(generated)} tokens in {gen_seconds:.2f} s "
+        f"({len(generated) / max(gen_seconds, 1e-9):.1f} t/s)",
+        err=True,
+    )
+
+
+def _open_for_writing(path: Path):
+    try:
+        return open(path, "wb")
+    except OSError as e:
+        raise UserError(f"cannot write {path}: {e.strerror}") from None
 
 
 # -- synth ----------------------------------------------------------------------------------------
+
 
 @cli.command()
 @click.argument("out", type=click.Path(dir_okay=False, path_type=Path))
@@ -243,7 +313,12 @@ def synth(out: Path, preset: str | None, arch: str, **sizes) -> None:
     from .synthetic import SyntheticConfig, preset as get_preset, write_synthetic
 
     changes = {k: v for k, v in sizes.items() if v is not None}
-    cfg = get_preset(preset, **changes) if preset else replace(SyntheticConfig(arch=arch), **changes)
+    if preset:
+        if arch != "llama":
+            raise UserError("--preset fixes the architecture; leave out --arch")
+        cfg = get_preset(preset, **changes)
+    else:
+        cfg = replace(SyntheticConfig(arch=arch), **changes)
     path = write_synthetic(out, cfg)
     click.echo(f"wrote {path} ({path.stat().st_size / 2**20:.1f} MiB)")
 
@@ -259,5 +334,3 @@ def main() -> None:
     except click.ClickException as e:
         e.show()
         sys.exit(e.exit_code)
-    except BrokenPipeError:
-        sys.exit(0)

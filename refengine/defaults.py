@@ -1,4 +1,5 @@
-"""Defaults shared by every command, each with its reason, in one place (click options read them)."""
+"""Defaults shared by every command, each with its reason, in one place; click options read
+them."""
 
 import os
 from pathlib import Path

@@ -29,22 +29,33 @@ def _keep(rec, record, name: str, x: np.ndarray) -> None:
         rec[name] = np.concatenate([rec[name], x]) if name in rec else x.copy()
 
 
+def check_context(n_tokens: int, n_ctx: int, n_ctx_train: int) -> None:
+    """UserError when a sequence of n_tokens does not fit a context of n_ctx tokens."""
+    if n_tokens > n_ctx:
+        raise UserError(
+            f"{n_tokens} tokens do not fit the context of {n_ctx}; pass a larger context "
+            f"(-c, at most {n_ctx_train} for this model) or a shorter prompt"
+        )
+
+
 class KVCache:
     """Per-layer keys and values of the positions seen so far, grown by doubling up to n_ctx."""
 
     def __init__(self, n_layer: int, n_head_kv: int, head_dim: int, head_dim_v: int, n_ctx: int):
-        self.n_ctx, self.n_past = n_ctx, 0
+        self.n_ctx, self.n_past = n_ctx, 0  # tokens
         self._shape_k, self._shape_v = (n_head_kv, head_dim), (n_head_kv, head_dim_v)
         self.k = [np.empty((0, *self._shape_k), np.float32) for _ in range(n_layer)]
         self.v = [np.empty((0, *self._shape_v), np.float32) for _ in range(n_layer)]
 
-    def append(self, il: int, k: np.ndarray, v: np.ndarray, start: int) -> tuple[np.ndarray, np.ndarray]:
+    def append(
+        self, il: int, k: np.ndarray, v: np.ndarray, start: int
+    ) -> tuple[np.ndarray, np.ndarray]:
         """Store [T, Hkv, D] keys/values at positions start.. and return the cache up to them."""
         end = start + k.shape[0]
         if end > self.k[il].shape[0]:
-            cap = min(self.n_ctx, max(end, 2 * self.k[il].shape[0], 64))
+            n_cells = min(self.n_ctx, max(end, 2 * self.k[il].shape[0], 64))
             for store, shape in ((self.k, self._shape_k), (self.v, self._shape_v)):
-                grown = np.empty((cap, *shape), np.float32)
+                grown = np.empty((n_cells, *shape), np.float32)
                 grown[:start] = store[il][:start]
                 store[il] = grown
         self.k[il][start:end] = k
@@ -55,15 +66,18 @@ class KVCache:
 class NumpyEngine:
     name = "numpy"
 
-    def __init__(self, model: ModelSpec | str, n_ctx: int | None = None,
-                 n_ubatch: int = defaults.N_UBATCH):
+    def __init__(
+        self, model: ModelSpec | str, n_ctx: int | None = None, n_ubatch: int = defaults.N_UBATCH
+    ):
         self.spec = model if isinstance(model, ModelSpec) else load_spec(model)
         hp = self.spec.hparams
         self.n_ctx = min(n_ctx or defaults.N_CTX, hp.n_ctx_train)
         self.n_ubatch = n_ubatch
         self.w = GGUFWeights(self.spec)
         self.output_name = "token_embd.weight" if self.spec.tied_output else "output.weight"
-        for t in self.spec.tensors:  # dequantize everything now, so calls time only the compute
+        # Dequantize now, so calls time only the compute; an untied embedding table is read a few
+        # rows at a time instead.
+        for t in self.spec.tensors:
             if t.name != "token_embd.weight" or self.spec.tied_output:
                 self.w.dense(t.name)
         self.reset()
@@ -79,34 +93,33 @@ class NumpyEngine:
     # -- Engine API ------------------------------------------------------------------------------
 
     def prefill(self, tokens, all_logits: bool = False, record=None):
-        tokens = np.asarray(tokens, dtype=np.int64).reshape(-1)
-        if tokens.size == 0:
-            raise UserError("the prompt is empty; give at least one token")
-        self._check_room(tokens.size)
+        tokens = self._check_tokens(tokens)
         rec = {} if record is not None else None
         logits = []
         for start in range(0, tokens.size, self.n_ubatch):
-            chunk = tokens[start:start + self.n_ubatch]
+            chunk = tokens[start : start + self.n_ubatch]
             last_chunk = start + self.n_ubatch >= tokens.size
             logits.append(self._forward(chunk, all_logits or last_chunk, all_logits, rec, record))
         out = np.concatenate(logits, axis=0) if all_logits else logits[-1][-1]
         return self._finish(out, rec, record)
 
     def decode(self, token: int, record=None):
-        self._check_room(1)
+        tokens = self._check_tokens([token])
         rec = {} if record is not None else None
-        out = self._forward(np.asarray([int(token)]), True, False, rec, record)[-1]
+        out = self._forward(tokens, True, False, rec, record)[-1]
         return self._finish(out, rec, record)
 
     # -- the forward pass ------------------------------------------------------------------------
 
-    def _check_room(self, n_new: int) -> None:
-        if self.n_past + n_new > self.n_ctx:
-            raise UserError(
-                f"{self.n_past + n_new} tokens do not fit the context of {self.n_ctx}; "
-                f"pass a larger context (-c, at most {self.spec.hparams.n_ctx_train} for this model) "
-                "or a shorter prompt"
-            )
+    def _check_tokens(self, tokens) -> np.ndarray:
+        ids = np.asarray(tokens).reshape(-1)
+        if ids.size == 0:
+            raise UserError("the prompt is empty; give at least one token")
+        n_vocab = self.spec.hparams.n_vocab
+        if not np.issubdtype(ids.dtype, np.integer) or ids.min() < 0 or ids.max() >= n_vocab:
+            raise UserError(f"token ids must be integers in 0..{n_vocab - 1}")
+        check_context(self.n_past + ids.size, self.n_ctx, self.spec.hparams.n_ctx_train)
+        return ids.astype(np.int64)
 
     def _finish(self, logits, rec, record):
         if rec is None:
@@ -141,8 +154,15 @@ class NumpyEngine:
             q = ref.rope(q, pos, hp.n_rot, base, tr.rope_style, scale)
             k = ref.rope(k, pos, hp.n_rot, base, tr.rope_style, scale)
             k_all, v_all = self.kv.append(il, k, v, self.n_past)
-            a = ref.attention(q, k_all, v_all, pos, np.arange(k_all.shape[0]),
-                              scale=1.0 / math.sqrt(hp.head_dim), window=hp.n_swa if swa else 0)
+            a = ref.attention(
+                q,
+                k_all,
+                v_all,
+                pos,
+                np.arange(k_all.shape[0]),
+                scale=hp.attn_scale,
+                window=hp.n_swa if swa else 0,
+            )
             a = self._linear(a.reshape(n_tok, -1), p + "attn_output")
             if tr.post_norms:
                 a = ref.rms_norm(a, w.dense(p + "post_attention_norm.weight"), hp.rms_eps)
@@ -150,13 +170,22 @@ class NumpyEngine:
             # feed-forward
             h = ref.rms_norm(x, w.dense(p + "ffn_norm.weight"), hp.rms_eps)
             if tr.moe:
-                ids, gates = ref.moe_route(self._linear(h, p + "ffn_gate_inp"),
-                                           hp.n_expert_used, tr.expert_weights_norm)
-                f = ref.moe_ffn(h, ids, gates, w.dense(p + "ffn_gate_exps.weight"),
-                                w.dense(p + "ffn_up_exps.weight"),
-                                w.dense(p + "ffn_down_exps.weight"), tr.ffn_act)
+                ids, gates = ref.moe_route(
+                    self._linear(h, p + "ffn_gate_inp"), hp.n_expert_used, tr.expert_weights_norm
+                )
+                f = ref.moe_ffn(
+                    h,
+                    ids,
+                    gates,
+                    w.dense(p + "ffn_gate_exps.weight"),
+                    w.dense(p + "ffn_up_exps.weight"),
+                    w.dense(p + "ffn_down_exps.weight"),
+                    tr.ffn_act,
+                )
             else:
-                f = ref.gated(tr.ffn_act, self._linear(h, p + "ffn_gate"), self._linear(h, p + "ffn_up"))
+                f = ref.gated(
+                    tr.ffn_act, self._linear(h, p + "ffn_gate"), self._linear(h, p + "ffn_up")
+                )
                 f = self._linear(f, p + "ffn_down")
             if tr.post_norms:
                 f = ref.rms_norm(f, w.dense(p + "post_ffw_norm.weight"), hp.rms_eps)

@@ -1,10 +1,10 @@
-"""A fast GGUF header reader: metadata and tensor directory, with the weights left memory-mapped.
+"""A fast GGUF header reader: metadata and the tensor directory (weights are not read).
 
 gguf-py's `GGUFReader` builds one numpy view per element of every string array, which takes
 28 s for Gemma-3's 262,144-token vocabulary on the development machine; this walks the same
 format (little-endian GGUF v2/v3) in a fraction of a second. Its output is checked against
-gguf-py's on real and synthetic files (tests/test_gguf_file.py). Every way a file can be broken is
-one `UserError` naming the byte offset.
+gguf-py's on synthetic files of every architecture (tests/test_spec.py). Every way a file can be
+broken is one `UserError`.
 """
 
 from __future__ import annotations
@@ -22,10 +22,32 @@ MAGIC = b"GGUF"
 DEFAULT_ALIGNMENT = 32
 
 # GGUF value types -> struct format (scalars) or numpy dtype (arrays of scalars)
-_SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?",
-            10: "<Q", 11: "<q", 12: "<d"}
-_DTYPES = {0: np.uint8, 1: np.int8, 2: np.uint16, 3: np.int16, 4: np.uint32, 5: np.int32,
-           6: np.float32, 7: np.bool_, 10: np.uint64, 11: np.int64, 12: np.float64}
+_SCALARS = {
+    0: "<B",
+    1: "<b",
+    2: "<H",
+    3: "<h",
+    4: "<I",
+    5: "<i",
+    6: "<f",
+    7: "<?",
+    10: "<Q",
+    11: "<q",
+    12: "<d",
+}
+_DTYPES = {
+    0: np.uint8,
+    1: np.int8,
+    2: np.uint16,
+    3: np.int16,
+    4: np.uint32,
+    5: np.int32,
+    6: np.float32,
+    7: np.bool_,
+    10: np.uint64,
+    11: np.int64,
+    12: np.float64,
+}
 _STRING, _ARRAY = 8, 9
 
 
@@ -43,7 +65,7 @@ class GGUFFile:
     version: int
     fields: dict  # key -> int | float | bool | str | list[str] | np.ndarray
     tensors: tuple[GGUFTensor, ...]
-    data_offset: int
+    data_offset: int  # bytes from the file's start to the first tensor
     file_nbytes: int
 
 
@@ -54,9 +76,11 @@ class _Cursor:
     def take(self, n: int) -> memoryview:
         end = self.pos + n
         if end > len(self.buf):
-            raise UserError(f"{self.path}: file ends at byte {len(self.buf)} while reading the header "
-                            f"(needed {end}); the file is truncated — download it again")
-        view = memoryview(self.buf)[self.pos:end]
+            raise UserError(
+                f"{self.path}: file ends at byte {len(self.buf)} while reading the header "
+                f"(needed {end}); the file is truncated — download it again"
+            )
+        view = memoryview(self.buf)[self.pos : end]
         self.pos = end
         return view
 
@@ -80,8 +104,10 @@ class _Cursor:
             if etype == _STRING:
                 return [self.string() for _ in range(count)]
             return [self.value(etype) for _ in range(count)]
-        raise UserError(f"{self.path}: unknown metadata value type {vtype} at byte {self.pos}; "
-                        "the file is corrupt or from a newer GGUF version")
+        raise UserError(
+            f"{self.path}: unknown metadata value type {vtype} at byte {self.pos}; "
+            "the file is corrupt or from a newer GGUF version"
+        )
 
 
 def read_gguf(path: str | Path) -> GGUFFile:
@@ -111,7 +137,11 @@ def read_gguf(path: str | Path) -> GGUFFile:
             n_dims = c.scalar("<I")
             ne = tuple(c.scalar("<Q") for _ in range(n_dims))
             infos.append((name, ne, c.scalar("<I"), c.scalar("<Q")))
-        align = int(fields.get("general.alignment", DEFAULT_ALIGNMENT))
+        align = fields.get("general.alignment", DEFAULT_ALIGNMENT)
+        if not isinstance(align, int) or align <= 0 or align & (align - 1):
+            raise UserError(
+                f"{p}: general.alignment {align!r} is not a power of two; the file is corrupt"
+            )
         data_offset = -(-c.pos // align) * align
     finally:
         del c

@@ -1,50 +1,52 @@
 """The tensor layout of each architecture: which GGUF tensors a model of given hyperparameters has,
-and their numpy shapes. The synthetic writer writes exactly this; `spec_from_hparams` plans with it;
-a test checks it against the real files."""
+and their numpy shapes. The synthetic writer writes exactly this, `spec_from_hparams` plans with it,
+and `check_tensors` holds every opened file to it (tests check it against the real files too)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 from .arch import ArchTraits
-from .spec import HParams
+from .errors import UserError
+from .hparams import HParams
 
-MATRIX, VECTOR = "matrix", "vector"  # matrices take the model's quant type; vectors stay F32
+QUANTIZED, F32 = "quantized", "f32"  # matrices take the model's quant type; the rest stay F32
 
 
 @dataclass(frozen=True)
 class TensorSlot:
     name: str
-    shape: tuple[int, ...]
-    kind: str
+    shape: tuple[int, ...]  # numpy order
+    kind: str  # QUANTIZED or F32
 
 
 def tensor_layout(traits: ArchTraits, hp: HParams, tied_output: bool = True) -> list[TensorSlot]:
     d, hd, hdv = hp.n_embd, hp.head_dim, hp.head_dim_v
     q_dim, k_dim, v_dim = hp.n_head * hd, hp.n_head_kv * hd, hp.n_head_kv * hdv
-    out = [TensorSlot("token_embd.weight", (hp.n_vocab, d), MATRIX)]
+    out = [TensorSlot("token_embd.weight", (hp.n_vocab, d), QUANTIZED)]
     for il in range(hp.n_layer):
-        def add(base, shape, kind=MATRIX):
+
+        def add(base, shape, kind=QUANTIZED):
             out.append(TensorSlot(f"blk.{il}.{base}", shape, kind))
 
-        add("attn_norm.weight", (d,), VECTOR)
+        add("attn_norm.weight", (d,), F32)
         add("attn_q.weight", (q_dim, d))
         add("attn_k.weight", (k_dim, d))
         add("attn_v.weight", (v_dim, d))
         if traits.qkv_bias:
-            add("attn_q.bias", (q_dim,), VECTOR)
-            add("attn_k.bias", (k_dim,), VECTOR)
-            add("attn_v.bias", (v_dim,), VECTOR)
+            add("attn_q.bias", (q_dim,), F32)
+            add("attn_k.bias", (k_dim,), F32)
+            add("attn_v.bias", (v_dim,), F32)
         if traits.qk_norm:
-            add("attn_q_norm.weight", (hd,), VECTOR)
-            add("attn_k_norm.weight", (hd,), VECTOR)
+            add("attn_q_norm.weight", (hd,), F32)
+            add("attn_k_norm.weight", (hd,), F32)
         add("attn_output.weight", (d, hp.n_head * hdv))
         if traits.post_norms:
-            add("post_attention_norm.weight", (d,), VECTOR)
-        add("ffn_norm.weight", (d,), VECTOR)
+            add("post_attention_norm.weight", (d,), F32)
+        add("ffn_norm.weight", (d,), F32)
         if traits.moe:
             e, f = hp.n_expert, hp.n_ff_exp
-            add("ffn_gate_inp.weight", (e, d), VECTOR)  # the router stays F32, as converters write it
+            add("ffn_gate_inp.weight", (e, d), F32)  # the router stays F32, as converters write it
             add("ffn_gate_exps.weight", (e, f, d))
             add("ffn_up_exps.weight", (e, f, d))
             add("ffn_down_exps.weight", (e, d, f))
@@ -53,8 +55,53 @@ def tensor_layout(traits: ArchTraits, hp: HParams, tied_output: bool = True) -> 
             add("ffn_up.weight", (hp.n_ff, d))
             add("ffn_down.weight", (d, hp.n_ff))
         if traits.post_norms:
-            add("post_ffw_norm.weight", (d,), VECTOR)
-    out.append(TensorSlot("output_norm.weight", (d,), VECTOR))
+            add("post_ffw_norm.weight", (d,), F32)
+    out.append(TensorSlot("output_norm.weight", (d,), F32))
     if not tied_output:
-        out.append(TensorSlot("output.weight", (hp.n_vocab, d), MATRIX))
+        out.append(TensorSlot("output.weight", (hp.n_vocab, d), QUANTIZED))
     return out
+
+
+def optional_slots(traits: ArchTraits, hp: HParams) -> list[TensorSlot]:
+    """Tensors llama.cpp accepts when present (and the engine applies): Q/K/V biases on any
+    architecture."""
+    if traits.qkv_bias:
+        return []
+    dims = {
+        "q": hp.n_head * hp.head_dim,
+        "k": hp.n_head_kv * hp.head_dim,
+        "v": hp.n_head_kv * hp.head_dim_v,
+    }
+    return [
+        TensorSlot(f"blk.{il}.attn_{x}.bias", (n,), F32)
+        for il in range(hp.n_layer)
+        for x, n in dims.items()
+    ]
+
+
+def check_tensors(
+    traits: ArchTraits, hp: HParams, shapes: dict[str, tuple[int, ...]], where: str
+) -> None:
+    """Refuse a file whose tensors are not the layout of its architecture: a missing tensor, one of
+    the wrong shape, or one this engine would silently ignore (e.g. experts in a llama file)."""
+    tied = "output.weight" not in shapes
+    expected = {s.name: s.shape for s in tensor_layout(traits, hp, tied)}
+    optional = {s.name: s.shape for s in optional_slots(traits, hp)}
+    for name, shape in shapes.items():
+        want = expected.get(name, optional.get(name))
+        if want is None:
+            raise UserError(
+                f"{where}: tensor {name} is not part of the {traits.name} layout this "
+                "engine runs; the file is a variant it does not support"
+            )
+        if tuple(shape) != tuple(want):
+            raise UserError(
+                f"{where}: tensor {name} has shape {tuple(shape)}, expected {want} "
+                "from the file's hyperparameters"
+            )
+    missing = [n for n in expected if n not in shapes]
+    if missing:
+        raise UserError(
+            f"{where}: {len(missing)} tensors are missing (first: {missing[0]}); the file "
+            "is incomplete"
+        )

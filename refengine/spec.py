@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 import os
 import re
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
 
@@ -22,15 +22,29 @@ from gguf import GGMLQuantizationType
 from .arch import ArchTraits, arch_traits
 from .errors import UserError
 from .gguf_file import read_gguf
+from .hparams import HParams, attention_scale, check_hparams, swa_layers
+from .layout import check_tensors
 from .quants import qtype, tensor_nbytes
 
 # Tensor roles (the planner places tensors by role; `info` totals bytes per role).
 ATTENTION, FFN, EXPERT, ROUTER, NORM, EMBEDDING, OUTPUT = (
-    "attention", "ffn", "moe_expert", "router", "norm", "embedding", "output",
+    "attention",
+    "ffn",
+    "moe_expert",
+    "router",
+    "norm",
+    "embedding",
+    "output",
 )
 ROLES = (EMBEDDING, ATTENTION, NORM, FFN, ROUTER, EXPERT, OUTPUT)
 
 _BLK = re.compile(r"^blk\.(\d+)\.(.+)$")
+
+
+def layer_of(name: str) -> int | None:
+    """The block index of a tensor (`blk.12.ffn_up.weight` -> 12), None for global tensors."""
+    m = _BLK.match(name)
+    return int(m.group(1)) if m else None
 
 
 def tensor_role(name: str) -> str:
@@ -65,39 +79,13 @@ class TensorInfo:
 
 
 @dataclass(frozen=True)
-class HParams:
-    n_vocab: int
-    n_ctx_train: int
-    n_embd: int
-    n_layer: int
-    n_ff: int
-    n_head: int
-    n_head_kv: int
-    head_dim: int  # key/query head size
-    head_dim_v: int
-    n_rot: int  # leading dims of each head that RoPE rotates
-    rope_base: float
-    rope_base_swa: float
-    rope_scale: float  # positions are multiplied by this (linear RoPE scaling: 1/factor)
-    rms_eps: float
-    n_swa: int = 0  # sliding window in tokens; 0: none
-    swa_layers: tuple[bool, ...] = ()  # per layer: uses the sliding window
-    n_expert: int = 0
-    n_expert_used: int = 0
-    n_ff_exp: int = 0
-
-
-@dataclass(frozen=True)
 class ModelSpec:
     arch: ArchTraits
     hparams: HParams
     tensors: tuple[TensorInfo, ...]
     path: Path | None = None  # None for a spec-only model
     file_nbytes: int = 0
-    file_mtime_ns: int = 0
     name: str = ""
-    file_type: str = ""
-    metadata: dict = field(default_factory=dict, compare=False, repr=False)
 
     @cached_property
     def by_name(self) -> dict[str, TensorInfo]:
@@ -121,47 +109,72 @@ class ModelSpec:
     def is_swa(self, il: int) -> bool:
         return bool(self.hparams.swa_layers and self.hparams.swa_layers[il])
 
-    def identity(self) -> dict:
-        """What fingerprints the model file (plans, caches)."""
-        return {"path": str(self.path), "nbytes": self.file_nbytes, "mtime_ns": self.file_mtime_ns}
-
-
-def swa_layers(traits: ArchTraits, n_layer: int, pattern: int | None = None) -> tuple[bool, ...]:
-    p = pattern if pattern is not None else traits.swa_pattern
-    if not p:
-        return ()
-    return tuple(il % p < p - 1 for il in range(n_layer))
-
 
 class _Meta:
-    """`{arch}.*` metadata: `need` for keys llama.cpp requires (one clear error when missing),
-    `get` with llama.cpp's default for the others."""
+    """`{arch}.*` metadata, typed: `need_*` for keys llama.cpp requires, `get_*` with llama.cpp's
+    default for the others; a value of the wrong type is one clear error either way."""
 
     def __init__(self, fields: dict, arch: str, path: Path):
         self.fields, self.arch, self.path = fields, arch, path
 
-    def need(self, key: str):
+    def _typed(self, key: str, value, kind):
+        ok = isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(
+            value, bool
+        )
+        if kind is str:
+            ok = isinstance(value, str)
+        if not ok:
+            raise UserError(
+                f"{self.path}: metadata {self.arch}.{key} = {value!r:.60} is not a single "
+                f"{kind.__name__}; per-layer or odd values are not supported"
+            )
+        return kind(value)
+
+    def need(self, key: str, kind=int):
         full = f"{self.arch}.{key}"
         if full not in self.fields:
-            raise UserError(f"{self.path}: metadata key {full!r} is missing; the file is incomplete")
-        return self.fields[full]
+            raise UserError(
+                f"{self.path}: metadata key {full!r} is missing; the file is incomplete"
+            )
+        return self._typed(key, self.fields[full], kind)
 
-    def get(self, key: str, default):
-        return self.fields.get(f"{self.arch}.{key}", default)
+    def get(self, key: str, default, kind=int):
+        full = f"{self.arch}.{key}"
+        return self._typed(key, self.fields[full], kind) if full in self.fields else default
+
+
+def _rope_scale(m: _Meta) -> float:
+    """llama.cpp: linear scaling by 1/factor unless the type is "none"; a factor of 0 means none."""
+    kind = m.get("rope.scaling.type", "linear", str)
+    if kind not in ("none", "linear"):
+        raise UserError(f"{m.path}: RoPE scaling {kind!r} is not supported (none and linear are)")
+    factor = m.get("rope.scaling.factor", m.get("rope.scale_linear", 0.0, float), float)
+    return 1.0 if kind == "none" or factor == 0.0 else 1.0 / factor
+
+
+def _swa(m: _Meta, traits: ArchTraits, n_layer: int) -> tuple[int, tuple[bool, ...]]:
+    n_swa = m.get("attention.sliding_window", 0) if traits.swa_pattern else 0
+    if n_swa == 0:
+        return 0, ()
+    pattern = m.fields.get(f"{m.arch}.attention.sliding_window_pattern")
+    if isinstance(pattern, np.ndarray):  # a per-layer list of booleans, true = sliding
+        return n_swa, tuple(bool(b) for b in pattern)
+    return n_swa, swa_layers(
+        traits, n_layer, None if pattern is None else m.get("attention.sliding_window_pattern", 0)
+    )
 
 
 def load_spec(path: str | os.PathLike) -> ModelSpec:
-    """ModelSpec of a GGUF file (no weights read)."""
+    """ModelSpec of a GGUF file (no weights read), checked against its architecture's layout."""
     g = read_gguf(path)
-    p, fields = g.path, g.fields
-    arch_name = fields.get("general.architecture")
-    if arch_name is None:
-        raise UserError(f"{p}: no general.architecture in metadata; not a model file")
-    traits = arch_traits(arch_name)
-    m = _Meta(fields, arch_name, p)
+    p = g.path
+    traits = arch_traits(g.fields.get("general.architecture"))
+    m = _Meta(g.fields, traits.name, p)
 
     tensors = []
     for t in g.tensors:
+        if not 1 <= len(t.ne) <= 4:
+            raise UserError(f"{p}: tensor {t.name} has {len(t.ne)} dimensions; the file is corrupt")
         q = qtype(t.ggml_type)  # refuses unsupported types
         shape = tuple(int(d) for d in reversed(t.ne))
         nbytes = tensor_nbytes(shape, q.ggml)
@@ -170,63 +183,62 @@ def load_spec(path: str | os.PathLike) -> ModelSpec:
                 f"{p}: tensor {t.name} ends at byte {t.offset + nbytes} but the file has "
                 f"{g.file_nbytes} bytes; the file is truncated — download it again"
             )
-        mt = _BLK.match(t.name)
-        tensors.append(TensorInfo(
-            name=t.name, shape=shape, qtype=q.ggml, nbytes=nbytes,
-            layer=int(mt.group(1)) if mt else None, role=tensor_role(t.name), offset=t.offset,
-        ))
+        tensors.append(
+            TensorInfo(
+                name=t.name,
+                shape=shape,
+                qtype=q.ggml,
+                nbytes=nbytes,
+                layer=layer_of(t.name),
+                role=tensor_role(t.name),
+                offset=t.offset,
+            )
+        )
+    shapes = {t.name: t.shape for t in tensors}
+    if len(shapes.get("token_embd.weight", ())) != 2:
+        raise UserError(f"{p}: no 2-D token_embd.weight tensor; not a supported model file")
 
-    n_embd = int(m.need("embedding_length"))
-    n_head = int(m.need("attention.head_count"))
-    head_dim = int(m.get("attention.key_length", n_embd // n_head))
-    n_layer = int(m.need("block_count"))
-    embd = next((t for t in tensors if t.name == "token_embd.weight"), None)
-    if embd is None:
-        raise UserError(f"{p}: no token_embd.weight tensor; not a supported model file")
-    scaling = m.get("rope.scaling.type", "none")
-    factor = float(m.get("rope.scaling.factor", 1.0)) if scaling == "linear" else 1.0
-    n_swa = int(m.get("attention.sliding_window", 0)) if traits.swa_pattern else 0
-    pattern = m.get("attention.sliding_window_pattern", None)
-    if n_swa == 0:
-        swa = ()
-    elif isinstance(pattern, np.ndarray):
-        swa = tuple(bool(b) for b in pattern)
-    else:
-        swa = swa_layers(traits, n_layer, int(pattern) if pattern is not None else None)
+    n_embd, n_head, n_layer = (
+        m.need("embedding_length"),
+        m.need("attention.head_count"),
+        m.need("block_count"),
+    )
+    head_dim = m.get("attention.key_length", n_embd // n_head if n_head > 0 else 0)
+    n_expert_used = m.get("expert_used_count", 0)
+    n_ff = m.get("feed_forward_length", 0)
+    n_swa, swa = _swa(m, traits, n_layer)
     hp = HParams(
-        n_vocab=int(embd.shape[0]),
-        n_ctx_train=int(m.need("context_length")),
+        n_vocab=shapes["token_embd.weight"][0],
+        n_ctx_train=m.need("context_length"),
         n_embd=n_embd,
         n_layer=n_layer,
-        n_ff=int(m.get("feed_forward_length", 0)),
+        n_ff=n_ff,
         n_head=n_head,
-        n_head_kv=int(m.get("attention.head_count_kv", n_head)),
+        n_head_kv=m.get("attention.head_count_kv", n_head),
         head_dim=head_dim,
-        head_dim_v=int(m.get("attention.value_length", head_dim)),
-        n_rot=int(m.get("rope.dimension_count", head_dim)),
-        rope_base=float(m.get("rope.freq_base", 10000.0)),
-        rope_base_swa=float(m.get("rope.freq_base_swa", traits.rope_base_swa)),
-        rope_scale=1.0 / factor,
-        rms_eps=float(m.need("attention.layer_norm_rms_epsilon")),
+        head_dim_v=m.get("attention.value_length", head_dim),
+        n_rot=m.get("rope.dimension_count", head_dim),
+        rope_base=m.get("rope.freq_base", 10000.0, float),
+        rope_base_swa=m.get("rope.freq_base_swa", traits.rope_base_swa, float),
+        rope_scale=_rope_scale(m),
+        rms_eps=m.need("attention.layer_norm_rms_epsilon", float),
+        attn_scale=attention_scale(traits, n_layer, n_embd, max(n_head, 1), max(head_dim, 1)),
         n_swa=n_swa,
         swa_layers=swa,
-        n_expert=int(m.get("expert_count", 0)),
-        n_expert_used=int(m.get("expert_used_count", 0)),
-        n_ff_exp=int(m.get("expert_feed_forward_length", 0)),
+        n_expert=m.get("expert_count", 0),
+        n_expert_used=n_expert_used,
+        # llama.cpp's fallback when the key is absent
+        n_ff_exp=m.get("expert_feed_forward_length", n_ff // n_expert_used if n_expert_used else 0)
+        if traits.moe
+        else 0,
     )
-    if traits.moe and not (hp.n_expert and hp.n_expert_used):
-        raise UserError(f"{p}: MoE architecture without expert_count/expert_used_count metadata")
-    if traits.moe and not hp.n_ff_exp:  # llama.cpp's fallback when the key is absent
-        hp = replace(hp, n_ff_exp=hp.n_ff // hp.n_expert_used)
-    st = p.stat()
+    check_hparams(hp, traits, str(p))
+    check_tensors(traits, hp, shapes, str(p))
     return ModelSpec(
-        arch=traits, hparams=hp, tensors=tuple(tensors), path=p.resolve(),
-        file_nbytes=st.st_size, file_mtime_ns=st.st_mtime_ns,
-        name=str(fields.get("general.name", p.stem)),
-        file_type=str(fields.get("general.file_type", "")),
-        metadata={k: v for k, v in fields.items() if not isinstance(v, (list, np.ndarray))},
+        arch=traits,
+        hparams=hp,
+        tensors=tuple(tensors),
+        path=p.resolve(),
+        file_nbytes=g.file_nbytes,
+        name=str(g.fields.get("general.name", p.stem)),
     )
-
-
-def with_hparams(spec: ModelSpec, **changes) -> ModelSpec:
-    return replace(spec, hparams=replace(spec.hparams, **changes))

@@ -4,9 +4,10 @@ downloads here.
 
 Weights are seeded and scaled so activations stay O(1): matrices ~ N(0, 1/n_in), embeddings
 ~ N(0, 0.25), norm weights near 1, and an untied output head (random, plus a bigram term; see
-`SyntheticConfig.bigram_logit`). A matrix whose
-rows are not whole blocks of the asked type falls back to Q8_0 (then F32), as llama-quantize does. K-quant tensors (which gguf-py cannot quantize) are random valid
-blocks whose fp16 scale fields are set so the values have the same spread and zero mean (NOTES.md).
+`SyntheticConfig.bigram_logit`). A matrix whose rows are not whole blocks of the asked type falls
+back to Q8_0 (then F32), as llama-quantize does. K-quant tensors (which gguf-py cannot quantize)
+are random valid blocks whose fp16 scale fields are set so the values have the same spread and
+zero mean (NOTES.md).
 The vocabulary is the 256 GPT-2 byte characters, letter-pair merges and two control tokens, so the
 file tokenizes text like a real byte-level BPE model.
 """
@@ -22,9 +23,10 @@ from gguf import quants as gq
 
 from .arch import arch_traits
 from .errors import UserError
-from .layout import MATRIX, tensor_layout
+from .hparams import HParams, attention_scale, check_hparams, swa_layers
+from .layout import QUANTIZED, tensor_layout
 from .quants import Q, dequantize, qtype, quantize, tensor_nbytes
-from .spec import HParams, ModelSpec, TensorInfo, _BLK, swa_layers, tensor_role
+from .spec import ModelSpec, TensorInfo, layer_of, tensor_role
 
 
 @dataclass(frozen=True)
@@ -56,40 +58,137 @@ class SyntheticConfig:
     name: str = ""
 
     def hparams(self) -> HParams:
+        """The hyperparameters this config describes; UserError if the engine cannot run them."""
         traits = arch_traits(self.arch)
+        if self.n_head <= 0 or self.n_embd <= 0:
+            raise UserError("a synthetic model needs positive --heads and --embd")
         hd = self.head_dim or self.n_embd // self.n_head
         n_swa = (self.n_swa or 4) if traits.swa_pattern else 0
-        return HParams(
-            n_vocab=self.n_vocab, n_ctx_train=self.n_ctx_train, n_embd=self.n_embd,
-            n_layer=self.n_layer, n_ff=self.n_ff, n_head=self.n_head, n_head_kv=self.n_head_kv,
-            head_dim=hd, head_dim_v=hd, n_rot=hd,
+        hp = HParams(
+            n_vocab=self.n_vocab,
+            n_ctx_train=self.n_ctx_train,
+            n_embd=self.n_embd,
+            n_layer=self.n_layer,
+            n_ff=self.n_ff,
+            n_head=self.n_head,
+            n_head_kv=self.n_head_kv,
+            head_dim=hd,
+            head_dim_v=hd,
+            n_rot=hd,
             rope_base=self.rope_base or traits.default_rope_base,
-            rope_base_swa=traits.rope_base_swa, rope_scale=1.0, rms_eps=self.rms_eps,
-            n_swa=n_swa, swa_layers=swa_layers(traits, self.n_layer) if n_swa else (),
-            n_expert=self.n_expert, n_expert_used=self.n_expert_used, n_ff_exp=self.n_ff_exp,
+            rope_base_swa=traits.rope_base_swa,
+            rope_scale=1.0,
+            rms_eps=self.rms_eps,
+            attn_scale=attention_scale(traits, self.n_layer, self.n_embd, self.n_head, hd),
+            n_swa=n_swa,
+            swa_layers=swa_layers(traits, self.n_layer) if n_swa else (),
+            n_expert=self.n_expert,
+            n_expert_used=self.n_expert_used,
+            n_ff_exp=self.n_ff_exp,
         )
+        check_hparams(hp, traits, f"synthetic {self.arch}")
+        return hp
 
 
 # Shapes of real models, for planning (spec-only) and for synthetic files at real sizes.
 PRESETS: dict[str, SyntheticConfig] = {
-    "smollm2-135m": SyntheticConfig("llama", 30, 576, 1536, 9, 3, 64, 49152, 8192, "Q4_1",
-                                    rope_base=1e5, rms_eps=1e-5, tied_output=True),
-    "gemma3-270m": SyntheticConfig("gemma3", 18, 640, 2048, 4, 1, 256, 262144, 32768, "Q5_0",
-                                   n_swa=512, tied_output=True),
-    "llama3-8b": SyntheticConfig("llama", 32, 4096, 14336, 32, 8, 128, 128256, 131072, "Q4_K",
-                                 rope_base=5e5, rms_eps=1e-5, tied_output=False),
-    "llama3-70b": SyntheticConfig("llama", 80, 8192, 28672, 64, 8, 128, 128256, 131072, "Q4_K",
-                                  rope_base=5e5, rms_eps=1e-5, tied_output=False),
-    "qwen3moe-30b-a3b": SyntheticConfig("qwen3moe", 48, 2048, 6144, 32, 4, 128, 151936, 40960,
-                                        "Q4_K", n_expert=128, n_expert_used=8, n_ff_exp=768,
-                                        tied_output=False),
+    "smollm2-135m": SyntheticConfig(
+        "llama",
+        30,
+        576,
+        1536,
+        9,
+        3,
+        64,
+        49152,
+        8192,
+        "Q4_1",
+        rope_base=1e5,
+        rms_eps=1e-5,
+        tied_output=True,
+    ),
+    "gemma3-270m": SyntheticConfig(
+        "gemma3", 18, 640, 2048, 4, 1, 256, 262144, 32768, "Q5_0", n_swa=512, tied_output=True
+    ),
+    "llama3-8b": SyntheticConfig(
+        "llama",
+        32,
+        4096,
+        14336,
+        32,
+        8,
+        128,
+        128256,
+        131072,
+        "Q4_K",
+        rope_base=5e5,
+        rms_eps=1e-5,
+        tied_output=False,
+    ),
+    "llama3-70b": SyntheticConfig(
+        "llama",
+        80,
+        8192,
+        28672,
+        64,
+        8,
+        128,
+        128256,
+        131072,
+        "Q4_K",
+        rope_base=5e5,
+        rms_eps=1e-5,
+        tied_output=False,
+    ),
+    "qwen3moe-30b-a3b": SyntheticConfig(
+        "qwen3moe",
+        48,
+        2048,
+        6144,
+        32,
+        4,
+        128,
+        151936,
+        40960,
+        "Q4_K",
+        n_expert=128,
+        n_expert_used=8,
+        n_ff_exp=768,
+        tied_output=False,
+    ),
     # Qwen3.5-122B-A10B's sizes (seed 000) on the qwen3moe layout: 256 experts, 8 used.
-    "qwen3moe-122b-a10b": SyntheticConfig("qwen3moe", 48, 3072, 9216, 32, 2, 256, 248320, 262144,
-                                          "Q4_K", n_expert=256, n_expert_used=8, n_ff_exp=1024,
-                                          tied_output=False),
-    "qwen3moe-235b-a22b": SyntheticConfig("qwen3moe", 94, 4096, 12288, 64, 4, 128, 151936, 40960,
-                                          "Q4_K", n_expert=128, n_expert_used=8, n_ff_exp=1536,
-                                          tied_output=False),
+    "qwen3moe-122b-a10b": SyntheticConfig(
+        "qwen3moe",
+        48,
+        3072,
+        9216,
+        32,
+        2,
+        256,
+        248320,
+        262144,
+        "Q4_K",
+        n_expert=256,
+        n_expert_used=8,
+        n_ff_exp=1024,
+        tied_output=False,
+    ),
+    "qwen3moe-235b-a22b": SyntheticConfig(
+        "qwen3moe",
+        94,
+        4096,
+        12288,
+        64,
+        4,
+        128,
+        151936,
+        40960,
+        "Q4_K",
+        n_expert=128,
+        n_expert_used=8,
+        n_ff_exp=1536,
+        tied_output=False,
+    ),
 }
 
 
@@ -114,15 +213,24 @@ def spec_from_hparams(cfg: SyntheticConfig) -> ModelSpec:
     q = qtype(cfg.qtype).ggml
     tensors = []
     for slot in tensor_layout(traits, hp, cfg.tied_output):
-        tt = matrix_type(q, slot.shape[-1]) if slot.kind == MATRIX else Q.F32
-        m = _BLK.match(slot.name)
-        tensors.append(TensorInfo(slot.name, slot.shape, tt, tensor_nbytes(slot.shape, tt),
-                                  int(m.group(1)) if m else None, tensor_role(slot.name)))
-    return ModelSpec(arch=traits, hparams=hp, tensors=tuple(tensors),
-                     name=cfg.name or f"{cfg.arch}-spec", file_type=cfg.qtype)
+        tt = matrix_type(q, slot.shape[-1]) if slot.kind == QUANTIZED else Q.F32
+        tensors.append(
+            TensorInfo(
+                slot.name,
+                slot.shape,
+                tt,
+                tensor_nbytes(slot.shape, tt),
+                layer_of(slot.name),
+                tensor_role(slot.name),
+            )
+        )
+    return ModelSpec(
+        arch=traits, hparams=hp, tensors=tuple(tensors), name=cfg.name or f"{cfg.arch}-spec"
+    )
 
 
 # -- vocabulary -----------------------------------------------------------------------------------
+
 
 def _byte_chars() -> list[str]:
     """GPT-2's byte -> printable character map, in byte order."""
@@ -167,8 +275,9 @@ _KQUANT_FIELDS = {
 }
 
 
-def random_kquant_blocks(rng: np.random.Generator, shape: tuple[int, ...],
-                         t: GGMLQuantizationType, std: float) -> np.ndarray:
+def random_kquant_blocks(
+    rng: np.random.Generator, shape: tuple[int, ...], t: GGMLQuantizationType, std: float
+) -> np.ndarray:
     """Random valid K-quant blocks for a tensor of numpy `shape`, values of spread ~std, mean ~0."""
     q = qtype(t)
     f = _KQUANT_FIELDS[t]
@@ -176,10 +285,12 @@ def random_kquant_blocks(rng: np.random.Generator, shape: tuple[int, ...],
     blocks = rng.integers(0, 256, size=(n_blocks, q.block_nbytes), dtype=np.uint8)
 
     def set_scales(d: float):
-        blocks[:, f["d"]:f["d"] + 2] = np.full((n_blocks, 1), d, np.float16).view(np.uint8)
+        blocks[:, f["d"] : f["d"] + 2] = np.full((n_blocks, 1), d, np.float16).view(np.uint8)
         if f["dmin"] is not None:
             dmin = np.float16(d * f["mean_q"])
-            blocks[:, f["dmin"]:f["dmin"] + 2] = np.full((n_blocks, 1), dmin, np.float16).view(np.uint8)
+            blocks[:, f["dmin"] : f["dmin"] + 2] = np.full((n_blocks, 1), dmin, np.float16).view(
+                np.uint8
+            )
 
     set_scales(1.0 / 64)
     probe = gq.dequantize(blocks[: min(n_blocks, 256)], t)
@@ -187,8 +298,10 @@ def random_kquant_blocks(rng: np.random.Generator, shape: tuple[int, ...],
     return blocks.reshape(*shape[:-1], q.row_nbytes(shape[-1]))
 
 
-def _tensor_bytes(rng, shape, kind: str, t: GGMLQuantizationType, std: float) -> tuple[np.ndarray, GGMLQuantizationType]:
-    if kind != MATRIX:
+def _tensor_bytes(
+    rng, shape, kind: str, t: GGMLQuantizationType, std: float
+) -> tuple[np.ndarray, GGMLQuantizationType]:
+    if kind != QUANTIZED:
         return quantize(rng.normal(1.0, 0.1, size=shape).astype(np.float32), Q.F32), Q.F32
     t = matrix_type(t, shape[-1])
     if t in _KQUANT_FIELDS:
@@ -233,7 +346,7 @@ def write_synthetic(path: str | Path, cfg: SyntheticConfig) -> Path:
 
     tokens, types, merges = vocabulary(hp.n_vocab)
     w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("qwen2" if cfg.arch.startswith("qwen") else "default")
+    w.add_tokenizer_pre(traits.synthetic_pre_tokenizer)
     w.add_token_list(tokens)
     w.add_token_types(types)
     w.add_token_merges(merges)
@@ -246,9 +359,18 @@ def write_synthetic(path: str | Path, cfg: SyntheticConfig) -> Path:
         n_in = slot.shape[-1]
         std = 1.0 / np.sqrt(n_in)
         if slot.name.endswith(".bias"):
-            data, tt = quantize(rng.normal(0.0, 0.1, size=slot.shape).astype(np.float32), Q.F32), Q.F32
+            data, tt = (
+                quantize(rng.normal(0.0, 0.1, size=slot.shape).astype(np.float32), Q.F32),
+                Q.F32,
+            )
         elif slot.name.endswith("ffn_gate_inp.weight"):
-            data, tt = quantize(rng.normal(0.0, ROUTER_LOGIT_STD * std, size=slot.shape).astype(np.float32), Q.F32), Q.F32
+            data, tt = (
+                quantize(
+                    rng.normal(0.0, ROUTER_LOGIT_STD * std, size=slot.shape).astype(np.float32),
+                    Q.F32,
+                ),
+                Q.F32,
+            )
         elif slot.name == "token_embd.weight":
             # scaled by sqrt(n_embd) in the forward pass where the architecture does (gemma3)
             e_std = EMBED_STD / np.sqrt(hp.n_embd) if traits.embed_scale else EMBED_STD
@@ -269,4 +391,3 @@ def write_synthetic(path: str | Path, cfg: SyntheticConfig) -> Path:
     w.write_tensors_to_file()
     w.close()
     return path
-

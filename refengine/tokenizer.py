@@ -1,9 +1,9 @@
 """The tokenizer, built from the GGUF file's own vocabulary with the `tokenizers` library.
 
 transformers' GGUF converter turns the `tokenizer.ggml.*` fields into a `tokenizers` object whose
-ids equal llama.cpp's (NOTES.md; tests/test_tokenizer.py checks them against recorded llama.cpp
+ids equal llama.cpp's (NOTES.md; tests/test_golden.py checks them against recorded llama.cpp
 ids). Its own metadata reader imports torch, so we hand it the fields from our reader. Conversion
-takes seconds (23 s for Gemma-3's SentencePiece vocabulary, whose merges are rebuilt), so the
+takes seconds (11 s for Gemma-3's SentencePiece vocabulary, whose merges are rebuilt), so the
 result is cached as `tokenizer.json` keyed by the model file's identity; a cached tokenizer loads
 without importing transformers.
 
@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import hashlib
 import os
-from pathlib import Path
 
 from tokenizers import Tokenizer as HFTokenizer
 
@@ -24,22 +23,47 @@ from .errors import UserError
 from .gguf_file import read_gguf
 
 # Control tokens llama.cpp also treats as end of generation, by their text.
-EOG_TEXTS = {"<|eot_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>",
-             "<|end_of_text|>", "<EOT>", "<|return|>", "<|call|>", "<|eom_id|>"}
+EOG_TEXTS = {
+    "<|eot_id|>",
+    "<|im_end|>",
+    "<|end|>",
+    "<end_of_turn>",
+    "<|endoftext|>",
+    "<|end_of_text|>",
+    "<EOT>",
+    "<|return|>",
+    "<|call|>",
+    "<|eom_id|>",
+}
 CONTROL = 3
 
 # GGUF key suffix -> the converter's name for it (transformers' GGUF_TOKENIZER_MAPPING).
 _CONVERTER_KEYS = {
-    "model": "tokenizer_type", "pre": "pre_tokenizer_type", "tokens": "tokens", "scores": "scores",
-    "token_type": "token_type", "merges": "merges", "bos_token_id": "bos_token_id",
-    "eos_token_id": "eos_token_id", "unknown_token_id": "unk_token_id",
-    "padding_token_id": "pad_token_id", "add_space_prefix": "add_prefix_space",
+    "model": "tokenizer_type",
+    "pre": "pre_tokenizer_type",
+    "tokens": "tokens",
+    "scores": "scores",
+    "token_type": "token_type",
+    "merges": "merges",
+    "bos_token_id": "bos_token_id",
+    "eos_token_id": "eos_token_id",
+    "unknown_token_id": "unk_token_id",
+    "padding_token_id": "pad_token_id",
+    "add_space_prefix": "add_prefix_space",
 }
 
 
 class Tokenizer:
-    def __init__(self, backend: HFTokenizer, *, bos_id: int | None, eos_id: int | None,
-                 add_bos: bool, add_eos: bool, eog_ids: frozenset[int]):
+    def __init__(
+        self,
+        backend: HFTokenizer,
+        *,
+        bos_id: int | None,
+        eos_id: int | None,
+        add_bos: bool,
+        add_eos: bool,
+        eog_ids: frozenset[int],
+    ):
         self.backend = backend
         self.bos_id, self.eos_id = bos_id, eos_id
         self.add_bos, self.add_eos = add_bos, add_eos
@@ -67,17 +91,33 @@ class Tokenizer:
         f = g.fields
         kind = f.get("tokenizer.ggml.model")
         if kind not in ("gpt2", "llama"):
-            raise UserError(f"{path}: tokenizer model {kind!r} is not supported (gpt2 BPE and "
-                            "llama SentencePiece are); use --tokens to give token ids")
+            raise UserError(
+                f"{path}: tokenizer model {kind!r} is not supported (gpt2 BPE and "
+                "llama SentencePiece are); use --tokens to give token ids"
+            )
+        tokens, types = f.get("tokenizer.ggml.tokens"), f.get("tokenizer.ggml.token_type")
+        if not isinstance(tokens, list) or not tokens:
+            raise UserError(
+                f"{path}: the file has no vocabulary (tokenizer.ggml.tokens); use "
+                "--tokens to give token ids"
+            )
         backend = _load_or_build(g)
-        tokens, types = f["tokenizer.ggml.tokens"], f.get("tokenizer.ggml.token_type")
         bos, eos = f.get("tokenizer.ggml.bos_token_id"), f.get("tokenizer.ggml.eos_token_id")
-        eog = {i for i in (eos, f.get("tokenizer.ggml.eot_token_id"),
-                           f.get("tokenizer.ggml.eom_token_id")) if i is not None}
+        eog = {
+            i
+            for i in (
+                eos,
+                f.get("tokenizer.ggml.eot_token_id"),
+                f.get("tokenizer.ggml.eom_token_id"),
+            )
+            if i is not None
+        }
         if types is not None:
             eog |= {i for i, t in enumerate(tokens) if types[i] == CONTROL and t in EOG_TEXTS}
         return cls(
-            backend, bos_id=bos, eos_id=eos,
+            backend,
+            bos_id=bos,
+            eos_id=eos,
             add_bos=bool(f.get("tokenizer.ggml.add_bos_token", kind == "llama")),
             add_eos=bool(f.get("tokenizer.ggml.add_eos_token", False)),
             eog_ids=frozenset(int(i) for i in eog),
@@ -119,4 +159,3 @@ def build_backend(fields: dict) -> HFTokenizer:
             td[name] = value.tolist() if hasattr(value, "tolist") else value
     backend, _ = convert_gguf_tokenizer(fields["general.architecture"], td)
     return backend
-

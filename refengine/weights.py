@@ -10,6 +10,7 @@ from __future__ import annotations
 import numpy as np
 
 from .quants import dequantize, qtype
+from .reference import get_rows
 from .spec import ModelSpec
 
 
@@ -27,7 +28,7 @@ class GGUFWeights:
     def raw(self, name: str) -> np.ndarray:
         t = self.spec.by_name[name]
         row_nbytes = qtype(t.qtype).row_nbytes(t.shape[-1])
-        flat = self._map[t.offset:t.offset + t.nbytes]
+        flat = self._map[t.offset : t.offset + t.nbytes]
         return flat.reshape(*t.shape[:-1], row_nbytes)
 
     def dense(self, name: str) -> np.ndarray:
@@ -41,4 +42,4 @@ class GGUFWeights:
         if name in self._dense:
             return self._dense[name][ids]
         t = self.spec.by_name[name]
-        return dequantize(self.raw(name)[ids], t.qtype, (len(ids), t.shape[-1]))
+        return get_rows(self.raw(name), t.qtype, t.shape, ids)

@@ -19,7 +19,9 @@ from tests.test_golden import model_file  # noqa: E402
 
 
 def main() -> None:
-    print("| model | long prompt tokens | top-1 | mean KL | greedy tokens differing | off a near-tie |")
+    print(
+        "| model | long prompt tokens | top-1 | mean KL | greedy tokens differing | off a near-tie |"
+    )
     print("| --- | --- | --- | --- | --- | --- |")
     for fixture in sorted(FIXTURE_DIR.glob("*.npz")):
         name = fixture.stem
@@ -29,14 +31,23 @@ def main() -> None:
         differ = off_tie = 0
         for i, g in enumerate(meta["greedy"]):
             engine.reset()
-            a = compare(arrays, f"greedy{i}",
-                        engine.prefill(g["prompt_ids"] + g["continuation"], all_logits=True))
+            a = compare(
+                arrays,
+                f"greedy{i}",
+                engine.prefill(g["prompt_ids"] + g["continuation"], all_logits=True),
+            )
             n_prompt = len(g["prompt_ids"])
-            cont = [m for m in a.mismatches if n_prompt - 1 <= m[0] < n_prompt - 1 + len(g["continuation"])]
+            cont = [
+                m
+                for m in a.mismatches
+                if n_prompt - 1 <= m[0] < n_prompt - 1 + len(g["continuation"])
+            ]
             differ += len(cont)
             off_tie += sum(not near for _, _, near in cont)
         engine.reset()
-        print(f"| {name} | {long.n} | {long.top1:.4f} | {long.mean_kl:.2e} | {differ} of 96 | {off_tie} |")
+        print(
+            f"| {name} | {long.n} | {long.top1:.4f} | {long.mean_kl:.2e} | {differ} of 96 | {off_tie} |"
+        )
 
 
 if __name__ == "__main__":

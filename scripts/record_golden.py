@@ -35,8 +35,15 @@ from llama_cpp import Llama, __version__ as llama_cpp_version  # noqa: E402
 from refengine.models import resolve_model  # noqa: E402
 from refengine.synthetic import write_synthetic  # noqa: E402
 from tests.golden import (  # noqa: E402
-    FIXTURE_DIR, GREEDY_PROMPTS, LONG_TEXT, N_CONTINUE, SYNTHETIC_CASES, SYNTHETIC_LONG_CHARS,
-    TOKENIZER_STRINGS, TOP_K, synthetic_path,
+    FIXTURE_DIR,
+    GREEDY_PROMPTS,
+    LONG_TEXT,
+    N_CONTINUE,
+    SYNTHETIC_CASES,
+    SYNTHETIC_LONG_CHARS,
+    TOKENIZER_STRINGS,
+    TOP_K,
+    synthetic_path,
 )
 
 
@@ -47,8 +54,12 @@ def logit_record(rows: np.ndarray, full: bool) -> dict:
     if full:
         return {"logits": rows}
     ids = np.argsort(-rows, axis=1, kind="stable")[:, :TOP_K].astype(np.int32)
-    return {"top_ids": ids, "top_logits": np.take_along_axis(rows, ids, axis=1), "lse": lse,
-            "absmax": np.abs(rows).max(axis=1)}
+    return {
+        "top_ids": ids,
+        "top_logits": np.take_along_axis(rows, ids, axis=1),
+        "lse": lse,
+        "absmax": np.abs(rows).max(axis=1),
+    }
 
 
 def run_greedy(llm: Llama, prompt_ids: list[int], n: int) -> tuple[list[int], np.ndarray]:
@@ -66,13 +77,28 @@ def run_greedy(llm: Llama, prompt_ids: list[int], n: int) -> tuple[list[int], np
 def record(name: str, path: Path, long_text: str, extra: dict) -> None:
     t0 = time.time()
     n_ctx = 2048
-    llm = Llama(model_path=str(path), n_ctx=n_ctx, n_batch=512, n_threads=2, logits_all=True,
-                seed=0, verbose=False)
+    llm = Llama(
+        model_path=str(path),
+        n_ctx=n_ctx,
+        n_batch=512,
+        n_threads=2,
+        logits_all=True,
+        seed=0,
+        verbose=False,
+    )
     n_vocab = llm.n_vocab()
     full = n_vocab <= 4096
     tok = lambda s: llm.tokenize(s.encode("utf-8"), add_bos=True, special=False)  # noqa: E731
-    arrays, meta = {}, {"model": name, "n_vocab": n_vocab, "llama_cpp_version": llama_cpp_version,
-                        "full_logits": full, **extra}
+    arrays, meta = (
+        {},
+        {
+            "model": name,
+            "n_vocab": n_vocab,
+            "llama_cpp_version": llama_cpp_version,
+            "full_logits": full,
+            **extra,
+        },
+    )
     meta["tokenizer"] = [{"text": s, "ids": tok(s)} for s in TOKENIZER_STRINGS]
     meta["greedy"] = []
     for i, prompt in enumerate(GREEDY_PROMPTS):

@@ -80,17 +80,49 @@ TOKENIZER_STRINGS = (
 )
 
 SYNTHETIC_CASES = {
-    "synthetic-llama": SyntheticConfig("llama", n_layer=2, n_embd=128, n_ff=256, n_head=4,
-                                       n_head_kv=2, qtype="Q5_1", seed=1),
-    "synthetic-qwen2": SyntheticConfig("qwen2", n_layer=2, n_embd=128, n_ff=256, n_head=4,
-                                       n_head_kv=2, qtype="Q4_0", seed=2),
-    "synthetic-qwen3": SyntheticConfig("qwen3", n_layer=2, n_embd=256, n_ff=512, n_head=4,
-                                       n_head_kv=2, head_dim=64, qtype="Q8_0", seed=3),
-    "synthetic-qwen3moe": SyntheticConfig("qwen3moe", n_layer=2, n_embd=256, n_ff=512, n_head=4,
-                                          n_head_kv=2, head_dim=64, qtype="Q5_0", n_expert=8,
-                                          n_expert_used=2, n_ff_exp=256, seed=4),
-    "synthetic-gemma3": SyntheticConfig("gemma3", n_layer=6, n_embd=256, n_ff=512, n_head=4,
-                                        n_head_kv=1, head_dim=64, qtype="BF16", n_swa=16, seed=5),
+    "synthetic-llama": SyntheticConfig(
+        "llama", n_layer=2, n_embd=128, n_ff=256, n_head=4, n_head_kv=2, qtype="Q5_1", seed=1
+    ),
+    "synthetic-qwen2": SyntheticConfig(
+        "qwen2", n_layer=2, n_embd=128, n_ff=256, n_head=4, n_head_kv=2, qtype="Q4_0", seed=2
+    ),
+    "synthetic-qwen3": SyntheticConfig(
+        "qwen3",
+        n_layer=2,
+        n_embd=256,
+        n_ff=512,
+        n_head=4,
+        n_head_kv=2,
+        head_dim=64,
+        qtype="Q8_0",
+        seed=3,
+    ),
+    "synthetic-qwen3moe": SyntheticConfig(
+        "qwen3moe",
+        n_layer=2,
+        n_embd=256,
+        n_ff=512,
+        n_head=4,
+        n_head_kv=2,
+        head_dim=64,
+        qtype="Q5_0",
+        n_expert=8,
+        n_expert_used=2,
+        n_ff_exp=256,
+        seed=4,
+    ),
+    "synthetic-gemma3": SyntheticConfig(
+        "gemma3",
+        n_layer=6,
+        n_embd=256,
+        n_ff=512,
+        n_head=4,
+        n_head_kv=1,
+        head_dim=64,
+        qtype="BF16",
+        n_swa=16,
+        seed=5,
+    ),
 }
 SYNTHETIC_LONG_CHARS = 400  # the synthetic vocabulary spends ~1 token per 2 characters
 
@@ -152,5 +184,6 @@ def compare(arrays: dict, prefix: str, ours: np.ndarray) -> Agreement:
     gaps = top_sorted[:, 0] - top_sorted[:, 1]
     near = gaps < np.maximum(0.01, 2 * TOL * absmax)
     mismatches = [(int(p), float(gaps[p]), bool(near[p])) for p in np.nonzero(~agree)[0]]
-    return Agreement(len(agree), float(agree.mean()), float(kl.mean()), float(np.mean(rest)),
-                     mismatches)
+    return Agreement(
+        len(agree), float(agree.mean()), float(kl.mean()), float(np.mean(rest)), mismatches
+    )

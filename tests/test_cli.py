@@ -12,8 +12,13 @@ from .conftest import tiny_gguf
 
 
 def refengine(*args, cwd=None):
-    return subprocess.run([sys.executable, "-m", "refengine", *map(str, args)],
-                          capture_output=True, text=True, cwd=cwd, timeout=300)
+    return subprocess.run(
+        [sys.executable, "-m", "refengine", *map(str, args)],
+        capture_output=True,
+        text=True,
+        cwd=cwd,
+        timeout=300,
+    )
 
 
 def assert_one_line_error(r, *fragments):
@@ -39,14 +44,19 @@ def test_info_table_and_json(small_models):
 
 def test_run_tokens_dump_logits(small_models, tmp_path):
     out = tmp_path / "logits.npy"
-    r = refengine("run", small_models["llama"], "--tokens", "3,4,5,6,7", "-n", "0",
-                  "--dump-logits", out)
+    r = refengine(
+        "run", small_models["llama"], "--tokens", "3,4,5,6,7", "-n", "0", "--dump-logits", out
+    )
     assert r.returncode == 0, r.stderr
     logits = np.load(out)
     assert logits.shape == (5, 300) and logits.dtype == np.float32
     from refengine.engine import NumpyEngine
-    np.testing.assert_allclose(logits, NumpyEngine(small_models["llama"]).prefill(
-        [3, 4, 5, 6, 7], all_logits=True), rtol=1e-6)
+
+    np.testing.assert_allclose(
+        logits,
+        NumpyEngine(small_models["llama"]).prefill([3, 4, 5, 6, 7], all_logits=True),
+        rtol=1e-6,
+    )
 
 
 def test_run_streams_text_greedy_and_seeded(small_models):
@@ -55,17 +65,51 @@ def test_run_streams_text_greedy_and_seeded(small_models):
     assert r.stdout.startswith("hello there") and "generated" in r.stderr
     again = refengine("run", small_models["qwen2"], "-p", "hello there", "-n", "8")
     assert again.stdout == r.stdout
-    a = refengine("run", small_models["qwen2"], "-p", "hello", "-n", "8", "--temp", "1.0", "--seed", "3")
-    b = refengine("run", small_models["qwen2"], "-p", "hello", "-n", "8", "--temp", "1.0", "--seed", "3")
-    assert a.returncode == 0 and a.stdout == b.stdout
+    sample = lambda seed: (
+        refengine(
+            "run",
+            small_models["qwen2"],
+            "--tokens",
+            "5,6",
+            "-n",
+            "24",  # noqa: E731
+            "--temp",
+            "1.5",
+            "--top-k",
+            "0",
+            "--seed",
+            seed,
+        ).stdout
+    )
+    a, b, c = sample(3), sample(3), sample(4)
+    assert a == b and a != c
 
 
 def test_synth_writes_a_loadable_model(tmp_path):
     out = tmp_path / "m.gguf"
-    r = refengine("synth", out, "--arch", "qwen3", "--layers", "1", "--embd", "64", "--ff", "64",
-                  "--heads", "2", "--kv-heads", "1", "--vocab", "260", "--qtype", "Q8_0")
+    r = refengine(
+        "synth",
+        out,
+        "--arch",
+        "qwen3",
+        "--layers",
+        "1",
+        "--embd",
+        "64",
+        "--ff",
+        "64",
+        "--heads",
+        "2",
+        "--kv-heads",
+        "1",
+        "--vocab",
+        "260",
+        "--qtype",
+        "Q8_0",
+    )
     assert r.returncode == 0, r.stderr
     from refengine.spec import load_spec
+
     spec = load_spec(out)
     assert spec.arch.name == "qwen3" and spec.hparams.n_layer == 1
 
@@ -89,8 +133,12 @@ def test_truncated_file(small_models, tmp_path, keep):
 
 
 def test_unsupported_architecture(tmp_path):
-    p = tiny_gguf(tmp_path / "falcon.gguf", "falcon",
-                  {"token_embd.weight": (np.zeros((4, 8), np.float32), None)}, block_count=1)
+    p = tiny_gguf(
+        tmp_path / "falcon.gguf",
+        "falcon",
+        {"token_embd.weight": (np.zeros((4, 8), np.float32), None)},
+        block_count=1,
+    )
     assert_one_line_error(refengine("info", p), "architecture 'falcon' is not supported")
 
 
@@ -102,10 +150,41 @@ def test_unsupported_tensor_type(tmp_path):
 
 def test_prompt_longer_than_context(small_models):
     toks = ",".join(str(i) for i in range(2, 40))
-    assert_one_line_error(refengine("run", small_models["llama"], "--tokens", toks, "-c", "16", "-n", "0"),
-                          "context of 16")
+    assert_one_line_error(
+        refengine("run", small_models["llama"], "--tokens", toks, "-c", "16", "-n", "0"),
+        "context of 16",
+    )
 
 
 def test_bad_token_ids(small_models):
     assert_one_line_error(refengine("run", small_models["llama"], "--tokens", "1,x"), "--tokens")
     assert_one_line_error(refengine("run", small_models["llama"], "--tokens", "1,999"), "outside")
+
+
+def test_dump_logits_to_a_missing_folder(small_models, tmp_path):
+    assert_one_line_error(
+        refengine(
+            "run",
+            small_models["llama"],
+            "--tokens",
+            "3,4",
+            "-n",
+            "0",
+            "--dump-logits",
+            tmp_path / "no" / "x.npy",
+        ),
+        "cannot write",
+    )
+
+
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (["--arch", "qwen3moe"], "MoE model needs"),
+        (["--heads", "0"], "positive"),
+        (["--preset", "gemma3-270m", "--arch", "qwen2"], "leave out --arch"),
+        (["--arch", "falcon"], "not supported"),
+    ],
+)
+def test_synth_refuses_impossible_models(tmp_path, args, message):
+    assert_one_line_error(refengine("synth", tmp_path / "m.gguf", *args), message)

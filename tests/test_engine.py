@@ -18,7 +18,9 @@ def test_prefill_decode_and_chunking_agree(small_models, arch):
     assert whole.shape == (23, 300) and whole.dtype == np.float32 and np.isfinite(whole).all()
 
     chunked = NumpyEngine(small_models[arch], n_ubatch=4)
-    np.testing.assert_allclose(chunked.prefill(tokens, all_logits=True), whole, rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(
+        chunked.prefill(tokens, all_logits=True), whole, rtol=1e-4, atol=1e-4
+    )
 
     stepwise = NumpyEngine(small_models[arch])
     first = stepwise.prefill(tokens[:10])
@@ -75,3 +77,24 @@ def test_context_overflow_is_a_user_error(small_models):
         e.decode(4)
     with pytest.raises(UserError, match="empty"):
         NumpyEngine(small_models["llama"]).prefill([])
+
+
+def test_recording_spans_ubatches(small_models):
+    tokens = list(range(3, 14))
+    whole = NumpyEngine(small_models["qwen2"]).prefill(tokens, record={"blk.1.out", "output_norm"})
+    chunked = NumpyEngine(small_models["qwen2"], n_ubatch=4).prefill(
+        tokens, record={"blk.1.out", "output_norm"}
+    )
+    for name in ("blk.1.out", "output_norm"):
+        assert chunked[1][name].shape == (11, 64)
+        np.testing.assert_allclose(chunked[1][name], whole[1][name], rtol=1e-4, atol=1e-5)
+
+
+def test_bad_token_ids_are_user_errors(small_models):
+    e = NumpyEngine(small_models["llama"])
+    for bad in ([-1, 3], [300], [3.7]):
+        with pytest.raises(UserError, match="token ids"):
+            e.prefill(bad)
+    with pytest.raises(UserError, match="token ids"):
+        e.decode(300)
+    assert e.n_past == 0

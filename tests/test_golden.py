@@ -9,7 +9,6 @@ weights, without its 8-bit activations, and must agree far more tightly.
 
 import hashlib
 
-import numpy as np
 import pytest
 
 from refengine.engine import NumpyEngine
@@ -17,7 +16,7 @@ from refengine.models import resolve_model
 from refengine.synthetic import write_synthetic
 from refengine.tokenizer import Tokenizer
 
-from .golden import FIXTURE_DIR, SYNTHETIC_CASES, compare, load_fixture, synthetic_path
+from .golden import FIXTURE_DIR, N_CONTINUE, SYNTHETIC_CASES, compare, load_fixture, synthetic_path
 
 CASES = sorted(p.stem for p in FIXTURE_DIR.glob("*.npz"))
 REAL = {"smollm2-135m", "gemma3-270m"}
@@ -26,10 +25,15 @@ REAL = {"smollm2-135m", "gemma3-270m"}
 def model_file(name: str, meta: dict):
     if "synthetic_sha256" in meta:
         path = synthetic_path(name)
-        if not path.is_file() or hashlib.sha256(path.read_bytes()).hexdigest() != meta["synthetic_sha256"]:
+        if (
+            not path.is_file()
+            or hashlib.sha256(path.read_bytes()).hexdigest() != meta["synthetic_sha256"]
+        ):
             write_synthetic(path, SYNTHETIC_CASES[name])
         sha = hashlib.sha256(path.read_bytes()).hexdigest()
-        assert sha == meta["synthetic_sha256"], "the synthetic writer no longer writes the recorded file"
+        assert sha == meta["synthetic_sha256"], (
+            "the synthetic writer no longer writes the recorded file"
+        )
         return path
     return resolve_model(meta.get("f32_copy_of", name))
 
@@ -49,14 +53,16 @@ def _limits(name):
 
 def test_cases_cover_every_architecture_and_both_real_models():
     assert REAL <= set(CASES)
-    assert {f"synthetic-{a}" for a in ("llama", "qwen2", "qwen3", "qwen3moe", "gemma3")} <= set(CASES)
+    assert {f"synthetic-{a}" for a in ("llama", "qwen2", "qwen3", "qwen3moe", "gemma3")} <= set(
+        CASES
+    )
 
 
 def test_greedy_continuations_match_llamacpp(case):
     name, meta, arrays, _, engine = case
-    min_top1, max_kl = _limits(name)
+    _, max_kl = _limits(name)
     for i, g in enumerate(meta["greedy"]):
-        assert len(g["continuation"]) == 32
+        assert len(g["continuation"]) == N_CONTINUE
         engine.reset()
         logits = engine.prefill(g["prompt_ids"] + g["continuation"], all_logits=True)
         a = compare(arrays, f"greedy{i}", logits)
@@ -80,8 +86,10 @@ def test_long_prompt_agreement(case):
     engine.reset()
     logits = engine.prefill(meta["long_ids"], all_logits=True)
     a = compare(arrays, "long", logits)
-    print(f"{name}: {a.n} positions, top-1 {a.top1:.4f}, mean KL {a.mean_kl:.2e}, "
-          f"rest mass {a.rest_mass:.3f}, mismatches {a.mismatches}")
+    print(
+        f"{name}: {a.n} positions, top-1 {a.top1:.4f}, mean KL {a.mean_kl:.2e}, "
+        f"rest mass {a.rest_mass:.3f}, mismatches {a.mismatches}"
+    )
     assert a.mean_kl < max_kl, a
     self_agree = llamacpp_self_agreement(name)
     if self_agree is None:

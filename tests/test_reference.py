@@ -60,13 +60,17 @@ def test_attention_with_grouped_heads_matches_loops(rng, window):
             sc = np.array([0.3 * q[t, h] @ k[s, kv] for s in keys], dtype=np.float64)
             p = np.exp(sc - sc.max())
             p /= p.sum()
-            np.testing.assert_allclose(out[t, h], sum(pi * v[s, kv] for pi, s in zip(p, keys)),
-                                       rtol=1e-4, atol=1e-5)
+            np.testing.assert_allclose(
+                out[t, h], sum(pi * v[s, kv] for pi, s in zip(p, keys)), rtol=1e-4, atol=1e-5
+            )
 
 
 def test_activations():
-    np.testing.assert_allclose(ref.silu(np.array([0.0, 1.0, -2.0])),
-                               [0.0, 1 / (1 + math.exp(-1)), -2 / (1 + math.exp(2))], rtol=1e-6)
+    np.testing.assert_allclose(
+        ref.silu(np.array([0.0, 1.0, -2.0])),
+        [0.0, 1 / (1 + math.exp(-1)), -2 / (1 + math.exp(2))],
+        rtol=1e-6,
+    )
     # tanh-approximate GELU, as ggml_gelu
     x = np.array([-3.0, -0.5, 0.0, 1.0, 2.5])
     expect = 0.5 * x * (1 + np.tanh(math.sqrt(2 / math.pi) * (x + 0.044715 * x**3)))
@@ -91,14 +95,19 @@ def test_moe_route_softmax_topk_renormalized(rng):
 def test_moe_ffn_mixes_only_selected_experts(rng):
     T, d, f, E = 3, 8, 16, 4
     x = rng.normal(size=(T, d)).astype(np.float32)
-    gate, up = rng.normal(size=(E, f, d)).astype(np.float32), rng.normal(size=(E, f, d)).astype(np.float32)
+    gate, up = (
+        rng.normal(size=(E, f, d)).astype(np.float32),
+        rng.normal(size=(E, f, d)).astype(np.float32),
+    )
     down = rng.normal(size=(E, d, f)).astype(np.float32)
     ids = np.array([[0, 2], [3, 1], [2, 0]])
     w = np.array([[0.7, 0.3], [0.5, 0.5], [0.9, 0.1]], dtype=np.float32)
     out = ref.moe_ffn(x, ids, w, gate, up, down, "silu")
     for t in range(T):
-        expect = sum(w[t, j] * down[e] @ (ref.silu(gate[e] @ x[t]) * (up[e] @ x[t]))
-                     for j, e in enumerate(ids[t]))
+        expect = sum(
+            w[t, j] * down[e] @ (ref.silu(gate[e] @ x[t]) * (up[e] @ x[t]))
+            for j, e in enumerate(ids[t])
+        )
         np.testing.assert_allclose(out[t], expect, rtol=1e-4, atol=1e-5)
 
 
@@ -110,5 +119,6 @@ def test_matmul_q_and_get_rows_read_quantized_tensors(rng):
     x = rng.normal(size=(3, 64)).astype(np.float32)
     wd = dequantize(raw, Q.Q4_0, (16, 64))
     np.testing.assert_allclose(ref.matmul_q(x, raw, Q.Q4_0, (16, 64)), x @ wd.T, rtol=1e-5)
-    np.testing.assert_array_equal(ref.get_rows(raw, Q.Q4_0, (16, 64), np.array([3, 0, 3])),
-                                  wd[[3, 0, 3]])
+    np.testing.assert_array_equal(
+        ref.get_rows(raw, Q.Q4_0, (16, 64), np.array([3, 0, 3])), wd[[3, 0, 3]]
+    )

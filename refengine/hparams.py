@@ -1,0 +1,91 @@
+"""Hyperparameters of a model, and the rules llama.cpp derives from them, in one place."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from .arch import ArchTraits
+from .errors import UserError
+
+
+@dataclass(frozen=True)
+class HParams:
+    n_vocab: int
+    n_ctx_train: int  # tokens
+    n_embd: int
+    n_layer: int
+    n_ff: int
+    n_head: int
+    n_head_kv: int
+    head_dim: int  # key/query head size
+    head_dim_v: int
+    n_rot: int  # leading dims of each head that RoPE rotates
+    rope_base: float
+    rope_base_swa: float
+    rope_scale: float  # positions are multiplied by this (linear RoPE scaling: 1/factor)
+    rms_eps: float
+    attn_scale: float  # multiplies Q.K before the softmax
+    n_swa: int = 0  # sliding window in tokens; 0: none
+    swa_layers: tuple[bool, ...] = ()  # per layer: uses the sliding window
+    n_expert: int = 0
+    n_expert_used: int = 0
+    n_ff_exp: int = 0
+
+
+def swa_layers(traits: ArchTraits, n_layer: int, pattern: int | None = None) -> tuple[bool, ...]:
+    """Which layers slide: il % p < p - 1 (llama.cpp's swa pattern; p from the file or the arch)."""
+    p = pattern if pattern is not None else traits.swa_pattern
+    if not p:
+        return ()
+    return tuple(il % p < p - 1 for il in range(n_layer))
+
+
+def attention_scale(
+    traits: ArchTraits, n_layer: int, n_embd: int, n_head: int, head_dim: int
+) -> float:
+    """1/sqrt(head_dim); llama.cpp gives Gemma-3 27B (recognized by its 62 layers)
+    1/sqrt(n_embd/n_head) instead, its query_pre_attn_scalar."""
+    if traits.gemma3_27b_scale and n_layer == 62:
+        return 1.0 / math.sqrt(n_embd / n_head)
+    return 1.0 / math.sqrt(head_dim)
+
+
+def check_hparams(hp: HParams, traits: ArchTraits, where: str) -> None:
+    """Refuse shapes the forward pass cannot run, naming the value."""
+    positive = (
+        "n_vocab",
+        "n_ctx_train",
+        "n_embd",
+        "n_layer",
+        "n_head",
+        "n_head_kv",
+        "head_dim",
+        "head_dim_v",
+        "n_rot",
+    )
+    for name in positive:
+        if getattr(hp, name) <= 0:
+            raise UserError(f"{where}: {name} = {getattr(hp, name)} must be positive")
+    if hp.n_head % hp.n_head_kv:
+        raise UserError(
+            f"{where}: {hp.n_head} query heads are not a multiple of {hp.n_head_kv} KV heads"
+        )
+    if hp.n_rot > hp.head_dim or hp.n_rot % 2:
+        raise UserError(
+            f"{where}: RoPE dimension {hp.n_rot} must be even and at most the head size "
+            f"{hp.head_dim}"
+        )
+    if traits.moe:
+        if not (0 < hp.n_expert_used <= hp.n_expert) or hp.n_ff_exp <= 0:
+            raise UserError(
+                f"{where}: a MoE model needs 0 < experts used ({hp.n_expert_used}) <= "
+                f"experts ({hp.n_expert}) and an expert FFN size ({hp.n_ff_exp})"
+            )
+    elif hp.n_ff <= 0:
+        raise UserError(f"{where}: n_ff = {hp.n_ff} must be positive")
+    if hp.swa_layers and len(hp.swa_layers) != hp.n_layer:
+        raise UserError(
+            f"{where}: the sliding-window pattern names {len(hp.swa_layers)} layers, "
+            f"the model has {hp.n_layer}"
+        )
