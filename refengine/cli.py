@@ -323,6 +323,47 @@ def synth(out: Path, preset: str | None, arch: str, **sizes) -> None:
     click.echo(f"wrote {path} ({path.stat().st_size / 2**20:.1f} MiB)")
 
 
+# -- profile --------------------------------------------------------------------------------------
+
+
+@cli.command()
+@click.option("-o", "--output", type=click.Path(dir_okay=False, path_type=Path), required=True,
+              help="Where to write the profile (JSON).")
+@click.option("--gpu-from", type=click.Path(dir_okay=False, path_type=Path),
+              help="A profile whose GPU side to keep (the GPU side is measured by the kernels "
+              "issue's code; until then it comes from a shipped profile).")
+@click.option("--threads", type=int, help="CPU threads (default: all).")
+@click.option("--quick", is_flag=True, help="Small shapes and short runs: seconds, not minutes.")
+def profile(output: Path, gpu_from: Path | None, threads: int | None, quick: bool) -> None:
+    """Measure this machine's CPU into a hardware profile."""
+    from dataclasses import replace
+
+    from rich.progress import Progress
+
+    from solver.measure_cpu import MATVEC_TYPES, measure_cpu
+    from solver.profile import HardwareProfile
+
+    if gpu_from is None:
+        raise UserError("the GPU side cannot be measured yet: pass --gpu-from PROFILE (e.g. "
+                        "examples/profiles/h100.json) to keep its GPU figures")
+    base = HardwareProfile.load(gpu_from)
+    out = _open_for_writing(output)
+    steps = 1 + 2 * len(MATVEC_TYPES)
+    with Progress(transient=True) as bar:
+        task = bar.add_task("profiling the CPU", total=steps)
+
+        def step(what: str) -> None:
+            bar.update(task, advance=1, description=what)
+
+        shape, seconds = ((1024, 1024), 0.2) if quick else ((4096, 4096), 1.0)
+        cpu = measure_cpu(threads, shape, seconds, step)
+    prof = replace(base, name=f"{cpu.name} + {base.name}", cpu=cpu)
+    with out:
+        out.write(json.dumps(prof.to_json(), indent=1).encode() + b"\n")
+    click.echo(f"wrote {output}: host memory {cpu.memory_gbps.value:.1f} GB/s, Q4_K matvec "
+               f"{cpu.matvec_gbps.at('Q4_K', cpu.threads):.2f} GB/s (provisional NumPy kernels)")
+
+
 def main() -> None:
     try:
         cli.main(standalone_mode=False)

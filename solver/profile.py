@@ -1,0 +1,192 @@
+"""HardwareProfile: what the planner knows about a machine, as versioned JSON.
+
+Every number is a `Figure(value, source)`: the value and where it came from, one of
+- `measured: ...` — by `refengine profile` on that machine (with the kernels it used and the date);
+  figures taken with the NumPy stand-in CPU kernels also say `provisional`;
+- `derived: ...` — computed from other figures (the formula is in the source);
+- `datasheet: ...` / `public: ...` — a vendor figure or a public measurement, with its reference.
+
+Rates are tables by ggml type name and token count (`RateTable`). The cost model prices a weight
+tensor at `tokens` as max(bytes / read rate, 2 * params * tokens / compute rate), so each device
+carries a weight-read rate (`matvec_gbps`, what a 1..16-token matvec achieves) and a compute rate
+by token count (`matmul_tflops`). A type missing from a table falls back to the `*` row.
+
+Who measures what (CONTRACTS.md): the planner issue owns this schema and the CPU side; the kernels
+issue measures the GPU side into the same schema.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+from refengine.errors import UserError
+
+SCHEMA = "refengine.hardware-profile"
+VERSION = 1
+ANY_TYPE = "*"
+
+
+@dataclass(frozen=True)
+class Figure:
+    value: float
+    source: str
+
+    def to_json(self) -> dict:
+        return {"value": self.value, "source": self.source}
+
+    @classmethod
+    def from_json(cls, d, where: str) -> "Figure":
+        try:
+            value, source = float(d["value"]), str(d["source"])
+        except (TypeError, KeyError, ValueError):
+            raise UserError(f"{where}: expected {{'value': number, 'source': text}}") from None
+        if not math.isfinite(value) or value < 0:
+            raise UserError(f"{where}: {value} is not a usable figure")
+        return cls(value, source)
+
+
+@dataclass(frozen=True)
+class RateTable:
+    """Achieved rate by ggml type and a size key (tokens, or threads for CPU matvec)."""
+
+    unit: str
+    rows: dict[str, dict[int, Figure]]
+
+    def at(self, qtype: str, key: int) -> float:
+        """The rate for `qtype` at `key`: interpolated in log(key) between measured keys and held
+        constant beyond them; the `*` row when the type was not measured."""
+        row = self.rows.get(qtype) or self.rows.get(ANY_TYPE)
+        if not row:
+            raise UserError(f"the profile has no {self.unit} rate for {qtype} (nor a '*' row)")
+        keys = sorted(row)
+        if key <= keys[0]:
+            return row[keys[0]].value
+        if key >= keys[-1]:
+            return row[keys[-1]].value
+        hi = next(k for k in keys if k >= key)
+        lo = keys[keys.index(hi) - 1]
+        f = (math.log(key) - math.log(lo)) / (math.log(hi) - math.log(lo))
+        return row[lo].value + f * (row[hi].value - row[lo].value)
+
+    def to_json(self) -> dict:
+        return {
+            "unit": self.unit,
+            "rows": {
+                t: {str(k): f.to_json() for k, f in sorted(r.items())} for t, r in self.rows.items()
+            },
+        }
+
+    @classmethod
+    def from_json(cls, d, where: str) -> "RateTable":
+        try:
+            rows = {
+                t: {int(k): Figure.from_json(f, f"{where}.{t}.{k}") for k, f in r.items()}
+                for t, r in d["rows"].items()
+            }
+            return cls(str(d["unit"]), rows)
+        except (TypeError, KeyError, ValueError, AttributeError):
+            raise UserError(
+                f"{where}: expected {{'unit': ..., 'rows': {{type: {{n: figure}}}}}}"
+            ) from None
+
+
+@dataclass(frozen=True)
+class GPUProfile:
+    name: str
+    memory_bytes: Figure
+    hbm_gbps: Figure  # device memory bandwidth, bytes read + written (a D2D copy)
+    matvec_gbps: RateTable  # weight bytes read per second by a 1..16-token matvec, by type
+    matmul_tflops: RateTable  # achieved dense rate by type and token count
+    h2d_gbps: Figure  # pinned host -> device, one large copy
+    d2h_gbps: Figure
+    copy_latency_seconds: Figure  # fixed cost of one async copy
+    h2d_gbps_while_cpu_computes: Figure  # measured with the CPU busy: they share host memory
+    launch_seconds: Figure  # one kernel launched from the host
+    graph_kernel_seconds: Figure  # one kernel inside a replayed CUDA graph
+
+
+@dataclass(frozen=True)
+class CPUProfile:
+    name: str
+    threads: int  # the thread count the rates below were taken at
+    memory_gbps: Figure  # host memory read bandwidth on `threads` threads
+    matvec_gbps: RateTable  # weight bytes read per second by a matvec, by type and thread count
+    matmul_gflops: RateTable  # by type and token count, on `threads` threads
+    sync_seconds: Figure  # one CPU<->GPU hand-off (event wait + activation copy setup)
+
+
+@dataclass(frozen=True)
+class HardwareProfile:
+    name: str
+    gpus: tuple[GPUProfile, ...]
+    cpu: CPUProfile
+    notes: str = ""
+
+    def to_json(self) -> dict:
+        def fig_fields(obj) -> dict:
+            out = {}
+            for k, v in vars(obj).items():
+                out[k] = v.to_json() if isinstance(v, (Figure, RateTable)) else v
+            return out
+
+        return {
+            "schema": SCHEMA,
+            "version": VERSION,
+            "name": self.name,
+            "notes": self.notes,
+            "gpus": [fig_fields(g) for g in self.gpus],
+            "cpu": fig_fields(self.cpu),
+        }
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps(self.to_json(), indent=1) + "\n")
+
+    @classmethod
+    def from_json(cls, d: dict, where: str = "profile") -> "HardwareProfile":
+        if not isinstance(d, dict) or d.get("schema") != SCHEMA:
+            raise UserError(f"{where}: not a refengine hardware profile")
+        if d.get("version") != VERSION:
+            raise UserError(
+                f"{where}: profile version {d.get('version')} is not {VERSION}; "
+                "measure it again with `refengine profile`"
+            )
+        try:
+            gpus = tuple(
+                _build(GPUProfile, g, f"{where}.gpus[{i}]") for i, g in enumerate(d["gpus"])
+            )
+            cpu = _build(CPUProfile, d["cpu"], f"{where}.cpu")
+        except KeyError as e:
+            raise UserError(f"{where}: missing {e}") from None
+        return cls(str(d.get("name", "")), gpus, cpu, str(d.get("notes", "")))
+
+    @classmethod
+    def load(cls, path: str | Path) -> "HardwareProfile":
+        p = Path(path)
+        try:
+            d = json.loads(p.read_text())
+        except OSError as e:
+            raise UserError(f"{p}: cannot read the profile ({e.strerror})") from None
+        except json.JSONDecodeError as e:
+            raise UserError(f"{p}: not JSON ({e.msg} at line {e.lineno})") from None
+        return cls.from_json(d, str(p))
+
+
+def _build(cls, d: dict, where: str):
+    """A dataclass from JSON, each field parsed by its declared type."""
+    kwargs = {}
+    for name, ftype in cls.__annotations__.items():
+        if name not in d:
+            raise UserError(f"{where}: missing {name}")
+        v = d[name]
+        if ftype == "Figure":
+            kwargs[name] = Figure.from_json(v, f"{where}.{name}")
+        elif ftype == "RateTable":
+            kwargs[name] = RateTable.from_json(v, f"{where}.{name}")
+        elif ftype == "int":
+            kwargs[name] = int(v)
+        else:
+            kwargs[name] = str(v)
+    return cls(**kwargs)

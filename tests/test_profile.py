@@ -1,0 +1,100 @@
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from refengine.errors import UserError
+from solver.profile import ANY_TYPE, Figure, HardwareProfile, RateTable
+
+PROFILES = Path(__file__).resolve().parents[1] / "examples" / "profiles"
+SHIPPED = sorted(PROFILES.glob("*.json"))
+
+
+def test_rate_table_interpolates_in_log_tokens_and_falls_back_to_any_type():
+    t = RateTable(
+        "TFLOP/s",
+        {"Q4_K": {16: Figure(10.0, "x"), 256: Figure(50.0, "x")}, ANY_TYPE: {1: Figure(7.0, "x")}},
+    )
+    assert t.at("Q4_K", 1) == 10.0 and t.at("Q4_K", 4096) == 50.0
+    assert t.at("Q4_K", 64) == pytest.approx(30.0)  # halfway between 16 and 256 in log
+    assert t.at("Q8_0", 512) == 7.0
+    with pytest.raises(UserError, match="no TFLOP/s rate"):
+        RateTable("TFLOP/s", {"Q4_K": {1: Figure(1.0, "x")}}).at("Q8_0", 1)
+
+
+@pytest.mark.parametrize("path", SHIPPED, ids=lambda p: p.stem)
+def test_shipped_profiles_load_round_trip_and_cite_every_figure(path):
+    prof = HardwareProfile.load(path)
+    assert HardwareProfile.from_json(prof.to_json()) == prof
+    text = json.loads(path.read_text())
+
+    def sources(node):
+        if isinstance(node, dict):
+            if "source" in node:
+                yield node["source"]
+            for v in node.values():
+                yield from sources(v)
+        elif isinstance(node, list):
+            for v in node:
+                yield from sources(v)
+
+    cited = list(sources(text))
+    assert len(cited) >= 14  # 10 GPU figures, at least 4 CPU figures
+    assert all(
+        s.split(":")[0] in ("measured", "derived", "derived (not measured)", "datasheet", "public")
+        for s in cited
+    ), cited
+
+
+def test_shipped_json_is_what_the_script_writes():
+    from examples.profiles.shipped import SHIPPED as MAKERS
+
+    for name, make in MAKERS.items():
+        assert HardwareProfile.load(PROFILES / f"{name}.json") == make()
+
+
+@pytest.mark.parametrize(
+    "content,message",
+    [
+        ("{", "not JSON"),
+        ('{"schema": "other"}', "not a refengine hardware profile"),
+        ('{"schema": "refengine.hardware-profile", "version": 99}', "version 99"),
+        (
+            '{"schema": "refengine.hardware-profile", "version": 1, "gpus": [], "cpu": {}}',
+            "missing",
+        ),
+    ],
+)
+def test_bad_profiles_are_user_errors(tmp_path, content, message):
+    p = tmp_path / "p.json"
+    p.write_text(content)
+    with pytest.raises(UserError, match=message):
+        HardwareProfile.load(p)
+
+
+def test_profile_command_measures_the_cpu_and_keeps_the_gpu_side(tmp_path):
+    out = tmp_path / "me.json"
+    r = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "refengine",
+            "profile",
+            "-o",
+            str(out),
+            "--quick",
+            "--gpu-from",
+            str(PROFILES / "h100.json"),
+        ],
+        capture_output=True,
+        text=True,
+    )
+    assert r.returncode == 0, r.stderr
+    prof = HardwareProfile.load(out)
+    base = HardwareProfile.load(PROFILES / "h100.json")
+    assert prof.gpus == base.gpus
+    assert prof.cpu.memory_gbps.value > 0.5
+    assert "provisional" in prof.cpu.matvec_gbps.rows["Q4_K"][prof.cpu.threads].source
+    assert prof.cpu.matmul_gflops.at("Q8_0", 512) > 1.0
