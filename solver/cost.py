@@ -1,0 +1,354 @@
+"""The cost model: time of every tensor group in every location, per tier and context depth, and
+`evaluate`, the one function that scores any plan (CONTRACTS.md).
+
+Formulas (every rate from the HardwareProfile; M = tokens in the ubatch, the tier):
+
+1. A weight group on a GPU (pinned or streamed) computes in
+   max(bytes_read / gpu.matvec_gbps, flops / gpu.matmul_tflops(type, M)),
+   flops = 2 * params * M. For an expert stack, bytes_read = nbytes * D / E with
+   D = E * (1 - (1 - k/E)^M) distinct experts touched (PSHARD.md reason 5), and
+   flops = 2 * (params / E) * k * M. The output head computes only the rows that need logits
+   (one per sequence per ubatch); the embedding is a row gather.
+2. On the CPU the same with cpu.matvec_gbps(type, threads) and cpu.matmul_gflops(type, M).
+3. A streamed group is copied host -> GPU every ubatch: nbytes / h2d + copy latency, where h2d is
+   the profile's rate *while the CPU computes* whenever the tier's plan also computes on the CPU
+   (they share the host memory bus), else the standalone rate.
+4. Attention at context depth d (per sequence; S sequences share the ubatch): each of the M
+   tokens attends to d + (M/S + 1)/2 keys (causal; a sliding layer to at most n_swa), costing
+   4 * n_head * head_dim flops per key, and S * d + M cached cells are read; it runs where the
+   layer's KV lives.
+5. Every change of device along a layer's ops (attention side -> attention -> FFN) is a hop:
+   sync + copy latency + activation bytes over PCIe.
+6. Launches: ~8 element-wise kernels per layer plus one per GPU matrix, at the host launch cost, or
+   at the per-kernel graph cost for single-token decode (captured as a CUDA graph).
+7. A layer takes max(GPU work, copies) + CPU work on our runtime, which prefetches the next layer's
+   streamed tensors while this one computes; on llama.cpp (op-offload copies on the compute
+   stream) it takes GPU work + copies + CPU work.
+8. A request: each user's prompt runs in ubatches of the largest tier (the last one at the
+   smallest tier that holds it), each at its depth, one user after another (TTFT is the last
+   user's); decode steps one token per user at the smallest tier >= users, priced at the start and
+   end depth (time is linear in depth); switching plans between prefill and decode re-pins the
+   bytes the decode plan pins that the prefill plan did not, over PCIe.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from refengine.spec import ModelSpec
+
+from .groups import EMBD, EXPERTS, HEAD, Group, tensor_groups
+from .memory import expected_distinct_experts, kv_cell_nbytes
+from .profile import HardwareProfile
+
+PINNED, STREAMED, CPU = "pinned", "streamed", "cpu"
+ELEMENTWISE_KERNELS_PER_LAYER = 8
+OBJECTIVES = ("e2e", "tps", "ttft")
+
+
+@dataclass(frozen=True)
+class Loc:
+    """Where a group lives in one tier: pinned on / streamed to GPU `device`, or on the CPU."""
+
+    kind: str
+    device: int = 0
+
+    @property
+    def on_gpu(self) -> bool:
+        return self.kind != CPU
+
+    def __str__(self) -> str:
+        return CPU if self.kind == CPU else f"{self.kind}:{self.device}"
+
+    @classmethod
+    def parse(cls, s: str) -> "Loc":
+        if s == CPU:
+            return cls(CPU)
+        kind, dev = s.split(":")
+        return cls(kind, int(dev))
+
+
+@dataclass(frozen=True)
+class Workload:
+    n_ctx: int  # tokens of context (all users)
+    prompt_tokens: int
+    gen_tokens: int
+    users: int = 1
+    kv_type: str = "f16"
+    flash_attn: bool = True
+    threads: int = 0  # 0: the profile's CPU thread count
+
+
+@dataclass
+class Terms:
+    """Seconds of one ubatch, by kind of work."""
+
+    gpu: float = 0.0
+    copy: float = 0.0
+    cpu: float = 0.0
+    latency: float = 0.0  # hops and launches
+    total: float = 0.0
+
+    def add(self, other: "Terms") -> None:
+        for k in ("gpu", "copy", "cpu", "latency", "total"):
+            setattr(self, k, getattr(self, k) + getattr(other, k))
+
+    @property
+    def bound(self) -> str:
+        parts = {
+            "GPU compute": self.gpu,
+            "PCIe copies": self.copy,
+            "CPU compute": self.cpu,
+            "latency": self.latency,
+        }
+        return max(parts, key=parts.get)
+
+
+@dataclass(frozen=True)
+class TierPlacement:
+    """What `evaluate` needs of one tier of a plan."""
+
+    groups: dict[str, Loc]  # group name -> location
+    kv: dict[int, Loc]  # layer -> Loc(PINNED, device) or Loc(CPU)
+
+
+@dataclass
+class Prediction:
+    ttft_seconds: float
+    decode_seconds: float  # all generated tokens, plan switches included
+    tps: float  # generated tokens per second, summed over users
+    e2e_seconds: float
+    per_tier: dict[int, dict[int, Terms]] = field(default_factory=dict)  # tier -> depth -> terms
+    switch_seconds: float = 0.0
+
+    def objective(self, name: str) -> float:
+        """Seconds to minimize for objective `name`."""
+        return {"e2e": self.e2e_seconds, "ttft": self.ttft_seconds, "tps": self.decode_seconds}[
+            name
+        ]
+
+
+class CostModel:
+    """Rates bound to one model, profile and workload; prices groups, layers and ubatches."""
+
+    def __init__(
+        self, spec: ModelSpec, profile: HardwareProfile, workload: Workload, overlap: bool = True
+    ):
+        self.spec, self.profile, self.w = spec, profile, workload
+        self.overlap = overlap  # our runtime prefetches; llama.cpp's op-offload does not
+        self.groups = tensor_groups(spec)
+        self.by_layer: dict[int | None, list[Group]] = {}
+        for g in self.groups:
+            self.by_layer.setdefault(g.layer, []).append(g)
+        self.threads = workload.threads or profile.cpu.threads
+        self.cell_nbytes = kv_cell_nbytes(spec, workload.kv_type)
+
+    # -- one group ---------------------------------------------------------------------------
+
+    def work(self, g: Group, tokens: int) -> tuple[float, float]:
+        """(bytes read, flops) of group g for a ubatch of `tokens`."""
+        hp = self.spec.hparams
+        if g.kind == EXPERTS:
+            touched = expected_distinct_experts(hp.n_expert, hp.n_expert_used, tokens)
+            return (
+                g.nbytes * touched / hp.n_expert,
+                2.0 * g.params / hp.n_expert * hp.n_expert_used * tokens,
+            )
+        if g.kind == EMBD:
+            return g.nbytes / hp.n_vocab * tokens, 0.0
+        if g.kind == HEAD:
+            return g.nbytes, 2.0 * g.params * min(tokens, self.w.users)
+        return g.nbytes, 2.0 * g.params * tokens
+
+    def gpu_seconds(self, g: Group, tokens: int, device: int = 0) -> float:
+        gpu = self.profile.gpus[device]
+        nbytes, flops = self.work(g, tokens)
+        return max(
+            nbytes / (gpu.matvec_gbps.at(g.qtype, tokens) * 1e9),
+            flops / (gpu.matmul_tflops.at(g.qtype, tokens) * 1e12),
+        )
+
+    def cpu_seconds(self, g: Group, tokens: int) -> float:
+        cpu = self.profile.cpu
+        nbytes, flops = self.work(g, tokens)
+        return max(
+            nbytes / (cpu.matvec_gbps.at(g.qtype, self.threads) * 1e9),
+            flops / (cpu.matmul_gflops.at(g.qtype, tokens) * 1e9),
+        )
+
+    def copy_seconds(self, nbytes: float, device: int, cpu_busy: bool) -> float:
+        gpu = self.profile.gpus[device]
+        rate = gpu.h2d_gbps_while_cpu_computes.value if cpu_busy else gpu.h2d_gbps.value
+        return nbytes / (rate * 1e9) + gpu.copy_latency_seconds.value
+
+    # -- attention and hops ------------------------------------------------------------------
+
+    def attention_seconds(
+        self, il: int, tokens: int, depth: int, loc: Loc, sequences: int = 1
+    ) -> float:
+        hp = self.spec.hparams
+        keys = depth + (tokens / sequences + 1) / 2
+        cells = sequences * depth + tokens
+        if self.spec.is_swa(il):
+            keys = min(keys, hp.n_swa)
+            cells = min(cells, sequences * hp.n_swa + tokens)
+        flops = 4.0 * hp.n_head * hp.head_dim * tokens * keys
+        nbytes = cells * self.cell_nbytes
+        if loc.on_gpu:
+            gpu = self.profile.gpus[loc.device]
+            return max(
+                nbytes / (gpu.matvec_gbps.at("F16", 1) * 1e9),
+                flops / (gpu.matmul_tflops.at("F16", tokens) * 1e12),
+            )
+        cpu = self.profile.cpu
+        return max(
+            nbytes / (cpu.memory_gbps.value * 1e9),
+            flops / (cpu.matmul_gflops.at("F16", tokens) * 1e9),
+        )
+
+    def hop_seconds(self, tokens: int, width: int, device: int = 0) -> float:
+        gpu = self.profile.gpus[device]
+        return (
+            self.profile.cpu.sync_seconds.value
+            + gpu.copy_latency_seconds.value
+            + 4.0 * tokens * width / (gpu.h2d_gbps.value * 1e9)
+        )
+
+    def launch_seconds(self, n_kernels: int, tokens: int, device: int = 0) -> float:
+        gpu = self.profile.gpus[device]
+        per = gpu.graph_kernel_seconds.value if tokens == 1 else gpu.launch_seconds.value
+        return n_kernels * per
+
+    # -- a layer, a ubatch -------------------------------------------------------------------
+
+    def layer_terms(
+        self,
+        il: int,
+        place: TierPlacement,
+        tokens: int,
+        depth: int,
+        cpu_busy: bool,
+        sequences: int = 1,
+    ) -> Terms:
+        hp, t = self.spec.hparams, Terms()
+        groups = self.by_layer[il]
+        gpu_mats = 0
+        for g in groups:
+            loc = place.groups[g.name]
+            if loc.on_gpu:
+                t.gpu += self.gpu_seconds(g, tokens, loc.device)
+                gpu_mats += 1
+                if loc.kind == STREAMED:
+                    t.copy += self.copy_seconds(g.nbytes, loc.device, cpu_busy)
+            else:
+                t.cpu += self.cpu_seconds(g, tokens)
+        kv = place.kv[il]
+        attention = self.attention_seconds(il, tokens, depth, kv, sequences)
+        if kv.on_gpu:
+            t.gpu += attention
+        else:
+            t.cpu += attention
+        # device sequence: attention side, attention, FFN matrices (in file order)
+        seq = [
+            place.groups[groups[0].name].on_gpu,
+            kv.on_gpu,
+            place.groups[groups[0].name].on_gpu,
+        ] + [place.groups[g.name].on_gpu for g in groups[1:]]
+        hops = sum(a != b for a, b in zip(seq, seq[1:]))
+        width = max(hp.n_embd, hp.n_ff_exp * hp.n_expert_used if hp.n_expert else hp.n_ff)
+        t.latency += hops * self.hop_seconds(tokens, width)
+        if gpu_mats or kv.on_gpu:
+            t.latency += self.launch_seconds(ELEMENTWISE_KERNELS_PER_LAYER + gpu_mats, tokens)
+        inner = max(t.gpu, t.copy) if self.overlap else t.gpu + t.copy
+        t.total = inner + t.cpu + t.latency
+        return t
+
+    def ubatch_terms(
+        self, place: TierPlacement, tokens: int, depth: int, sequences: int = 1
+    ) -> Terms:
+        cpu_busy = any(not loc.on_gpu for loc in place.groups.values()) or any(
+            not loc.on_gpu for loc in place.kv.values()
+        )
+        total = Terms()
+        for il in range(self.spec.hparams.n_layer):
+            total.add(self.layer_terms(il, place, tokens, depth, cpu_busy, sequences))
+        for g in self.by_layer[None]:  # token_embd and the output head
+            loc, t = place.groups[g.name], Terms()
+            if loc.on_gpu:
+                t.gpu = self.gpu_seconds(g, tokens, loc.device)
+                if loc.kind == STREAMED:
+                    t.copy = self.copy_seconds(g.nbytes, loc.device, cpu_busy)
+            else:
+                t.cpu = self.cpu_seconds(g, tokens)
+            first_layer_on_gpu = place.groups["blk.0.attn"].on_gpu
+            if g.kind == EMBD and loc.on_gpu != first_layer_on_gpu:
+                t.latency = self.hop_seconds(tokens, self.spec.hparams.n_embd)
+            t.total = (max(t.gpu, t.copy) if self.overlap else t.gpu + t.copy) + t.cpu + t.latency
+            total.add(t)
+        return total
+
+    # -- a request -------------------------------------------------------------------------------
+
+    def prompt_ubatches(self, tiers: list[int]) -> list[tuple[int, int, int]]:
+        """(tier, tokens, depth) of each prompt ubatch."""
+        out, depth, left = [], 0, self.w.prompt_tokens
+        largest = max(tiers)
+        while left > 0:
+            n = min(left, largest)
+            tier = min(t for t in tiers if t >= n)
+            out.append((tier, n, depth))
+            depth, left = depth + n, left - n
+        return out
+
+    def decode_tier(self, tiers: list[int]) -> int:
+        fitting = [t for t in tiers if t >= self.w.users]
+        return min(fitting) if fitting else max(tiers)
+
+
+def switch_seconds(cm: CostModel, a: TierPlacement, b: TierPlacement) -> float:
+    """Re-pinning the groups that b pins and a did not, plus KV that moves onto a GPU."""
+    moved = sum(
+        g.nbytes
+        for g in cm.groups
+        if b.groups[g.name].kind == PINNED and a.groups[g.name].kind != PINNED
+    )
+    kv_moved = sum(
+        cm.cell_nbytes * cm.w.prompt_tokens * cm.w.users
+        for il, loc in b.kv.items()
+        if loc.on_gpu and not a.kv[il].on_gpu
+    )
+    if not moved and not kv_moved:
+        return 0.0
+    return cm.copy_seconds(moved + kv_moved, 0, cpu_busy=False)
+
+
+def evaluate(
+    tiers: dict[int, TierPlacement],
+    spec: ModelSpec,
+    profile: HardwareProfile,
+    workload: Workload,
+    overlap: bool = True,
+) -> Prediction:
+    """Predicted TTFT, decode time, TPS and end-to-end time of a workload under a plan."""
+    cm = CostModel(spec, profile, workload, overlap)
+    tier_list = sorted(tiers)
+    per_tier: dict[int, dict[int, Terms]] = {}
+
+    def terms(tier: int, tokens: int, depth: int, sequences: int = 1) -> Terms:
+        t = cm.ubatch_terms(tiers[tier], tokens, depth, sequences)
+        per_tier.setdefault(tier, {})[depth] = t
+        return t
+
+    users = workload.users
+    ttft = users * sum(terms(tier, n, d).total for tier, n, d in cm.prompt_ubatches(tier_list))
+    dt = cm.decode_tier(tier_list)
+    start, end = workload.prompt_tokens, workload.prompt_tokens + workload.gen_tokens
+    step_start = terms(dt, users, start, users).total
+    step_end = terms(dt, users, end, users).total
+    steps = workload.gen_tokens
+    last_prefill = cm.prompt_ubatches(tier_list)[-1][0] if workload.prompt_tokens else dt
+    switch = switch_seconds(cm, tiers[last_prefill], tiers[dt])
+    decode = steps * (step_start + step_end) / 2 + switch
+    tps = users * steps / decode if decode > 0 else math.inf
+    return Prediction(ttft, decode, tps, ttft + decode, per_tier, switch)

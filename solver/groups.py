@@ -1,0 +1,69 @@
+"""Tensor groups: the units the planner places.
+
+Per layer, the attention side (Q/K/V/O with their biases, every norm of the layer, and the MoE
+router — pshard's "attention side", PSHARD.md) is one group; each FFN matrix (gate, up, down, or
+their expert stacks) is a group of its own, because llama.cpp's `--fit` and pshard move them one
+at a time. Globally, `token_embd` and the output head (with `output_norm`) are groups. The plan
+still records a location for every GGUF tensor; a group's tensors share it.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from refengine.spec import ATTENTION, EMBEDDING, EXPERT, FFN, NORM, OUTPUT, ROUTER, ModelSpec
+
+ATTN_SIDE, FFN_MATRIX, EXPERTS, EMBD, HEAD = "attn", "ffn", "experts", "embd", "output"
+
+
+@dataclass(frozen=True)
+class Group:
+    name: str  # "blk.3.attn", "blk.3.ffn_up", "token_embd", "output"
+    layer: int | None
+    kind: str  # ATTN_SIDE, FFN_MATRIX, EXPERTS, EMBD or HEAD
+    tensors: tuple[str, ...]
+    nbytes: int
+    params: int  # weights (elements); for EXPERTS, of all experts
+    qtype: str  # type of the group's largest tensor (what its kernels run at)
+
+
+def _group(name, layer, kind, infos) -> Group:
+    big = max(infos, key=lambda t: t.nbytes)
+    return Group(
+        name,
+        layer,
+        kind,
+        tuple(t.name for t in infos),
+        sum(t.nbytes for t in infos),
+        sum(math.prod(t.shape) for t in infos),
+        big.qtype.name,
+    )
+
+
+def tensor_groups(spec: ModelSpec) -> list[Group]:
+    """All groups in execution order: token_embd, then each layer's attention side and FFN
+    matrices, then the output head."""
+    by = spec.by_name
+    groups = [_group("token_embd", None, EMBD, [by["token_embd.weight"]])]
+    for il in range(spec.hparams.n_layer):
+        infos = spec.layer_tensors(il)
+        attn = [t for t in infos if t.role in (ATTENTION, NORM, ROUTER)]
+        groups.append(_group(f"blk.{il}.attn", il, ATTN_SIDE, attn))
+        for t in infos:
+            if t.role in (FFN, EXPERT):
+                base = t.name.split(".")[2]  # ffn_up, ffn_gate_exps, ...
+                kind = EXPERTS if t.role == EXPERT else FFN_MATRIX
+                groups.append(_group(f"blk.{il}.{base}", il, kind, [t]))
+    head = by.get("output.weight", by["token_embd.weight"])  # a tied head reuses token_embd
+    groups.append(_group("output", None, HEAD, [by["output_norm.weight"], head]))
+    assert {t.role for t in spec.tensors} <= {
+        ATTENTION,
+        NORM,
+        ROUTER,
+        FFN,
+        EXPERT,
+        EMBEDDING,
+        OUTPUT,
+    }
+    return groups

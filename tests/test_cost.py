@@ -1,0 +1,209 @@
+"""The cost model on hand-computed cases. A toy profile with round rates makes each expected time
+a line of arithmetic, written beside the assertion."""
+
+import pytest
+
+from refengine.synthetic import SyntheticConfig, spec_from_hparams
+from solver.cost import CPU, PINNED, STREAMED, CostModel, Loc, TierPlacement, Workload, evaluate
+from solver.memory import KVShape, expected_distinct_experts, kv_layer_nbytes
+from solver.profile import ANY_TYPE, CPUProfile, Figure, GPUProfile, HardwareProfile, RateTable
+
+
+def toy_profile(h2d_busy=5.0) -> HardwareProfile:
+    f = lambda v: Figure(v, "toy")  # noqa: E731
+    table = lambda unit, v: RateTable(unit, {ANY_TYPE: {1: f(v)}})  # noqa: E731
+    gpu = GPUProfile(
+        "toy GPU",
+        f(2**30),
+        f(1000.0),
+        table("GB/s", 100.0),
+        table("TFLOP/s", 10.0),
+        f(10.0),
+        f(10.0),
+        f(0.0),
+        f(h2d_busy),
+        f(0.0),
+        f(0.0),
+    )
+    cpu = CPUProfile("toy CPU", 8, f(20.0), table("GB/s", 10.0), table("GFLOP/s", 100.0), f(0.0))
+    return HardwareProfile("toy", (gpu,), cpu)
+
+
+DENSE = spec_from_hparams(
+    SyntheticConfig(
+        "llama",
+        n_layer=2,
+        n_embd=1024,
+        n_ff=4096,
+        n_head=8,
+        n_head_kv=8,
+        n_vocab=32000,
+        qtype="F16",
+    )
+)
+W = Workload(n_ctx=4096, prompt_tokens=512, gen_tokens=100)
+
+
+def place(spec, loc_of, kv=Loc(PINNED)):
+    cm = CostModel(spec, toy_profile(), W)
+    return TierPlacement(
+        {g.name: loc_of(g) for g in cm.groups}, {il: kv for il in range(spec.hparams.n_layer)}
+    )
+
+
+def test_group_roofline_on_gpu_and_cpu():
+    cm = CostModel(DENSE, toy_profile(), W)
+    up = next(g for g in cm.groups if g.name == "blk.0.ffn_up")
+    assert up.nbytes == 4096 * 1024 * 2 and up.params == 4096 * 1024
+    # decode: 8 MiB / 100 GB/s = 83.9 us; flops 2 * 4.19e6 / 10e12 = 0.84 us -> memory bound
+    assert cm.gpu_seconds(up, 1) == pytest.approx(8388608 / 100e9)
+    # prefill 512: flops 2 * 4194304 * 512 / 10e12 = 429.5 us -> compute bound
+    assert cm.gpu_seconds(up, 512) == pytest.approx(2 * 4194304 * 512 / 10e12)
+    # CPU: 8 MiB / 10 GB/s = 839 us at 1 token; 2 * 4194304 * 512 / 100e9 = 42.9 ms at 512
+    assert cm.cpu_seconds(up, 1) == pytest.approx(8388608 / 10e9)
+    assert cm.cpu_seconds(up, 512) == pytest.approx(2 * 4194304 * 512 / 100e9)
+
+
+def test_prefill_can_stream_cpu_resident_weights_instead_of_computing_them_on_the_cpu():
+    streamed = place(DENSE, lambda g: Loc(STREAMED) if g.layer is not None else Loc(PINNED))
+    on_cpu = place(DENSE, lambda g: Loc(CPU) if g.layer is not None else Loc(PINNED))
+    cm = CostModel(DENSE, toy_profile(), W)
+    s, c = cm.ubatch_terms(streamed, 512, 0), cm.ubatch_terms(on_cpu, 512, 0)
+    layer_bytes = sum(g.nbytes for g in cm.by_layer[0])
+    assert s.copy == pytest.approx(2 * layer_bytes / 10e9)  # every ubatch copies both layers
+    assert s.cpu == 0 and c.copy == 0
+    assert s.total < c.total / 10  # 512 tokens: PCIe beats computing on the CPU by far
+    # at one token the CPU reads each weight once, at 10 GB/s, as fast as PCIe moves it
+    assert cm.ubatch_terms(on_cpu, 1, 0).cpu == pytest.approx(
+        2 * sum(cm.cpu_seconds(g, 1) for g in cm.by_layer[0])
+        + 2 * (cm.attention_seconds(0, 1, 0, Loc(PINNED)) * 0)
+    )
+
+
+def test_copies_overlap_compute_on_our_runtime_but_not_on_llamacpp():
+    streamed = place(DENSE, lambda g: Loc(STREAMED) if g.layer is not None else Loc(PINNED))
+    ours = CostModel(DENSE, toy_profile(), W).layer_terms(0, streamed, 512, 0, False)
+    theirs = CostModel(DENSE, toy_profile(), W, overlap=False).layer_terms(
+        0, streamed, 512, 0, False
+    )
+    assert ours.total == pytest.approx(max(ours.gpu, ours.copy) + ours.latency)
+    assert theirs.total == pytest.approx(theirs.gpu + theirs.copy + theirs.latency)
+
+
+def test_concurrent_cpu_work_slows_the_copies():
+    cm = CostModel(DENSE, toy_profile(h2d_busy=5.0), W)
+    assert cm.copy_seconds(1e9, 0, cpu_busy=False) == pytest.approx(0.1)
+    assert cm.copy_seconds(1e9, 0, cpu_busy=True) == pytest.approx(0.2)
+
+
+def test_moe_prices_distinct_experts_per_ubatch():
+    # E (1 - (1 - k/E)^M): 28 tokens with k = 8 of 256 touch 150.8 experts, not 8 * 28 = 224;
+    # 365 tokens touch all 256
+    assert expected_distinct_experts(256, 8, 28) == pytest.approx(256 * (1 - (31 / 32) ** 28))
+    assert expected_distinct_experts(256, 8, 28) == pytest.approx(150.76, abs=0.01)
+    assert expected_distinct_experts(256, 8, 365) == pytest.approx(256, abs=0.01)
+    assert expected_distinct_experts(256, 8, 1) == pytest.approx(8)
+    moe = spec_from_hparams(
+        SyntheticConfig(
+            "qwen3moe",
+            n_layer=1,
+            n_embd=256,
+            n_ff=512,
+            n_head=4,
+            n_head_kv=2,
+            head_dim=64,
+            n_expert=64,
+            n_expert_used=4,
+            n_ff_exp=256,
+            qtype="F16",
+        )
+    )
+    cm = CostModel(moe, toy_profile(), W)
+    up = next(g for g in cm.groups if g.name == "blk.0.ffn_up_exps")
+    nbytes, flops = cm.work(up, 16)
+    assert nbytes == pytest.approx(up.nbytes * expected_distinct_experts(64, 4, 16) / 64)
+    assert flops == pytest.approx(2 * up.params / 64 * 4 * 16)
+
+
+def test_attention_at_real_depth_and_token_count():
+    cm = CostModel(DENSE, toy_profile(), W)
+    hp = DENSE.hparams
+    # decode at depth 4000: 4001 cells x 2 x 1024 x 2 B = 16.4 MB at 100 GB/s
+    cell = 2 * 1024 * 2
+    assert cm.attention_seconds(0, 1, 4000, Loc(PINNED)) == pytest.approx(4001 * cell / 100e9)
+    # prefill 512 tokens at depth 0: 4 * 8 * 128 * 512 * 256.5 flops at 10 TFLOP/s
+    flops = 4 * hp.n_head * hp.head_dim * 512 * (0 + 513 / 2)
+    assert cm.attention_seconds(0, 512, 0, Loc(PINNED)) == pytest.approx(flops / 10e12)
+    # deeper is slower, prefill-shaped differs from 512 decode-shaped tokens
+    assert cm.attention_seconds(0, 1, 8000, Loc(PINNED)) > cm.attention_seconds(
+        0, 1, 4000, Loc(PINNED)
+    )
+
+
+def test_sliding_window_layers_hold_and_read_less_kv():
+    g = spec_from_hparams(
+        SyntheticConfig(
+            "gemma3",
+            n_layer=6,
+            n_embd=256,
+            n_ff=512,
+            n_head=4,
+            n_head_kv=1,
+            head_dim=64,
+            n_swa=512,
+            qtype="F16",
+        )
+    )
+    kv = KVShape(n_ctx=32768, kv_type="f16", n_ubatch=512)
+    cell = 2 * 64 * 2
+    assert kv_layer_nbytes(g, 5, kv) == 32768 * cell  # global layer
+    assert kv_layer_nbytes(g, 0, kv) == 1024 * cell  # pad256(512 + 512)
+    assert kv_layer_nbytes(g, 0, KVShape(32768, kv_type="q8_0")) == 1024 * 2 * 64 // 32 * 34
+    cm = CostModel(g, toy_profile(), W)
+    assert cm.attention_seconds(0, 1, 20000, Loc(PINNED)) < cm.attention_seconds(
+        5, 1, 20000, Loc(PINNED)
+    )
+
+
+def test_cpu_output_head_reads_the_whole_vocabulary_per_token():
+    cm = CostModel(DENSE, toy_profile(), W)
+    head = next(g for g in cm.groups if g.name == "output")
+    assert cm.cpu_seconds(head, 1) == pytest.approx(head.nbytes / 10e9)
+    assert head.nbytes >= 32000 * 1024 * 2
+
+
+def test_launch_overhead_per_kernel_or_per_graph():
+    prof = toy_profile()
+    gpu = prof.gpus[0]
+    object.__setattr__(gpu, "launch_seconds", Figure(10e-6, "toy"))
+    object.__setattr__(gpu, "graph_kernel_seconds", Figure(1e-6, "toy"))
+    cm = CostModel(DENSE, prof, W)
+    assert cm.launch_seconds(12, 1) == pytest.approx(12e-6)  # decode replays a graph
+    assert cm.launch_seconds(12, 512) == pytest.approx(120e-6)
+
+
+def test_hops_are_charged_when_a_layer_changes_device():
+    prof = toy_profile()
+    object.__setattr__(prof.cpu, "sync_seconds", Figure(50e-6, "toy"))
+    cm = CostModel(DENSE, prof, W)
+    all_gpu = place(DENSE, lambda g: Loc(PINNED))
+    ffn_cpu = place(DENSE, lambda g: Loc(CPU) if "ffn" in g.name else Loc(PINNED))
+    a = cm.layer_terms(0, all_gpu, 1, 100, False)
+    b = cm.layer_terms(0, ffn_cpu, 1, 100, True)
+    assert a.latency == pytest.approx(cm.launch_seconds(8 + 4, 1))
+    # one hop GPU -> CPU (attention side to FFN): sync + 4 B x 4096 activations at 10 GB/s
+    assert b.latency - cm.launch_seconds(8 + 1, 1) == pytest.approx(50e-6 + 4 * 4096 / 10e9)
+
+
+def test_evaluate_a_request_end_to_end():
+    all_gpu = place(DENSE, lambda g: Loc(PINNED))
+    tiers = {1: all_gpu, 512: all_gpu}
+    p = evaluate(tiers, DENSE, toy_profile(), W)
+    cm = CostModel(DENSE, toy_profile(), W)
+    assert p.ttft_seconds == pytest.approx(cm.ubatch_terms(all_gpu, 512, 0).total)
+    step0, step1 = cm.ubatch_terms(all_gpu, 1, 512).total, cm.ubatch_terms(all_gpu, 1, 612).total
+    assert p.decode_seconds == pytest.approx(100 * (step0 + step1) / 2)
+    assert p.tps == pytest.approx(100 / p.decode_seconds)
+    assert p.switch_seconds == 0 and p.e2e_seconds == pytest.approx(
+        p.ttft_seconds + p.decode_seconds
+    )
