@@ -21,7 +21,9 @@ Formulas (every rate from the HardwareProfile; M = tokens in the ubatch, the tie
    sync + copy latency + activation bytes over PCIe.
 6. Launches: ~8 element-wise kernels per layer plus one per GPU matrix, at the host launch cost, or
    at the per-kernel graph cost for single-token decode (captured as a CUDA graph).
-7. A layer takes max(GPU work, copies) + CPU work on our runtime, which prefetches the next layer's
+7. KV placed `streamed` (pshard's scheme, for its strategies only: our runtime keeps a layer's KV
+   on a GPU or on the CPU) uploads the layer's cached cells before it and downloads the new ones.
+   A layer takes max(GPU work, copies) + CPU work on our runtime, which prefetches the next layer's
    streamed tensors while this one computes; on llama.cpp (op-offload copies on the compute
    stream) it takes GPU work + copies + CPU work.
 8. A request: each user's prompt runs in ubatches of the largest tier (the last one at the
@@ -249,6 +251,12 @@ class CostModel:
             t.gpu += attention
         else:
             t.cpu += attention
+        if kv.kind == STREAMED:  # pshard: the cached cells go up before the layer, new ones back
+            cells = sequences * depth + tokens
+            if self.spec.is_swa(il):
+                cells = min(cells, sequences * hp.n_swa + tokens)
+            t.copy += self.copy_seconds(cells * self.cell_nbytes, kv.device, cpu_busy)
+            t.latency += self.copy_seconds(tokens * self.cell_nbytes, kv.device, cpu_busy)
         # device sequence: attention side, attention, FFN matrices (in file order)
         seq = [
             place.groups[groups[0].name].on_gpu,

@@ -6,7 +6,8 @@
 - Compute buffer (approximate, from reading llama.cpp; to be checked against `llama-fit-params
   -fitp on`): without flash attention the KQ scores, 4 * n_ctx * n_ubatch * n_head bytes, dominate;
   with it, the activations of one ubatch (residual, Q/K/V, FFN intermediates) in f32; the device
-  holding the output head also holds n_ubatch rows of f32 logits.
+  holding the output head also holds f32 logits: n_ubatch rows for llama.cpp, which reserves for
+  the worst case, one per sequence for our runtime.
 - Scratch ring (our runtime): `prefetch_depth` slots, each as large as the largest set of tensors a
   layer streams, so layer i+1's copy lands while layer i computes.
 """
@@ -53,15 +54,16 @@ def kv_layer_nbytes(spec: ModelSpec, il: int, kv: KVShape) -> int:
 
 
 def compute_nbytes(
-    spec: ModelSpec, n_ubatch: int, n_ctx: int, flash_attn: bool, holds_output: bool
+    spec: ModelSpec, n_ubatch: int, n_ctx: int, flash_attn: bool, output_rows: int
 ) -> int:
-    """Approximate compute buffer of one device for ubatches of n_ubatch tokens."""
+    """Approximate compute buffer of one device for ubatches of n_ubatch tokens, `output_rows` of
+    which get logits there (llama.cpp reserves for all n_ubatch; our runtime, one per sequence)."""
     hp = spec.hparams
     n_ff = hp.n_ff_exp * hp.n_expert_used if hp.n_expert else hp.n_ff
     q_dim = hp.n_head * hp.head_dim
     activations = 4 * n_ubatch * (3 * hp.n_embd + 3 * q_dim + 3 * n_ff)
     scores = 0 if flash_attn else 4 * pad_cells(n_ctx) * n_ubatch * hp.n_head
-    logits = 4 * hp.n_vocab * n_ubatch if holds_output else 0
+    logits = 4 * hp.n_vocab * output_rows
     return max(activations, scores) + logits
 
 

@@ -1,0 +1,304 @@
+"""The named placements (CONTRACTS.md): llama.cpp's `--fit` and pshard's five strategies, as plain
+functions from a Problem to one TierPlacement per tier. They are the baselines the optimizer must
+beat under the same cost model, and its warm starts.
+
+- `fit` (LLAMACPP.md): dense models get whole layers back to front (the output layer first, as
+  `-ngl` counts it); MoE models first get every layer "dense-only" (experts on the CPU), back to
+  front, then front to back whole layers, plus one partial layer (GATE: gate + up kept, down
+  moved; else UP: up kept). token_embd stays on the CPU. At run time llama.cpp computes CPU-held
+  weights on the CPU below 32 tokens and copies them to the GPU per ubatch at 32 and above
+  (op-offload), so those tiers mark them `streamed` (priced without overlap).
+- pshard (PSHARD.md), per tier: `pshard-fitparams` is fit filled front to back, without
+  op-offload; the streaming strategies pin the first n_pinned layers (at most n_layer - 1), then
+  try one partial layer (ATTN, UP, GATE, MOE in that order, keeping the last that fits), and put
+  token_embd and the output head on the CPU:
+  `layerpin-layerstream` streams the other layers whole; `attnpin-ffnstream` pins every attention
+  side and streams the other FFNs; `ffncpu-attnstream` streams the other attention sides and
+  computes their FFNs on the CPU; `attnprio` pins attention sides as far as they fit, then whole
+  layers, the rest on the CPU, streaming nothing.
+A layer's KV sits on the GPU with the layer when it is pinned; a streamed layer's KV too when it
+fits, else it streams with the layer (pshard's host mirror, uploaded per split).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+from refengine.spec import ModelSpec
+
+from .cost import CPU, PINNED, STREAMED, Loc, TierPlacement, Workload
+from .groups import ATTN_SIDE, EMBD, EXPERTS, Group, tensor_groups
+from .profile import HardwareProfile
+from .usage import OP_OFFLOAD_MIN_TOKENS, device_usage
+
+
+@dataclass(frozen=True)
+class Problem:
+    spec: ModelSpec
+    profile: HardwareProfile
+    workload: Workload
+    tiers: tuple[int, ...]
+    budget_bytes: int  # device 0, after the reserve
+    target: str = "refengine"
+
+
+class Layout:
+    """A candidate placement being built: group name -> location, layer -> KV location."""
+
+    def __init__(self, p: Problem, groups: list[Group]):
+        self.p, self.groups = p, groups
+        self.loc = {g.name: Loc(CPU) for g in groups}
+        self.kv = {il: Loc(CPU) for il in range(p.spec.hparams.n_layer)}
+
+    def copy(self) -> "Layout":
+        c = Layout.__new__(Layout)
+        c.p, c.groups, c.loc, c.kv = self.p, self.groups, dict(self.loc), dict(self.kv)
+        return c
+
+    def set(self, names, kind: str) -> "Layout":
+        for n in names:
+            self.loc[n] = Loc(kind) if kind != CPU else Loc(CPU)
+        return self
+
+    def placement(self) -> TierPlacement:
+        return TierPlacement(dict(self.loc), dict(self.kv))
+
+    def fits(self, tier: int) -> bool:
+        place = self.placement()
+        if self.p.target == "llamacpp" and tier >= OP_OFFLOAD_MIN_TOKENS:  # room for op-offload
+            place = (
+                self.copy()
+                .set(
+                    [
+                        g.name
+                        for g in self.groups
+                        if self.loc[g.name].kind == CPU and g.kind != EMBD
+                    ],
+                    STREAMED,
+                )
+                .placement()
+            )
+        u = device_usage(self.p.spec, self.groups, place, tier, self.p.workload, self.p.target)
+        return u.total <= self.p.budget_bytes
+
+
+def _layer(groups: list[Group], il: int, kinds=None, bases=None) -> list[str]:
+    out = []
+    for g in groups:
+        if g.layer != il:
+            continue
+        if kinds is not None and g.kind not in kinds:
+            continue
+        if bases is not None and not any(g.name.endswith(b) for b in bases):
+            continue
+        out.append(g.name)
+    return out
+
+
+def _largest(feasible: Callable[[int], bool], hi: int) -> int:
+    """Largest k in 0..hi with feasible(k), feasibility being monotone (binary search)."""
+    lo = 0
+    if not feasible(0):
+        return -1
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if feasible(mid):
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+def _per_tier(p: Problem, build: Callable[[int], Layout]) -> dict[int, TierPlacement]:
+    return {t: build(t).placement() for t in p.tiers}
+
+
+# -- llama.cpp --fit --------------------------------------------------------------------------------
+
+
+def _fit_layout(p: Problem, groups: list[Group], tier: int, front_to_back: bool) -> Layout:
+    n = p.spec.hparams.n_layer
+    moe = p.spec.arch.moe
+    order = list(range(n)) if front_to_back else list(range(n - 1, -1, -1))
+
+    def with_layers(k: int, dense_only: bool) -> Layout:
+        lay = Layout(p, groups)
+        if k == 0:
+            return lay
+        lay.set(["output"], PINNED)  # -ngl counts the output layer first
+        for il in order[: k - 1]:
+            names = _layer(groups, il, kinds={ATTN_SIDE}) if dense_only else _layer(groups, il)
+            lay.set(names, PINNED)
+            lay.kv[il] = Loc(PINNED)
+        return lay
+
+    if not moe:
+        k = _largest(lambda k: with_layers(k, False).fits(tier), n + 1)
+        return with_layers(max(k, 0), False)
+    k = _largest(lambda k: with_layers(k, True).fits(tier), n + 1)
+    lay = with_layers(max(k, 0), True)
+    if k < n + 1:
+        return lay
+    for il in range(n):  # front to back: dense-only -> full, then one partial layer
+        full = lay.copy().set(_layer(groups, il), PINNED)
+        if full.fits(tier):
+            lay = full
+            continue
+        for keep in (("ffn_gate_exps", "ffn_up_exps"), ("ffn_up_exps",)):  # GATE, then UP
+            part = lay.copy().set(_layer(groups, il, bases=keep), PINNED)
+            if part.fits(tier):
+                lay = part
+                break
+        break
+    return lay
+
+
+LLAMACPP_UBATCH = 512  # llama.cpp's default -ub: its largest ubatch, and what --fit sizes for
+
+
+def fit(p: Problem) -> dict[int, TierPlacement]:
+    """llama.cpp's --fit: one placement, sized for and run at ubatches of at most 512 tokens."""
+    groups = tensor_groups(p.spec)
+    tiers = [t for t in p.tiers if t <= LLAMACPP_UBATCH] or [min(p.tiers)]
+    lay = _fit_layout(p, groups, max(tiers), front_to_back=False)
+    out = {}
+    for t in tiers:
+        tl = lay.copy()
+        if t >= OP_OFFLOAD_MIN_TOKENS:  # op-offload: CPU-held weights go to the GPU per ubatch
+            tl.set(
+                [g.name for g in groups if tl.loc[g.name].kind == CPU and g.kind != EMBD], STREAMED
+            )
+        out[t] = tl.placement()
+    return out
+
+
+def pshard_fitparams(p: Problem) -> dict[int, TierPlacement]:
+    groups = tensor_groups(p.spec)
+    return _per_tier(p, lambda t: _fit_layout(p, groups, t, front_to_back=True))
+
+
+# -- pshard's streaming strategies ----------------------------------------------------------------
+
+PARTIALS = (  # pshard's overflow order; each keeps more of the boundary layer pinned
+    ("ATTN", {ATTN_SIDE}, None),
+    ("UP", {ATTN_SIDE}, ("ffn_up", "ffn_up_exps")),
+    ("GATE", {ATTN_SIDE}, ("ffn_up", "ffn_up_exps", "ffn_gate", "ffn_gate_exps")),
+)
+
+
+def _streaming(
+    p: Problem, tier: int, rest: Callable[[Layout, int], None], attn_everywhere: bool = False
+) -> Layout:
+    groups = tensor_groups(p.spec)
+    n = p.spec.hparams.n_layer
+
+    def with_pinned(k: int) -> Layout:
+        lay = Layout(p, groups)
+        for il in range(n):
+            if il < k:
+                lay.set(_layer(groups, il), PINNED)
+            else:
+                rest(lay, il)
+                if attn_everywhere:
+                    lay.set(_layer(groups, il, kinds={ATTN_SIDE}), PINNED)
+            lay.kv[il] = Loc(PINNED)
+        if not lay.fits(tier):  # pshard streams the KV of the non-pinned layers with them
+            for il in range(k, n):
+                lay.kv[il] = Loc(STREAMED)
+        return lay
+
+    k = _largest(lambda k: with_pinned(k).fits(tier), n - 1)
+    if k < 0:
+        return Layout(p, groups)  # nothing viable: everything on the CPU
+    lay = with_pinned(k)
+    if k < n:
+        for _, kinds, bases in PARTIALS:
+            part = lay.copy().set(_layer(groups, k, kinds=kinds), PINNED)
+            if bases:
+                part.set(_layer(groups, k, bases=bases), PINNED)
+            if not part.fits(tier):
+                break
+            lay = part
+        if p.spec.arch.moe:  # MOE: everything but the expert stacks pinned
+            part = lay.copy().set(
+                [g for g in _layer(groups, k) if not _is_expert(groups, g)], PINNED
+            )
+            if part.fits(tier):
+                lay = part
+    return lay
+
+
+def _is_expert(groups: list[Group], name: str) -> bool:
+    return next(g for g in groups if g.name == name).kind == EXPERTS
+
+
+def layerpin_layerstream(p: Problem) -> dict[int, TierPlacement]:
+    groups = tensor_groups(p.spec)
+    return _per_tier(
+        p, lambda t: _streaming(p, t, lambda lay, il: lay.set(_layer(groups, il), STREAMED))
+    )
+
+
+def attnpin_ffnstream(p: Problem) -> dict[int, TierPlacement]:
+    groups = tensor_groups(p.spec)
+    return _per_tier(
+        p,
+        lambda t: _streaming(
+            p, t, lambda lay, il: lay.set(_layer(groups, il), STREAMED), attn_everywhere=True
+        ),
+    )
+
+
+def ffncpu_attnstream(p: Problem) -> dict[int, TierPlacement]:
+    groups = tensor_groups(p.spec)
+    return _per_tier(
+        p,
+        lambda t: _streaming(
+            p, t, lambda lay, il: lay.set(_layer(groups, il, kinds={ATTN_SIDE}), STREAMED)
+        ),
+    )
+
+
+def attnprio(p: Problem) -> dict[int, TierPlacement]:
+    groups = tensor_groups(p.spec)
+    n = p.spec.hparams.n_layer
+
+    def build(tier: int) -> Layout:
+        def attn_only(k: int) -> Layout:
+            lay = Layout(p, groups)
+            for il in range(k):
+                lay.set(_layer(groups, il, kinds={ATTN_SIDE}), PINNED)
+                lay.kv[il] = Loc(PINNED)
+            return lay
+
+        k = _largest(lambda k: attn_only(k).fits(tier), n)
+        lay = attn_only(max(k, 0))
+        if k == n:
+            for il in range(n):
+                full = lay.copy().set(_layer(groups, il), PINNED)
+                if not full.fits(tier):
+                    break
+                lay = full
+        return lay
+
+    return _per_tier(p, build)
+
+
+STRATEGIES: dict[str, Callable[[Problem], dict[int, TierPlacement]]] = {
+    "fit": fit,
+    "pshard-fitparams": pshard_fitparams,
+    "layerpin-layerstream": layerpin_layerstream,
+    "attnpin-ffnstream": attnpin_ffnstream,
+    "ffncpu-attnstream": ffncpu_attnstream,
+    "attnprio": attnprio,
+}
+# pshard's registry names (PSHARD.md); `optimal` is written REFENGINE_OPTIMAL there
+PSHARD_NAMES = {
+    "pshard-fitparams": "STATIC_FITPARAMS_DENSEPRIO_MOEONLY",
+    "layerpin-layerstream": "GPUONLY_LAYERPIN_LAYERSTREAM",
+    "attnpin-ffnstream": "GPUONLY_ATTNPIN_FFNSTREAM",
+    "ffncpu-attnstream": "DYNAMIC_FFNCPU_ATTNSTREAM",
+    "attnprio": "STATIC_ATTNPRIO_ALLMODELS",
+    "optimal": "REFENGINE_OPTIMAL",
+}

@@ -1,0 +1,91 @@
+"""Device memory a placement needs in one tier, under our runtime or under llama.cpp.
+
+Ours (the arena of CONTRACTS.md): pinned weights, a scratch ring of PREFETCH_DEPTH slots each as
+large as the largest set of tensors one layer streams (with its KV, where pshard streams KV),
+the runtime's workspace (the compute buffer
+of memory.py) and the KV of the layers whose KV lives there. llama.cpp's: the weights it holds on
+the device, the KV of those layers, its compute buffer, and — at 32 tokens and more, when it
+copies CPU-held weights to the GPU (op-offload) — room for the largest such weight.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from refengine.spec import ModelSpec
+
+from .cost import CPU, PINNED, STREAMED, TierPlacement, Workload
+from .groups import Group
+from .memory import KVShape, compute_nbytes, kv_layer_nbytes
+
+PREFETCH_DEPTH = 2
+OP_OFFLOAD_MIN_TOKENS = 32  # llama.cpp's GGML_OP_OFFLOAD_MIN_BATCH
+TARGETS = ("refengine", "llamacpp")
+
+
+@dataclass(frozen=True)
+class Usage:
+    weights: int
+    scratch: int
+    kv: int
+    compute: int
+
+    @property
+    def total(self) -> int:
+        return self.weights + self.scratch + self.kv + self.compute
+
+    def as_dict(self) -> dict[str, int]:
+        return {
+            "weights": self.weights,
+            "scratch": self.scratch,
+            "kv": self.kv,
+            "compute": self.compute,
+            "total": self.total,
+        }
+
+
+def kv_shape(w: Workload, tier: int) -> KVShape:
+    return KVShape(n_ctx=w.n_ctx, users=w.users, kv_type=w.kv_type, n_ubatch=max(tier, 1))
+
+
+def device_usage(
+    spec: ModelSpec,
+    groups: list[Group],
+    place: TierPlacement,
+    tier: int,
+    w: Workload,
+    target: str,
+    device: int = 0,
+) -> Usage:
+    mine = {g.name: place.groups[g.name] for g in groups}
+    here = lambda loc: loc.kind != CPU and loc.device == device  # noqa: E731
+    weights = sum(g.nbytes for g in groups if here(mine[g.name]) and mine[g.name].kind == PINNED)
+    streamed_per_layer: dict[int | None, int] = {}
+    for g in groups:
+        loc = mine[g.name]
+        if here(loc) and loc.kind == STREAMED:
+            streamed_per_layer[g.layer] = streamed_per_layer.get(g.layer, 0) + g.nbytes
+    kv = kv_shape(w, tier)
+    kv_bytes = sum(
+        kv_layer_nbytes(spec, il, kv)
+        for il, loc in place.kv.items()
+        if here(loc) and loc.kind == PINNED
+    )
+    streamed_kv = max(
+        (
+            kv_layer_nbytes(spec, il, kv)
+            for il, loc in place.kv.items()
+            if here(loc) and loc.kind == STREAMED
+        ),
+        default=0,
+    )
+    rows = 0
+    if here(mine["output"]):
+        rows = min(tier, w.users) if target == "refengine" else tier
+    compute = compute_nbytes(spec, tier, w.n_ctx * w.users, w.flash_attn, rows)
+    if target == "refengine":
+        scratch = PREFETCH_DEPTH * (max(streamed_per_layer.values(), default=0) + streamed_kv)
+    else:  # llama.cpp copies one CPU-held weight at a time into its compute buffer
+        biggest = max((g.nbytes for g in groups if mine[g.name].kind == STREAMED), default=0)
+        scratch = biggest if tier >= OP_OFFLOAD_MIN_TOKENS else 0
+    return Usage(weights, scratch, kv_bytes, compute)

@@ -1,0 +1,114 @@
+"""The named placements: each respects the budget in every tier and has the shape its system gives
+it (LLAMACPP.md for fit, PSHARD.md for pshard's)."""
+
+import pytest
+
+from refengine.synthetic import SyntheticConfig, spec_from_hparams
+from solver.cost import CPU, PINNED, STREAMED, Workload, evaluate
+from solver.groups import tensor_groups
+from solver.profile import HardwareProfile
+from solver.strategies import LLAMACPP_UBATCH, STRATEGIES, Problem, fit
+from solver.usage import device_usage
+
+from .test_profile import PROFILES
+
+GIB = 2**30
+DENSE = spec_from_hparams(
+    SyntheticConfig(
+        "llama",
+        n_layer=24,
+        n_embd=4096,
+        n_ff=14336,
+        n_head=32,
+        n_head_kv=8,
+        head_dim=128,
+        n_vocab=128256,
+        qtype="Q4_K",
+    )
+)
+MOE = spec_from_hparams(
+    SyntheticConfig(
+        "qwen3moe",
+        n_layer=24,
+        n_embd=2048,
+        n_ff=6144,
+        n_head=32,
+        n_head_kv=4,
+        head_dim=128,
+        n_vocab=151936,
+        qtype="Q4_K",
+        n_expert=128,
+        n_expert_used=8,
+        n_ff_exp=768,
+    )
+)
+TIERS = (1, 16, 512, 2048)
+PROFILE = HardwareProfile.load(PROFILES / "rtx4090-epyc-7742.json")
+
+
+def problem(spec, budget_gib, target="refengine"):
+    w = Workload(n_ctx=8192, prompt_tokens=4000, gen_tokens=200)
+    return Problem(spec, PROFILE, w, TIERS, int(budget_gib * GIB), target)
+
+
+def pinned_layers(spec, place):
+    groups = tensor_groups(spec)
+    return [
+        il
+        for il in range(spec.hparams.n_layer)
+        if all(place.groups[g.name].kind == PINNED for g in groups if g.layer == il)
+    ]
+
+
+@pytest.mark.parametrize("spec", [DENSE, MOE], ids=["dense", "moe"])
+@pytest.mark.parametrize("name", sorted(STRATEGIES))
+@pytest.mark.parametrize("budget", [3, 6, 12])
+def test_every_strategy_fits_its_budget_in_every_tier(spec, name, budget):
+    target = "llamacpp" if name == "fit" else "refengine"
+    p = problem(spec, budget, target)
+    plan = STRATEGIES[name](p)
+    groups = tensor_groups(spec)
+    for tier, place in plan.items():
+        assert set(place.groups) == {g.name for g in groups}
+        u = device_usage(spec, groups, place, tier, p.workload, target)
+        assert u.total <= p.budget_bytes, (name, tier, u)
+    pred = evaluate(plan, spec, PROFILE, p.workload, overlap=name != "fit")
+    assert pred.ttft_seconds > 0 and pred.tps > 0
+
+
+def test_fit_offloads_the_last_layers_and_op_offloads_the_rest_at_32_tokens():
+    plan = fit(problem(DENSE, 2.5, "llamacpp"))
+    assert max(plan) == LLAMACPP_UBATCH
+    on_gpu = pinned_layers(DENSE, plan[1])
+    n = DENSE.hparams.n_layer
+    assert 0 < len(on_gpu) < n and on_gpu == list(range(n - len(on_gpu), n))  # back to front
+    assert plan[1].groups["output"].kind == PINNED  # -ngl counts the output layer first
+    assert plan[1].groups["token_embd"].kind == CPU
+    assert plan[1].groups["blk.0.ffn_up"].kind == CPU and plan[1].kv[0].kind == CPU
+    assert plan[512].groups["blk.0.ffn_up"].kind == STREAMED  # op-offload at >= 32 tokens
+    assert plan[16].groups["blk.0.ffn_up"].kind == CPU
+
+
+def test_fit_gives_moe_layers_dense_only_first_then_full_layers_front_to_back():
+    plan = fit(problem(MOE, 4, "llamacpp"))[1]
+    n = MOE.hparams.n_layer
+    assert all(plan.groups[f"blk.{il}.attn"].kind == PINNED for il in range(n))
+    full = pinned_layers(MOE, plan)
+    assert full and full == list(range(len(full)))  # front to back
+    assert plan.groups[f"blk.{n - 1}.ffn_down_exps"].kind == CPU
+
+
+def test_layerstream_pins_the_front_and_streams_the_rest():
+    place = STRATEGIES["layerpin-layerstream"](problem(DENSE, 2.5))[1]
+    pinned = pinned_layers(DENSE, place)
+    assert pinned == list(range(len(pinned))) and len(pinned) < DENSE.hparams.n_layer
+    last = DENSE.hparams.n_layer - 1
+    assert place.groups[f"blk.{last}.ffn_up"].kind == STREAMED
+    assert place.groups["output"].kind == CPU  # PSHARD.md reason 8
+
+
+def test_streaming_beats_cpu_prefill_for_a_model_that_does_not_fit():
+    p = problem(DENSE, 2.5)
+    stream = evaluate(STRATEGIES["layerpin-layerstream"](p), DENSE, PROFILE, p.workload)
+    static = evaluate(STRATEGIES["pshard-fitparams"](p), DENSE, PROFILE, p.workload)
+    assert stream.ttft_seconds < static.ttft_seconds / 3
