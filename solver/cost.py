@@ -12,7 +12,8 @@ Formulas (every rate from the HardwareProfile; M = tokens in the ubatch, the tie
 2. On the CPU the same with cpu.matvec_gbps(type, threads) and cpu.matmul_gflops(type, M).
 3. A streamed group is copied host -> GPU every ubatch: nbytes / h2d + copy latency, where h2d is
    the profile's rate *while the CPU computes* whenever the tier's plan also computes on the CPU
-   (they share the host memory bus), else the standalone rate.
+   (they share the host memory bus; the embedding's row gather does not count), else the
+   standalone rate.
 4. Attention at context depth d (per sequence; S sequences share the ubatch): each of the M
    tokens attends to d + (M/S + 1)/2 keys (causal; a sliding layer to at most n_swa), costing
    4 * n_head * head_dim flops per key, and S * d + M cached cells are read; it runs where the
@@ -30,7 +31,7 @@ Formulas (every rate from the HardwareProfile; M = tokens in the ubatch, the tie
    smallest tier that holds it), each at its depth, one user after another (TTFT is the last
    user's); decode steps one token per user at the smallest tier >= users, priced at the start and
    end depth (time is linear in depth); switching plans between prefill and decode re-pins the
-   bytes the decode plan pins that the prefill plan did not, over PCIe.
+   bytes the decode plan pins that the prefill plan did not, over PCIe (no latency term).
 """
 
 from __future__ import annotations
@@ -209,6 +210,14 @@ class CostModel:
             flops / (cpu.matmul_gflops.at("F16", tokens) * 1e9),
         )
 
+    def kv_stream_nbytes(self, il: int, tokens: int, depth: int, sequences: int) -> tuple[int, int]:
+        """Bytes a streamed KV moves for one ubatch: the cells attention reads (up) and the new
+        ones (down)."""
+        cells = sequences * depth + tokens
+        if self.spec.is_swa(il):
+            cells = min(cells, sequences * self.spec.hparams.n_swa + tokens)
+        return cells * self.cell_nbytes, tokens * self.cell_nbytes
+
     def hop_seconds(self, tokens: int, width: int, device: int = 0) -> float:
         gpu = self.profile.gpus[device]
         return (
@@ -252,11 +261,9 @@ class CostModel:
         else:
             t.cpu += attention
         if kv.kind == STREAMED:  # pshard: the cached cells go up before the layer, new ones back
-            cells = sequences * depth + tokens
-            if self.spec.is_swa(il):
-                cells = min(cells, sequences * hp.n_swa + tokens)
-            t.copy += self.copy_seconds(cells * self.cell_nbytes, kv.device, cpu_busy)
-            t.latency += self.copy_seconds(tokens * self.cell_nbytes, kv.device, cpu_busy)
+            up, down = self.kv_stream_nbytes(il, tokens, depth, sequences)
+            t.copy += self.copy_seconds(up, kv.device, cpu_busy)
+            t.latency += self.copy_seconds(down, kv.device, cpu_busy)
         # device sequence: attention side, attention, FFN matrices (in file order)
         seq = [
             place.groups[groups[0].name].on_gpu,
@@ -275,9 +282,10 @@ class CostModel:
     def ubatch_terms(
         self, place: TierPlacement, tokens: int, depth: int, sequences: int = 1
     ) -> Terms:
-        cpu_busy = any(not loc.on_gpu for loc in place.groups.values()) or any(
-            not loc.on_gpu for loc in place.kv.values()
-        )
+        # the embedding's row gather is too small to compete with the copies for host memory
+        cpu_busy = any(
+            not place.groups[g.name].on_gpu for g in self.groups if g.kind != EMBD
+        ) or any(not loc.on_gpu for loc in place.kv.values())
         total = Terms()
         for il in range(self.spec.hparams.n_layer):
             total.add(self.layer_terms(il, place, tokens, depth, cpu_busy, sequences))
@@ -315,7 +323,7 @@ class CostModel:
 
 
 def switch_seconds(cm: CostModel, a: TierPlacement, b: TierPlacement) -> float:
-    """Re-pinning the groups that b pins and a did not, plus KV that moves onto a GPU."""
+    """Re-pinning the groups that b pins and a did not, plus the KV b pins and a did not."""
     moved = sum(
         g.nbytes
         for g in cm.groups
@@ -324,11 +332,37 @@ def switch_seconds(cm: CostModel, a: TierPlacement, b: TierPlacement) -> float:
     kv_moved = sum(
         cm.cell_nbytes * cm.w.prompt_tokens * cm.w.users
         for il, loc in b.kv.items()
-        if loc.on_gpu and not a.kv[il].on_gpu
+        if loc.kind == PINNED and a.kv[il].kind != PINNED
     )
-    if not moved and not kv_moved:
-        return 0.0
-    return cm.copy_seconds(moved + kv_moved, 0, cpu_busy=False)
+    return (moved + kv_moved) / (cm.profile.gpus[0].h2d_gbps.value * 1e9)
+
+
+@dataclass(frozen=True)
+class Shape:
+    """One kind of ubatch a request runs, and how many times it counts."""
+
+    tier: int
+    tokens: int
+    depth: int  # cached tokens per sequence before it
+    sequences: int
+    weight: float  # multiplier of its time in the request
+    part: str  # "prefill" or "decode"
+
+
+def request_shapes(cm: CostModel, tiers: list[int]) -> tuple[list[Shape], int, int]:
+    """The ubatches of the workload's request (formula 8), with the prefill tier that ends the
+    prompt and the decode tier (between which the plan switches)."""
+    w = cm.w
+    shapes = [Shape(t, n, d, 1, w.users, "prefill") for t, n, d in cm.prompt_ubatches(tiers)]
+    dt = cm.decode_tier(tiers)
+    half = w.gen_tokens / 2
+    for depth in (w.prompt_tokens, w.prompt_tokens + w.gen_tokens):
+        shapes.append(Shape(dt, w.users, depth, w.users, half, "decode"))
+    last_prefill = shapes[0].tier if w.prompt_tokens else dt
+    for s in shapes:
+        if s.part == "prefill":
+            last_prefill = s.tier
+    return shapes, last_prefill, dt
 
 
 def evaluate(
@@ -340,23 +374,17 @@ def evaluate(
 ) -> Prediction:
     """Predicted TTFT, decode time, TPS and end-to-end time of a workload under a plan."""
     cm = CostModel(spec, profile, workload, overlap)
-    tier_list = sorted(tiers)
+    shapes, last_prefill, dt = request_shapes(cm, sorted(tiers))
     per_tier: dict[int, dict[int, Terms]] = {}
-
-    def terms(tier: int, tokens: int, depth: int, sequences: int = 1) -> Terms:
-        t = cm.ubatch_terms(tiers[tier], tokens, depth, sequences)
-        per_tier.setdefault(tier, {})[depth] = t
-        return t
-
-    users = workload.users
-    ttft = users * sum(terms(tier, n, d).total for tier, n, d in cm.prompt_ubatches(tier_list))
-    dt = cm.decode_tier(tier_list)
-    start, end = workload.prompt_tokens, workload.prompt_tokens + workload.gen_tokens
-    step_start = terms(dt, users, start, users).total
-    step_end = terms(dt, users, end, users).total
-    steps = workload.gen_tokens
-    last_prefill = cm.prompt_ubatches(tier_list)[-1][0] if workload.prompt_tokens else dt
+    ttft = decode = 0.0
+    for s in shapes:
+        t = cm.ubatch_terms(tiers[s.tier], s.tokens, s.depth, s.sequences)
+        per_tier.setdefault(s.tier, {})[s.depth] = t
+        if s.part == "prefill":
+            ttft += s.weight * t.total
+        else:
+            decode += s.weight * t.total
     switch = switch_seconds(cm, tiers[last_prefill], tiers[dt])
-    decode = steps * (step_start + step_end) / 2 + switch
-    tps = users * steps / decode if decode > 0 else math.inf
+    decode += switch
+    tps = workload.users * workload.gen_tokens / decode if decode > 0 else math.inf
     return Prediction(ttft, decode, tps, ttft + decode, per_tier, switch)

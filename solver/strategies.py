@@ -285,6 +285,33 @@ def attnprio(p: Problem) -> dict[int, TierPlacement]:
     return _per_tier(p, build)
 
 
+def stream_rest(p: Problem) -> dict[int, TierPlacement]:
+    """Not a named system: the output head and KV pinned first, then whole layers front to back,
+    everything else streamed and nothing on the CPU — so copies run at the full PCIe rate. One of
+    the optimizer's warm starts."""
+    groups = tensor_groups(p.spec)
+    n = p.spec.hparams.n_layer
+
+    def build(tier: int) -> Layout:
+        def with_pinned(k: int, kv_pinned: bool) -> Layout:
+            lay = Layout(p, groups).set([g.name for g in groups if g.kind != EMBD], STREAMED)
+            lay.set(["output"], PINNED)
+            lay.set(["token_embd"], CPU)
+            for il in range(n):
+                if il < k:
+                    lay.set(_layer(groups, il), PINNED)
+                lay.kv[il] = Loc(PINNED) if kv_pinned or il < k else Loc(STREAMED)
+            return lay
+
+        for kv_pinned in (True, False):
+            k = _largest(lambda k: with_pinned(k, kv_pinned).fits(tier), n - 1)
+            if k >= 0:
+                return with_pinned(k, kv_pinned)
+        return Layout(p, groups)
+
+    return _per_tier(p, build)
+
+
 STRATEGIES: dict[str, Callable[[Problem], dict[int, TierPlacement]]] = {
     "fit": fit,
     "pshard-fitparams": pshard_fitparams,

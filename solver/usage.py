@@ -60,31 +60,24 @@ def device_usage(
     mine = {g.name: place.groups[g.name] for g in groups}
     here = lambda loc: loc.kind != CPU and loc.device == device  # noqa: E731
     weights = sum(g.nbytes for g in groups if here(mine[g.name]) and mine[g.name].kind == PINNED)
+    kv = kv_shape(w, tier)
     streamed_per_layer: dict[int | None, int] = {}
     for g in groups:
         loc = mine[g.name]
         if here(loc) and loc.kind == STREAMED:
             streamed_per_layer[g.layer] = streamed_per_layer.get(g.layer, 0) + g.nbytes
-    kv = kv_shape(w, tier)
-    kv_bytes = sum(
-        kv_layer_nbytes(spec, il, kv)
-        for il, loc in place.kv.items()
-        if here(loc) and loc.kind == PINNED
-    )
-    streamed_kv = max(
-        (
-            kv_layer_nbytes(spec, il, kv)
-            for il, loc in place.kv.items()
-            if here(loc) and loc.kind == STREAMED
-        ),
-        default=0,
-    )
+    kv_bytes = 0
+    for il, loc in place.kv.items():
+        if here(loc) and loc.kind == PINNED:
+            kv_bytes += kv_layer_nbytes(spec, il, kv)
+        elif here(loc) and loc.kind == STREAMED:
+            streamed_per_layer[il] = streamed_per_layer.get(il, 0) + kv_layer_nbytes(spec, il, kv)
     rows = 0
     if here(mine["output"]):
         rows = min(tier, w.users) if target == "refengine" else tier
     compute = compute_nbytes(spec, tier, w.n_ctx * w.users, w.flash_attn, rows)
     if target == "refengine":
-        scratch = PREFETCH_DEPTH * (max(streamed_per_layer.values(), default=0) + streamed_kv)
+        scratch = PREFETCH_DEPTH * max(streamed_per_layer.values(), default=0)
     else:  # llama.cpp copies one CPU-held weight at a time into its compute buffer
         biggest = max((g.nbytes for g in groups if mine[g.name].kind == STREAMED), default=0)
         scratch = biggest if tier >= OP_OFFLOAD_MIN_TOKENS else 0

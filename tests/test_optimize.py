@@ -1,0 +1,91 @@
+"""The placement program: it never loses to the best named strategy, its objective is what
+`evaluate` says of its plan, it is deterministic, and it respects the budget."""
+
+import pytest
+
+from refengine.errors import UserError
+from refengine.synthetic import SyntheticConfig, spec_from_hparams
+from solver.cost import Workload, evaluate
+from solver.groups import tensor_groups
+from solver.optimize import best_start, optimize
+from solver.strategies import Problem
+from solver.usage import device_usage
+
+from .test_strategies import PROFILE
+
+GIB = 2**30
+SPEC = spec_from_hparams(
+    SyntheticConfig(
+        "llama",
+        n_layer=8,
+        n_embd=2048,
+        n_ff=8192,
+        n_head=16,
+        n_head_kv=4,
+        head_dim=128,
+        n_vocab=32000,
+        qtype="Q4_K",
+    )
+)
+MOE = spec_from_hparams(
+    SyntheticConfig(
+        "qwen3moe",
+        n_layer=6,
+        n_embd=1024,
+        n_ff=3072,
+        n_head=16,
+        n_head_kv=4,
+        head_dim=64,
+        n_vocab=32000,
+        qtype="Q4_K",
+        n_expert=32,
+        n_expert_used=4,
+        n_ff_exp=512,
+    )
+)
+
+
+def problem(spec, budget_gib, tiers=(1, 512)):
+    w = Workload(n_ctx=4096, prompt_tokens=3000, gen_tokens=100)
+    return Problem(spec, PROFILE, w, tiers, int(budget_gib * GIB))
+
+
+@pytest.mark.parametrize(
+    "spec,budget",
+    [(SPEC, 0.4), (SPEC, 0.8), (MOE, 0.3), (MOE, 0.6)],
+    ids=["dense-0.4", "dense-0.8", "moe-0.3", "moe-0.6"],
+)
+def test_never_worse_than_the_best_start_and_agrees_with_evaluate(spec, budget):
+    p = problem(spec, budget)
+    name, start, start_seconds = best_start(p)
+    sol = optimize(p, hint=start, time_limit_seconds=5)
+    pred = evaluate(sol.tiers, spec, PROFILE, p.workload)
+    assert pred.e2e_seconds <= start_seconds * (1 + 1e-6)
+    # every tier is used by the request here, so the program's objective is evaluate's e2e
+    # each coefficient is rounded to 100 ns; decode terms weigh gen_tokens / 2
+    assert sol.objective_seconds == pytest.approx(pred.e2e_seconds, rel=1e-3, abs=2e-4)
+    assert sol.bound_seconds <= sol.objective_seconds * (1 + 1e-9)
+    groups = tensor_groups(spec)
+    for tier, place in sol.tiers.items():
+        assert (
+            device_usage(spec, groups, place, tier, p.workload, "refengine").total <= p.budget_bytes
+        )
+
+
+def test_deterministic():
+    p = problem(SPEC, 0.5, tiers=(1, 16, 512))
+    a = optimize(p, time_limit_seconds=2)
+    b = optimize(p, time_limit_seconds=2)
+    assert a.tiers == b.tiers and a.objective_seconds == b.objective_seconds
+
+
+def test_strictly_better_than_every_named_strategy_somewhere():
+    p = problem(SPEC, 0.5)
+    _, start, start_seconds = best_start(p)
+    sol = optimize(p, hint=start, time_limit_seconds=5)
+    assert evaluate(sol.tiers, SPEC, PROFILE, p.workload).e2e_seconds < start_seconds * 0.999
+
+
+def test_a_budget_below_any_placement_is_a_user_error():
+    with pytest.raises(UserError, match="no placement fits"):
+        optimize(problem(SPEC, 0.01), time_limit_seconds=1)
