@@ -327,11 +327,19 @@ def synth(out: Path, preset: str | None, arch: str, **sizes) -> None:
 
 
 @cli.command()
-@click.option("-o", "--output", type=click.Path(dir_okay=False, path_type=Path), required=True,
-              help="Where to write the profile (JSON).")
-@click.option("--gpu-from", type=click.Path(dir_okay=False, path_type=Path),
-              help="A profile whose GPU side to keep (the GPU side is measured by the kernels "
-              "issue's code; until then it comes from a shipped profile).")
+@click.option(
+    "-o",
+    "--output",
+    type=click.Path(dir_okay=False, path_type=Path),
+    required=True,
+    help="Where to write the profile (JSON).",
+)
+@click.option(
+    "--gpu-from",
+    type=click.Path(dir_okay=False, path_type=Path),
+    help="A profile whose GPU side to keep (the GPU side is measured by the kernels "
+    "issue's code; until then it comes from a shipped profile).",
+)
 @click.option("--threads", type=int, help="CPU threads (default: all).")
 @click.option("--quick", is_flag=True, help="Small shapes and short runs: seconds, not minutes.")
 def profile(output: Path, gpu_from: Path | None, threads: int | None, quick: bool) -> None:
@@ -344,8 +352,10 @@ def profile(output: Path, gpu_from: Path | None, threads: int | None, quick: boo
     from solver.profile import HardwareProfile
 
     if gpu_from is None:
-        raise UserError("the GPU side cannot be measured yet: pass --gpu-from PROFILE (e.g. "
-                        "examples/profiles/h100.json) to keep its GPU figures")
+        raise UserError(
+            "the GPU side cannot be measured yet: pass --gpu-from PROFILE (e.g. "
+            "examples/profiles/h100.json) to keep its GPU figures"
+        )
     base = HardwareProfile.load(gpu_from)
     out = _open_for_writing(output)
     steps = 1 + 2 * len(MATVEC_TYPES)
@@ -360,8 +370,184 @@ def profile(output: Path, gpu_from: Path | None, threads: int | None, quick: boo
     prof = replace(base, name=f"{cpu.name} + {base.name}", cpu=cpu)
     with out:
         out.write(json.dumps(prof.to_json(), indent=1).encode() + b"\n")
-    click.echo(f"wrote {output}: host memory {cpu.memory_gbps.value:.1f} GB/s, Q4_K matvec "
-               f"{cpu.matvec_gbps.at('Q4_K', cpu.threads):.2f} GB/s (provisional NumPy kernels)")
+    click.echo(
+        f"wrote {output}: host memory {cpu.memory_gbps.value:.1f} GB/s, Q4_K matvec "
+        f"{cpu.matvec_gbps.at('Q4_K', cpu.threads):.2f} GB/s (provisional NumPy kernels)"
+    )
+
+
+# -- solve ----------------------------------------------------------------------------------------
+
+
+@cli.command()
+@click.argument("model")
+@click.option(
+    "--budget",
+    help="Device memory we may use: 12000 (MiB), 12GiB. Default: the "
+    "profile's GPU memory minus 1024 MiB.",
+)
+@click.option("--reserve", default="0", show_default=True, help="Subtracted from the budget.")
+@click.option("--profile", "profile_name", help="A profile file, or a shipped profile's name.")
+@click.option("--ctx", "n_ctx", default=defaults.N_CTX, show_default=True, help="Context, tokens.")
+@click.option("--tiers", help="Tokens per ubatch to plan for, e.g. 1,16,512 (default: PSHARD's).")
+@click.option("--users", default=defaults.USERS, show_default=True)
+@click.option("--prompt-tokens", type=int, help="Default: ctx - gen tokens.")
+@click.option("--gen-tokens", default=defaults.GEN_TOKENS, show_default=True)
+@click.option("--strategy", help="Use a named strategy instead of the optimizer.")
+@click.option(
+    "--objective", type=click.Choice(["e2e", "tps", "ttft"]), default="e2e", show_default=True
+)
+@click.option(
+    "--kv-type", type=click.Choice(["f16", "q8_0"]), default=defaults.KV_TYPE, show_default=True
+)
+@click.option(
+    "--fa",
+    type=click.Choice(["on", "off"]),
+    default="on" if defaults.FLASH_ATTN else "off",
+    show_default=True,
+)
+@click.option("--threads", default=defaults.THREADS, show_default=True, help="0: the profile's.")
+@click.option("--time-limit", default=10.0, show_default=True, help="Solver effort (seconds).")
+@click.option("-o", "--output", type=click.Path(dir_okay=False, path_type=Path))
+def solve(
+    model,
+    budget,
+    reserve,
+    profile_name,
+    n_ctx,
+    tiers,
+    users,
+    prompt_tokens,
+    gen_tokens,
+    strategy,
+    objective,
+    kv_type,
+    fa,
+    threads,
+    time_limit,
+    output,
+) -> None:
+    """Place every tensor of MODEL (a GGUF, a known name, or a shape preset such as llama3-70b)
+    for each tier, and compare with llama.cpp's --fit and pshard's strategies."""
+    from rich.console import Console
+    from rich.table import Table
+
+    from solver import budget as B
+    from solver.cost import Workload
+    from solver.plan import plan_json
+    from solver.solve import load_profile, minimum_budget_bytes, solve as run_solve, summarize
+    from solver.usage import device_usage
+    from solver.groups import tensor_groups
+
+    spec = _spec_or_preset(model)
+    prof = load_profile(profile_name)
+    budgets = (
+        B.parse_budget(budget)
+        if budget
+        else [int(g.memory_bytes.value) - B.LLAMACPP_MARGIN_BYTES for g in prof.gpus]
+    )
+    if len(budgets) != 1:
+        raise UserError("one budget per device: this version plans for one GPU")
+    budget_bytes = budgets[0] - B.parse_bytes(reserve)
+    prompt = prompt_tokens if prompt_tokens is not None else n_ctx - gen_tokens
+    if prompt < 1 or prompt + gen_tokens > n_ctx:
+        raise UserError(f"prompt {prompt} + generation {gen_tokens} tokens must fit --ctx {n_ctx}")
+    w = Workload(
+        n_ctx=n_ctx,
+        prompt_tokens=prompt,
+        gen_tokens=gen_tokens,
+        users=users,
+        kv_type=kv_type,
+        flash_attn=fa == "on",
+        threads=threads,
+    )
+    tier_list = B.parse_tiers(tiers) if tiers else B.default_tiers(n_ctx, users)
+    need = minimum_budget_bytes(spec, w, tier_list)
+    if budget_bytes < need:
+        raise UserError(
+            f"a budget of {budget_bytes / 2**20:.0f} MiB is below the minimum of "
+            f"{need / 2**20:.0f} MiB any placement needs here (workspace of the largest "
+            f"tier, {max(tier_list)} tokens); raise --budget or pass smaller --tiers"
+        )
+    chosen, baselines, facts = run_solve(
+        spec, prof, w, tier_list, budget_bytes, objective, strategy, time_limit
+    )
+    con = Console()
+    con.print(
+        f"[bold]{spec.name}[/] on {prof.name}: budget {budget_bytes / 2**30:.2f} GiB, "
+        f"ctx {n_ctx}, prompt {prompt}, generate {gen_tokens}, users {users}"
+    )
+    groups = tensor_groups(spec)
+    t = Table(title=f"plan: {chosen.name}")
+    for col in (
+        "tier",
+        "placement",
+        "weights GiB",
+        "scratch GiB",
+        "KV GiB",
+        "workspace GiB",
+        "ubatch s",
+        "bound",
+    ):
+        t.add_column(col)
+    for tier, place in sorted(chosen.tiers.items()):
+        u = device_usage(spec, groups, place, tier, w, chosen.target)
+        terms = chosen.prediction.per_tier.get(tier, {})
+        first = terms[min(terms)] if terms else None
+        t.add_row(
+            str(tier),
+            summarize(spec, place),
+            f"{u.weights / 2**30:.2f}",
+            f"{u.scratch / 2**30:.2f}",
+            f"{u.kv / 2**30:.2f}",
+            f"{u.compute / 2**30:.2f}",
+            f"{first.total:.4f}" if first else "-",
+            first.bound if first else "-",
+        )
+    con.print(t)
+    c = Table(title="predicted, same cost model")
+    for col in ("placement", "TTFT s", "TPS", "end-to-end s", "vs chosen"):
+        c.add_column(col)
+    for o in [chosen, *baselines]:
+        p = o.prediction
+        c.add_row(
+            o.name,
+            f"{p.ttft_seconds:.2f}",
+            f"{p.tps:.2f}",
+            f"{p.e2e_seconds:.2f}",
+            f"{p.e2e_seconds / chosen.prediction.e2e_seconds:.2f}x",
+        )
+    con.print(c)
+    if facts.get("status"):
+        con.print(
+            f"solver: {facts['status']}, gap {facts['gap']:.1%}, "
+            f"{facts['wall_seconds']:.1f} s, warm start {facts['warm_start']}"
+        )
+    if output:
+        doc = plan_json(
+            spec,
+            w,
+            prof.name,
+            [budget_bytes],
+            chosen.tiers,
+            chosen.prediction,
+            chosen.name,
+            chosen.target,
+            facts,
+            facts.get("not_needed", False),
+        )
+        out = _open_for_writing(output)
+        with out:
+            out.write((json.dumps(doc, indent=1) + "\n").encode())
+        con.print(f"wrote {output}")
+
+
+def _spec_or_preset(model: str) -> ModelSpec:
+    from .synthetic import PRESETS, preset, spec_from_hparams
+
+    if model in PRESETS:
+        return spec_from_hparams(preset(model))
+    return _spec(model)
 
 
 def main() -> None:

@@ -23,3 +23,10 @@ TEMPERATURE = 0.0
 TOP_K = 40
 TOP_P = 0.95
 SEED = 0
+
+# Plan fingerprint inputs (CONTRACTS.md), shared by solve, run and bench.
+KV_TYPE = "f16"  # llama.cpp's default cache type
+FLASH_ATTN = True  # llama.cpp's default (auto) turns it on where supported
+THREADS = 0  # 0: the profile's CPU thread count
+USERS = 1
+GEN_TOKENS = 200  # the seeds' OSL; the prompt fills the rest of the context

@@ -1,0 +1,195 @@
+"""The Plan: versioned JSON that says, per tier, where every tensor and every layer's KV lives,
+the device memory map, and what the cost model predicts (CONTRACTS.md, Plan).
+
+The memory map of a device in a tier lists regions (name, offset_bytes, nbytes) in arena order:
+weights pinned in every tier first (so a tier switch leaves them in place), then this tier's
+other pinned weights, the scratch ring slots, the runtime's workspace, and the KV packed from the
+right end of the budget (layer 0 rightmost), so a switch can resize the scratch between them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from refengine.errors import UserError
+from refengine.spec import ModelSpec
+
+from .cost import PINNED, Loc, Prediction, TierPlacement, Workload
+from .groups import Group, tensor_groups
+from .memory import kv_layer_nbytes
+from .usage import PREFETCH_DEPTH, device_usage, kv_shape
+
+SCHEMA = "refengine.plan"
+VERSION = 1
+
+
+@dataclass(frozen=True)
+class Region:
+    name: str
+    offset_bytes: int
+    nbytes: int
+
+
+def memory_map(
+    spec: ModelSpec,
+    groups: list[Group],
+    tiers: dict[int, TierPlacement],
+    tier: int,
+    w: Workload,
+    budget_bytes: int,
+    device: int = 0,
+) -> list[Region]:
+    place = tiers[tier]
+    everywhere = {
+        g.name
+        for g in groups
+        if all(t.groups[g.name] == Loc(PINNED, device) for t in tiers.values())
+    }
+    regions, offset = [], 0
+    ordered = [g for g in groups if g.name in everywhere] + [
+        g
+        for g in groups
+        if g.name not in everywhere and place.groups[g.name] == Loc(PINNED, device)
+    ]
+    for g in ordered:
+        regions.append(Region(f"weights:{g.name}", offset, g.nbytes))
+        offset += g.nbytes
+    usage = device_usage(spec, groups, place, tier, w, "refengine", device)
+    slot = usage.scratch // PREFETCH_DEPTH if usage.scratch else 0
+    for i in range(PREFETCH_DEPTH if slot else 0):
+        regions.append(Region(f"scratch:{i}", offset, slot))
+        offset += slot
+    regions.append(Region("workspace", offset, usage.compute))
+    offset += usage.compute
+    end = budget_bytes
+    kv = kv_shape(w, tier)
+    for il in sorted(place.kv):
+        if place.kv[il] == Loc(PINNED, device):
+            n = kv_layer_nbytes(spec, il, kv)
+            end -= n
+            regions.append(Region(f"kv:{il}", end, n))
+    if end < offset:  # the solver's memory model and this map disagree: a bug, not a user error
+        raise AssertionError(
+            f"tier {tier}: the memory map overflows the budget by {offset - end} B"
+        )
+    return regions
+
+
+def fingerprint(
+    spec: ModelSpec, w: Workload, profile_name: str, budgets: list[int], tiers: list[int]
+) -> dict:
+    return {
+        "model": spec.name,
+        "model_nbytes": spec.file_nbytes,
+        "n_ctx": w.n_ctx,
+        "users": w.users,
+        "kv_type": w.kv_type,
+        "flash_attn": w.flash_attn,
+        "threads": w.threads,
+        "profile": profile_name,
+        "budget_bytes": budgets,
+        "tiers": tiers,
+    }
+
+
+def fingerprint_hash(fp: dict) -> str:
+    return hashlib.sha256(json.dumps(fp, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def plan_json(
+    spec: ModelSpec,
+    w: Workload,
+    profile_name: str,
+    budgets: list[int],
+    tiers: dict[int, TierPlacement],
+    prediction: Prediction,
+    strategy: str,
+    target: str,
+    solver: dict | None = None,
+    not_needed: bool = False,
+) -> dict:
+    groups = tensor_groups(spec)
+    fp = fingerprint(spec, w, profile_name, budgets, sorted(tiers))
+    out_tiers = {}
+    for t, place in sorted(tiers.items()):
+        tensors = {}
+        for g in groups:
+            for name in g.tensors:  # a tied head is token_embd used a second time
+                tied_head = g.kind == "output" and name == "token_embd.weight"
+                tensors[name + ("@output" if tied_head else "")] = str(place.groups[g.name])
+        usage = device_usage(spec, groups, place, t, w, target)
+        terms = prediction.per_tier.get(t, {})
+        out_tiers[str(t)] = {
+            "tensors": tensors,
+            "kv": {str(il): str(loc) for il, loc in sorted(place.kv.items())},
+            "memory": {"0": usage.as_dict()},
+            "memory_map": {
+                "0": [
+                    [r.name, r.offset_bytes, r.nbytes]
+                    for r in memory_map(spec, groups, tiers, t, w, budgets[0])
+                ]
+            }
+            if target == "refengine"
+            else {},
+            "predicted_ubatch_seconds": {
+                str(d): {
+                    "gpu": x.gpu,
+                    "copy": x.copy,
+                    "cpu": x.cpu,
+                    "latency": x.latency,
+                    "total": x.total,
+                    "bound": x.bound,
+                }
+                for d, x in sorted(terms.items())
+            },
+        }
+    return {
+        "schema": SCHEMA,
+        "version": VERSION,
+        "target": target,
+        "strategy": strategy,
+        "not_needed": not_needed,
+        "model": {"name": spec.name, "path": str(spec.path)},
+        "fingerprint": fp,
+        "fingerprint_hash": fingerprint_hash(fp),
+        "workload": {
+            "prompt_tokens": w.prompt_tokens,
+            "gen_tokens": w.gen_tokens,
+            "users": w.users,
+        },
+        "prediction": {
+            "ttft_seconds": prediction.ttft_seconds,
+            "tps": prediction.tps,
+            "decode_seconds": prediction.decode_seconds,
+            "e2e_seconds": prediction.e2e_seconds,
+            "switch_seconds": prediction.switch_seconds,
+        },
+        "solver": solver or {},
+        "tiers": out_tiers,
+    }
+
+
+def load_plan(path: str | Path) -> dict:
+    p = Path(path)
+    try:
+        d = json.loads(p.read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise UserError(f"{p}: not a readable plan ({e})") from None
+    if d.get("schema") != SCHEMA or d.get("version") != VERSION:
+        raise UserError(f"{p}: not a refengine plan of version {VERSION}; solve again")
+    return d
+
+
+def placements_from_json(d: dict, spec: ModelSpec) -> dict[int, TierPlacement]:
+    """TierPlacements back from a plan's JSON (group locations from their tensors')."""
+    groups = tensor_groups(spec)
+    out = {}
+    for t, tier in d["tiers"].items():
+        locs = {}
+        for g in groups:  # a group's tensors share its location; the first one names it
+            locs[g.name] = Loc.parse(tier["tensors"][g.tensors[0]])
+        out[int(t)] = TierPlacement(locs, {int(il): Loc.parse(v) for il, v in tier["kv"].items()})
+    return out

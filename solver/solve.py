@@ -1,0 +1,129 @@
+"""`refengine solve`: a model, a machine and a budget in; the best plan, its explanation and the
+comparison with every named strategy out."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from refengine.errors import UserError
+from refengine.spec import ModelSpec
+
+from .cost import CPU, PINNED, Loc, Prediction, TierPlacement, Workload, evaluate
+from .groups import ATTN_SIDE, tensor_groups
+from .optimize import best_start, optimize
+from .profile import HardwareProfile
+from .strategies import STRATEGIES, Problem
+from .usage import device_usage
+
+SHIPPED_PROFILES = Path(__file__).resolve().parents[1] / "examples" / "profiles"
+
+
+def load_profile(name_or_path: str | None) -> HardwareProfile:
+    shipped = sorted(p.stem for p in SHIPPED_PROFILES.glob("*.json"))
+    if name_or_path is None:
+        raise UserError(
+            "give --profile: a file from `refengine profile`, or a shipped one ("
+            + ", ".join(shipped)
+            + ")"
+        )
+    p = Path(name_or_path)
+    if not p.exists() and name_or_path in shipped:
+        p = SHIPPED_PROFILES / f"{name_or_path}.json"
+    return HardwareProfile.load(p)
+
+
+@dataclass
+class Outcome:
+    name: str
+    tiers: dict[int, TierPlacement]
+    prediction: Prediction
+    target: str
+
+
+def solve(
+    spec: ModelSpec,
+    profile: HardwareProfile,
+    w: Workload,
+    tiers: list[int],
+    budget_bytes: int,
+    objective: str = "e2e",
+    strategy: str | None = None,
+    time_limit_seconds: float = 10.0,
+) -> tuple[Outcome, list[Outcome], dict]:
+    """(chosen plan, every named strategy's plan, solver facts)."""
+    p = Problem(spec, profile, w, tuple(tiers), budget_bytes, "refengine")
+    baselines = []
+    for name, make in STRATEGIES.items():
+        target = "llamacpp" if name == "fit" else "refengine"
+        plan = make(Problem(spec, profile, w, tuple(tiers), budget_bytes, target))
+        baselines.append(
+            Outcome(
+                name, plan, evaluate(plan, spec, profile, w, overlap=target == "refengine"), target
+            )
+        )
+    if strategy is not None:
+        if strategy not in STRATEGIES:
+            raise UserError(f"unknown strategy {strategy!r} (known: {', '.join(STRATEGIES)})")
+        return next(b for b in baselines if b.name == strategy), baselines, {}
+    all_pinned = _all_pinned(spec, tiers)
+    if all(_fits(p, all_pinned[t], t) for t in tiers):
+        return (
+            Outcome("not-needed", all_pinned, evaluate(all_pinned, spec, profile, w), "refengine"),
+            baselines,
+            {"not_needed": True},
+        )
+    start_name, start, _ = best_start(p, objective)
+    sol = optimize(p, objective, time_limit_seconds, hint=start)
+    chosen = Outcome("optimal", sol.tiers, evaluate(sol.tiers, spec, profile, w), "refengine")
+    facts = {
+        "status": sol.status,
+        "objective_seconds": sol.objective_seconds,
+        "bound_seconds": sol.bound_seconds,
+        "gap": sol.gap,
+        "wall_seconds": sol.wall_seconds,
+        "warm_start": start_name,
+    }
+    return chosen, baselines, facts
+
+
+def _all_pinned(spec: ModelSpec, tiers: list[int]) -> dict[int, TierPlacement]:
+    groups = tensor_groups(spec)
+    place = TierPlacement(
+        {g.name: Loc(PINNED) for g in groups},
+        {il: Loc(PINNED) for il in range(spec.hparams.n_layer)},
+    )
+    return {t: place for t in tiers}
+
+
+def _fits(p: Problem, place: TierPlacement, tier: int) -> bool:
+    u = device_usage(p.spec, tensor_groups(p.spec), place, tier, p.workload, p.target)
+    return u.total <= p.budget_bytes
+
+
+def minimum_budget_bytes(spec: ModelSpec, w: Workload, tiers: list[int]) -> int:
+    """The smallest budget any placement needs: everything on the CPU but the workspace."""
+    groups = tensor_groups(spec)
+    place = TierPlacement(
+        {g.name: Loc(CPU) for g in groups}, {il: Loc(CPU) for il in range(spec.hparams.n_layer)}
+    )
+    return max(device_usage(spec, groups, place, t, w, "refengine").total for t in tiers)
+
+
+def summarize(spec: ModelSpec, place: TierPlacement) -> str:
+    """Counts per layer kind: `41 pinned, 4 attn pinned + ffn streamed, 3 streamed; KV 45 gpu 3 cpu;
+    output pinned`."""
+    groups = tensor_groups(spec)
+    kinds: dict[str, int] = {}
+    for il in range(spec.hparams.n_layer):
+        lg = [g for g in groups if g.layer == il]
+        attn = place.groups[lg[0].name].kind
+        ffn = sorted({place.groups[g.name].kind for g in lg if g.kind != ATTN_SIDE})
+        desc = attn if ffn == [attn] else f"attn {attn} + ffn {'/'.join(ffn)}"
+        kinds[desc] = kinds.get(desc, 0) + 1
+    kv: dict[str, int] = {}
+    for loc in place.kv.values():
+        kv[loc.kind] = kv.get(loc.kind, 0) + 1
+    layers = ", ".join(f"{n} {d}" for d, n in sorted(kinds.items(), key=lambda x: -x[1]))
+    kvs = " ".join(f"{n} {k}" for k, n in sorted(kv.items()))
+    return f"layers: {layers}; KV: {kvs}; output {place.groups['output'].kind}"

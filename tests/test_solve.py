@@ -1,0 +1,60 @@
+"""`refengine solve`: tables, the plan file, and its user errors."""
+
+import json
+import subprocess
+import sys
+
+
+def solve(*args):
+    return subprocess.run(
+        [sys.executable, "-m", "refengine", "solve", *map(str, args)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+
+
+def test_solve_a_preset_shape_writes_a_plan(tmp_path):
+    out = tmp_path / "plan.json"
+    r = solve(
+        "qwen3moe-30b-a3b",
+        "--profile",
+        "rtx4090-epyc-7742",
+        "--budget",
+        "12GiB",
+        "--ctx",
+        "8192",
+        "--tiers",
+        "1,512,2048",
+        "--time-limit",
+        "3",
+        "-o",
+        out,
+    )
+    assert r.returncode == 0, r.stderr
+    for name in ("optimal", "fit", "pshard-fitparams", "layerpin-layerstream", "attnprio"):
+        assert name in r.stdout
+    plan = json.loads(out.read_text())
+    assert plan["schema"] == "refengine.plan" and plan["target"] == "refengine"
+    assert set(plan["tiers"]) == {"1", "512", "2048"}
+    tier = plan["tiers"]["512"]
+    assert tier["tensors"]["blk.0.ffn_up_exps.weight"] in ("pinned:0", "streamed:0", "cpu")
+    budget = 12 * 2**30
+    assert tier["memory"]["0"]["total"] <= budget
+    regions = tier["memory_map"]["0"]
+    ends = sorted((off, off + n) for _, off, n in regions)
+    assert all(a[1] <= b[0] for a, b in zip(ends, ends[1:]))  # no overlap
+    assert max(e for _, e in ends) <= budget
+    assert plan["fingerprint"]["n_ctx"] == 8192 and len(plan["fingerprint_hash"]) == 16
+
+
+def test_a_budget_below_the_minimum_names_it(tmp_path):
+    r = solve("llama3-8b", "--profile", "rtx4090-epyc-7742", "--budget", "10", "--ctx", "4096")
+    assert r.returncode == 2
+    assert "below the minimum of" in r.stderr and "MiB" in r.stderr
+    assert r.stderr.count("\n") == 1
+
+
+def test_unknown_profile_lists_the_shipped_ones():
+    r = solve("llama3-8b", "--budget", "8GiB")
+    assert r.returncode == 2 and "rtx4090-epyc-7742" in r.stderr
