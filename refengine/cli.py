@@ -395,6 +395,14 @@ def profile(output: Path, gpu_from: Path | None, threads: int | None, quick: boo
 @click.option("--gen-tokens", default=defaults.GEN_TOKENS, show_default=True)
 @click.option("--strategy", help="Use a named strategy instead of the optimizer.")
 @click.option(
+    "--target",
+    type=click.Choice(["refengine", "llamacpp"]),
+    default="refengine",
+    show_default=True,
+    help="llamacpp: one static placement llama.cpp can run "
+    "(its --fit placement for now), exportable as flags.",
+)
+@click.option(
     "--objective", type=click.Choice(["e2e", "tps", "ttft"]), default="e2e", show_default=True
 )
 @click.option(
@@ -420,6 +428,7 @@ def solve(
     prompt_tokens,
     gen_tokens,
     strategy,
+    target,
     objective,
     kv_type,
     fa,
@@ -469,6 +478,8 @@ def solve(
             f"{need / 2**20:.0f} MiB any placement needs here (workspace of the largest "
             f"tier, {max(tier_list)} tokens); raise --budget or pass smaller --tiers"
         )
+    if target == "llamacpp":
+        strategy = "fit"
     chosen, baselines, facts = run_solve(
         spec, prof, w, tier_list, budget_bytes, objective, strategy, time_limit
     )
@@ -540,6 +551,65 @@ def solve(
         with out:
             out.write((json.dumps(doc, indent=1) + "\n").encode())
         con.print(f"wrote {output}")
+
+
+@cli.command()
+@click.argument("plan_path", metavar="PLAN", type=click.Path(dir_okay=False, path_type=Path))
+@click.option(
+    "--format",
+    "fmt",
+    type=click.Choice(["llamacpp", "pshard-registry"]),
+    default="llamacpp",
+    show_default=True,
+)
+@click.option(
+    "-o",
+    "--output",
+    type=click.Path(dir_okay=False, path_type=Path),
+    help="pshard-registry: where to write (default: next to the model).",
+)
+def export(plan_path: Path, fmt: str, output: Path | None) -> None:
+    """Print a plan as a llama.cpp command, or write it as a pshard registry."""
+    from solver.cost import Workload
+    from solver.export import command_line, llamacpp_args
+    from solver.plan import load_plan, placements_from_json
+    from solver.registry import registry_text
+
+    d = load_plan(plan_path)
+    model = d["model"]["path"] if d["model"]["path"] != "None" else d["model"]["name"]
+    spec = _spec_or_preset(model)
+    fp = d["fingerprint"]
+    w = Workload(
+        n_ctx=fp["n_ctx"],
+        prompt_tokens=d["workload"]["prompt_tokens"],
+        gen_tokens=d["workload"]["gen_tokens"],
+        users=fp["users"],
+        kv_type=fp["kv_type"],
+        flash_attn=fp["flash_attn"],
+        threads=fp["threads"],
+    )
+    tiers = placements_from_json(d, spec)
+    if fmt == "llamacpp":
+        if d["target"] != "llamacpp":
+            raise UserError(
+                "this plan is for refengine's runtime (streamed, per tier); solve "
+                "with --target llamacpp to export llama.cpp flags"
+            )
+        args = llamacpp_args(spec, tiers[min(tiers)], w.n_ctx, w.kv_type, w.flash_attn)
+        click.echo(command_line(str(spec.path or d["model"]["name"]), args))
+        return
+    per_tier = {
+        t: (place, d["prediction"]["tps"], d["tiers"][str(t)]["memory"]["0"]["total"])
+        for t, place in tiers.items()
+    }
+    text = registry_text(spec, w, fp["threads"], fp["budget_bytes"][0], per_tier, d["strategy"])
+    if output is None:
+        if spec.path is None:
+            raise UserError("a spec-only plan has no model file to write next to; pass -o FILE")
+        output = Path(str(spec.path) + ".tensor_overrides.pshard_registry")
+    with _open_for_writing(output) as f:
+        f.write(text.encode())
+    click.echo(f"wrote {output}")
 
 
 def _spec_or_preset(model: str) -> ModelSpec:

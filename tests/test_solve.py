@@ -58,3 +58,58 @@ def test_a_budget_below_the_minimum_names_it(tmp_path):
 def test_unknown_profile_lists_the_shipped_ones():
     r = solve("llama3-8b", "--budget", "8GiB")
     assert r.returncode == 2 and "rtx4090-epyc-7742" in r.stderr
+
+
+def refengine(*args):
+    return subprocess.run(
+        [sys.executable, "-m", "refengine", *map(str, args)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+
+
+def test_llamacpp_target_exports_flags_and_a_refengine_plan_is_refused(tmp_path):
+    lp = tmp_path / "llamacpp.json"
+    r = solve(
+        "qwen3moe-30b-a3b",
+        "--profile",
+        "rtx4090-epyc-7742",
+        "--budget",
+        "12GiB",
+        "--ctx",
+        "8192",
+        "--target",
+        "llamacpp",
+        "-o",
+        lp,
+    )
+    assert r.returncode == 0, r.stderr
+    cmd = refengine("export", lp)
+    assert cmd.returncode == 0, cmd.stderr
+    assert cmd.stdout.startswith("llama-server -m qwen3moe-30b-a3b -fit off -c 8192 -ngl ")
+    assert "ffn_down_exps" in cmd.stdout and "=CPU" in cmd.stdout
+    ours = tmp_path / "ours.json"
+    assert (
+        solve(
+            "llama3-8b",
+            "--profile",
+            "rtx4090-epyc-7742",
+            "--budget",
+            "3GiB",
+            "--ctx",
+            "4096",
+            "--tiers",
+            "1,512",
+            "--time-limit",
+            "2",
+            "-o",
+            ours,
+        ).returncode
+        == 0
+    )
+    refused = refengine("export", ours)
+    assert refused.returncode == 2 and "--target llamacpp" in refused.stderr
+    reg = tmp_path / "reg.txt"
+    assert refengine("export", ours, "--format", "pshard-registry", "-o", reg).returncode == 0
+    assert reg.read_text().startswith("# Generated file. Edit at your own risk.\n[fingerprint=0x")
