@@ -445,6 +445,7 @@ def solve(
     from solver.cost import Workload
     from solver.plan import plan_json
     from solver.solve import load_profile, minimum_budget_bytes, solve as run_solve, summarize
+    from solver.solve import viable_tiers
     from solver.usage import device_usage
     from solver.groups import tensor_groups
 
@@ -471,13 +472,15 @@ def solve(
         threads=threads,
     )
     tier_list = B.parse_tiers(tiers) if tiers else B.default_tiers(n_ctx, users)
-    need = minimum_budget_bytes(spec, w, tier_list)
-    if budget_bytes < need:
+    viable = viable_tiers(spec, w, tier_list, budget_bytes)
+    if min(tier_list) not in viable:
+        need = minimum_budget_bytes(spec, w, min(tier_list))
         raise UserError(
             f"a budget of {budget_bytes / 2**20:.0f} MiB is below the minimum of "
-            f"{need / 2**20:.0f} MiB any placement needs here (workspace of the largest "
-            f"tier, {max(tier_list)} tokens); raise --budget or pass smaller --tiers"
+            f"{need / 2**20:.0f} MiB any placement needs here; raise --budget"
         )
+    dropped = sorted(set(tier_list) - set(viable))
+    tier_list = viable
     if target == "llamacpp":
         strategy = "fit"
     chosen, baselines, facts = run_solve(
@@ -516,6 +519,8 @@ def solve(
             first.bound if first else "-",
         )
     con.print(t)
+    if dropped:
+        con.print(f"not viable (their workspace alone exceeds the budget): tiers {dropped}")
     c = Table(title="predicted, same cost model")
     for col in ("placement", "TTFT s", "TPS", "end-to-end s", "vs chosen"):
         c.add_column(col)

@@ -101,13 +101,19 @@ def _fits(p: Problem, place: TierPlacement, tier: int) -> bool:
     return u.total <= p.budget_bytes
 
 
-def minimum_budget_bytes(spec: ModelSpec, w: Workload, tiers: list[int]) -> int:
-    """The smallest budget any placement needs: everything on the CPU but the workspace."""
+def minimum_budget_bytes(spec: ModelSpec, w: Workload, tier: int) -> int:
+    """The smallest budget a tier needs: everything on the CPU but the workspace."""
     groups = tensor_groups(spec)
     place = TierPlacement(
         {g.name: Loc(CPU) for g in groups}, {il: Loc(CPU) for il in range(spec.hparams.n_layer)}
     )
-    return max(device_usage(spec, groups, place, t, w, "refengine").total for t in tiers)
+    return device_usage(spec, groups, place, tier, w, "refengine").total
+
+
+def viable_tiers(spec: ModelSpec, w: Workload, tiers: list[int], budget_bytes: int) -> list[int]:
+    """The tiers whose workspace fits the budget at all (pshard marks the others not_viable; a
+    prompt then runs in ubatches of the largest viable tier)."""
+    return [t for t in tiers if minimum_budget_bytes(spec, w, t) <= budget_bytes]
 
 
 def summarize(spec: ModelSpec, place: TierPlacement) -> str:

@@ -49,7 +49,7 @@ def test_solve_a_preset_shape_writes_a_plan(tmp_path):
 
 
 def test_a_budget_below_the_minimum_names_it(tmp_path):
-    r = solve("llama3-8b", "--profile", "rtx4090-epyc-7742", "--budget", "10", "--ctx", "4096")
+    r = solve("llama3-8b", "--profile", "rtx4090-epyc-7742", "--budget", "0.1", "--ctx", "4096")
     assert r.returncode == 2
     assert "below the minimum of" in r.stderr and "MiB" in r.stderr
     assert r.stderr.count("\n") == 1
