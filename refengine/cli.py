@@ -415,7 +415,12 @@ def profile(output: Path, gpu_from: Path | None, threads: int | None, quick: boo
     show_default=True,
 )
 @click.option("--threads", default=defaults.THREADS, show_default=True, help="0: the profile's.")
-@click.option("--time-limit", default=10.0, show_default=True, help="Solver effort (seconds).")
+@click.option(
+    "--time-limit",
+    default=6.0,
+    show_default=True,
+    help="Solver effort, in CP-SAT's deterministic seconds.",
+)
 @click.option("-o", "--output", type=click.Path(dir_okay=False, path_type=Path))
 def solve(
     model,

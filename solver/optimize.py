@@ -51,6 +51,7 @@ from dataclasses import dataclass
 
 from ortools.sat.python import cp_model
 
+from refengine.defaults import SOLVER_SECONDS
 from refengine.errors import UserError
 
 from .cost import (
@@ -137,7 +138,7 @@ class Solution:
 def optimize(
     p: Problem,
     objective: str = "e2e",
-    time_limit_seconds: float = 10.0,
+    time_limit_seconds: float = SOLVER_SECONDS,
     hint: dict[int, TierPlacement] | None = None,
 ) -> Solution:
     start = time.perf_counter()

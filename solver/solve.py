@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from refengine.defaults import SOLVER_SECONDS
 from refengine.errors import UserError
 from refengine.spec import ModelSpec
 
@@ -49,7 +50,7 @@ def solve(
     budget_bytes: int,
     objective: str = "e2e",
     strategy: str | None = None,
-    time_limit_seconds: float = 10.0,
+    time_limit_seconds: float = SOLVER_SECONDS,
 ) -> tuple[Outcome, list[Outcome], dict]:
     """(chosen plan, every named strategy's plan, solver facts)."""
     p = Problem(spec, profile, w, tuple(tiers), budget_bytes, "refengine")
