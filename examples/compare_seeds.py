@@ -93,7 +93,7 @@ def predict_fit(shape: str, profile: HardwareProfile, w: Workload):
     spec = spec_from_hparams(SHAPES[shape])
     budget = int(profile.gpus[0].memory_bytes.value) - LLAMACPP_MARGIN_BYTES
     plan = STRATEGIES["fit"](Problem(spec, profile, w, TIERS, budget, "llamacpp"))
-    return spec, evaluate(plan, spec, profile, w, overlap=False)
+    return spec, evaluate(plan, spec, profile, w, "llamacpp")
 
 
 def main() -> None:

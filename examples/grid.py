@@ -58,7 +58,7 @@ def main() -> None:
                     for name, make in STRATEGIES.items():
                         target = "llamacpp" if name == "fit" else "refengine"
                         plan = make(Problem(spec, prof, w, tiers, budget_gb * GIB, target))
-                        e = evaluate(plan, spec, prof, w, overlap=target == "refengine")
+                        e = evaluate(plan, spec, prof, w, target)
                         named.append((e.e2e_seconds, name))
                     best_named = min(named)
                     _, start, _ = best_start(p)

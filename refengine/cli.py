@@ -464,9 +464,13 @@ def solve(
     if len(budgets) != 1:
         raise UserError("one budget per device: this version plans for one GPU")
     budget_bytes = budgets[0] - B.parse_bytes(reserve)
-    prompt = prompt_tokens if prompt_tokens is not None else n_ctx - gen_tokens
-    if prompt < 1 or prompt + gen_tokens > n_ctx:
-        raise UserError(f"prompt {prompt} + generation {gen_tokens} tokens must fit --ctx {n_ctx}")
+    per_user = n_ctx // max(users, 1)  # one unified KV cache of --ctx cells, shared by the users
+    prompt = prompt_tokens if prompt_tokens is not None else per_user - gen_tokens
+    if prompt < 1 or prompt + gen_tokens > per_user:
+        raise UserError(
+            f"prompt {prompt} + generation {gen_tokens} tokens must fit each user's "
+            f"share of --ctx {n_ctx} ({per_user} tokens for {users} users)"
+        )
     w = Workload(
         n_ctx=n_ctx,
         prompt_tokens=prompt,

@@ -18,10 +18,13 @@ Formulas (every rate from the HardwareProfile; M = tokens in the ubatch, the tie
    tokens attends to d + (M/S + 1)/2 keys (causal; a sliding layer to at most n_swa), costing
    4 * n_head * head_dim flops per key, and S * d + M cached cells are read; it runs where the
    layer's KV lives.
-5. Every change of device along a layer's ops (attention side -> attention -> FFN) is a hop:
-   sync + copy latency + activation bytes over PCIe.
+5. Every change of device along the ops (embedding -> each layer's attention side -> attention ->
+   FFN matrices -> next layer ... -> head) is a hop: sync + copy latency + activation bytes over
+   PCIe (residual rows between layers, the wider FFN rows inside one).
 6. Launches: ~8 element-wise kernels per layer plus one per GPU matrix, at the host launch cost, or
    at the per-kernel graph cost for single-token decode (captured as a CUDA graph).
+   Under llama.cpp (target "llamacpp") a CPU-held weight runs on the CPU below 32 tokens and is
+   copied to the GPU and computed there at 32 and above (op-offload), unoverlapped.
 7. KV placed `streamed` (pshard's scheme, for its strategies only: our runtime keeps a layer's KV
    on a GPU or on the CPU) uploads the layer's cached cells before it and downloads the new ones.
    A layer takes max(GPU work, copies) + CPU work on our runtime, which prefetches the next layer's
@@ -36,7 +39,6 @@ Formulas (every rate from the HardwareProfile; M = tokens in the ubatch, the tie
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 
 from refengine.spec import ModelSpec
@@ -46,6 +48,7 @@ from .memory import expected_distinct_experts, kv_cell_nbytes
 from .profile import HardwareProfile
 
 PINNED, STREAMED, CPU = "pinned", "streamed", "cpu"
+OP_OFFLOAD_MIN_TOKENS = 32  # llama.cpp's GGML_OP_OFFLOAD_MIN_BATCH
 ELEMENTWISE_KERNELS_PER_LAYER = 8
 OBJECTIVES = ("e2e", "tps", "ttft")
 
@@ -74,7 +77,7 @@ class Loc:
 
 @dataclass(frozen=True)
 class Workload:
-    n_ctx: int  # tokens of context (all users)
+    n_ctx: int  # cells of the unified KV cache, shared by all users (llama.cpp's -c)
     prompt_tokens: int
     gen_tokens: int
     users: int = 1
@@ -136,16 +139,36 @@ class CostModel:
     """Rates bound to one model, profile and workload; prices groups, layers and ubatches."""
 
     def __init__(
-        self, spec: ModelSpec, profile: HardwareProfile, workload: Workload, overlap: bool = True
+        self,
+        spec: ModelSpec,
+        profile: HardwareProfile,
+        workload: Workload,
+        target: str = "refengine",
     ):
         self.spec, self.profile, self.w = spec, profile, workload
-        self.overlap = overlap  # our runtime prefetches; llama.cpp's op-offload does not
+        self.target = target
+        self.overlap = target == "refengine"  # our runtime prefetches; llama.cpp does not
         self.groups = tensor_groups(spec)
         self.by_layer: dict[int | None, list[Group]] = {}
         for g in self.groups:
             self.by_layer.setdefault(g.layer, []).append(g)
         self.threads = workload.threads or profile.cpu.threads
         self.cell_nbytes = kv_cell_nbytes(spec, workload.kv_type)
+        hp = spec.hparams
+        # activations crossing inside a layer: the wider of the residual and the FFN's inner rows
+        self.hop_width = max(hp.n_embd, hp.n_ff_exp * hp.n_expert_used if hp.n_expert else hp.n_ff)
+
+    def effective(self, g: Group, loc: Loc, tokens: int) -> Loc:
+        """Where g really runs: llama.cpp copies CPU-held weights to the GPU for ubatches of 32
+        tokens and more (op-offload); the embedding's row gather stays on the CPU."""
+        if (
+            self.target == "llamacpp"
+            and loc.kind == CPU
+            and g.kind != EMBD
+            and tokens >= OP_OFFLOAD_MIN_TOKENS
+        ):
+            return Loc(STREAMED)
+        return loc
 
     # -- one group ---------------------------------------------------------------------------
 
@@ -241,12 +264,15 @@ class CostModel:
         depth: int,
         cpu_busy: bool,
         sequences: int = 1,
+        prev_on_gpu: bool = True,
     ) -> Terms:
+        """One layer; `prev_on_gpu`: where the residual stream comes from (the previous layer's
+        last op, or the embedding)."""
         hp, t = self.spec.hparams, Terms()
         groups = self.by_layer[il]
         gpu_mats = 0
         for g in groups:
-            loc = place.groups[g.name]
+            loc = self.effective(g, place.groups[g.name], tokens)
             if loc.on_gpu:
                 t.gpu += self.gpu_seconds(g, tokens, loc.device)
                 gpu_mats += 1
@@ -271,8 +297,9 @@ class CostModel:
             place.groups[groups[0].name].on_gpu,
         ] + [place.groups[g.name].on_gpu for g in groups[1:]]
         hops = sum(a != b for a, b in zip(seq, seq[1:]))
-        width = max(hp.n_embd, hp.n_ff_exp * hp.n_expert_used if hp.n_expert else hp.n_ff)
-        t.latency += hops * self.hop_seconds(tokens, width)
+        t.latency += hops * self.hop_seconds(tokens, self.hop_width)
+        if prev_on_gpu != seq[0]:  # the residual stream arrives from the other device
+            t.latency += self.hop_seconds(tokens, hp.n_embd)
         if gpu_mats or kv.on_gpu:
             t.latency += self.launch_seconds(ELEMENTWISE_KERNELS_PER_LAYER + gpu_mats, tokens)
         inner = max(t.gpu, t.copy) if self.overlap else t.gpu + t.copy
@@ -287,18 +314,19 @@ class CostModel:
             not place.groups[g.name].on_gpu for g in self.groups if g.kind != EMBD
         ) or any(not loc.on_gpu for loc in place.kv.values())
         total = Terms()
+        prev = place.groups["token_embd"].on_gpu
         for il in range(self.spec.hparams.n_layer):
-            total.add(self.layer_terms(il, place, tokens, depth, cpu_busy, sequences))
+            total.add(self.layer_terms(il, place, tokens, depth, cpu_busy, sequences, prev))
+            prev = place.groups[self.by_layer[il][-1].name].on_gpu
         for g in self.by_layer[None]:  # token_embd and the output head
-            loc, t = place.groups[g.name], Terms()
+            loc, t = self.effective(g, place.groups[g.name], tokens), Terms()
             if loc.on_gpu:
                 t.gpu = self.gpu_seconds(g, tokens, loc.device)
                 if loc.kind == STREAMED:
                     t.copy = self.copy_seconds(g.nbytes, loc.device, cpu_busy)
             else:
                 t.cpu = self.cpu_seconds(g, tokens)
-            first_layer_on_gpu = place.groups["blk.0.attn"].on_gpu
-            if g.kind == EMBD and loc.on_gpu != first_layer_on_gpu:
+            if g.kind == HEAD and loc.on_gpu != prev:  # from the last layer to the head
                 t.latency = self.hop_seconds(tokens, self.spec.hparams.n_embd)
             t.total = (max(t.gpu, t.copy) if self.overlap else t.gpu + t.copy) + t.cpu + t.latency
             total.add(t)
@@ -370,10 +398,11 @@ def evaluate(
     spec: ModelSpec,
     profile: HardwareProfile,
     workload: Workload,
-    overlap: bool = True,
+    target: str = "refengine",
 ) -> Prediction:
-    """Predicted TTFT, decode time, TPS and end-to-end time of a workload under a plan."""
-    cm = CostModel(spec, profile, workload, overlap)
+    """Predicted TTFT, decode time, TPS and end-to-end time of a workload under a plan, run by
+    our runtime or (target "llamacpp") by llama.cpp."""
+    cm = CostModel(spec, profile, workload, target)
     shapes, last_prefill, dt = request_shapes(cm, sorted(tiers))
     per_tier: dict[int, dict[int, Terms]] = {}
     ttft = decode = 0.0
@@ -384,7 +413,7 @@ def evaluate(
             ttft += s.weight * t.total
         else:
             decode += s.weight * t.total
-    switch = switch_seconds(cm, tiers[last_prefill], tiers[dt])
+    switch = switch_seconds(cm, tiers[last_prefill], tiers[dt]) if workload.gen_tokens else 0.0
     decode += switch
-    tps = workload.users * workload.gen_tokens / decode if decode > 0 else math.inf
+    tps = workload.users * workload.gen_tokens / decode if decode > 0 else 0.0
     return Prediction(ttft, decode, tps, ttft + decode, per_tier, switch)

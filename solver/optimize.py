@@ -20,8 +20,9 @@ Constraints:
   (1) p + s + c = 1 for each group and tier; the embedding is never streamed.
   (2) busy[t] >= c[g,t] (g not the embedding) and busy[t] >= 1 - k[l,t]; q[g,t] >= s[g,t] + busy[t] - 1 (and the
       same for streamed KV).
-  (3) hop >= |on(a) - on(b)| for consecutive ops a, b of a layer (attention side, attention,
-      attention side, FFN matrices), on(g) = p + s; any[l,t] >= on(g), any[l,t] >= k[l,t].
+  (3) hop >= |on(a) - on(b)| for consecutive ops a, b (embedding, then per layer its attention
+      side, attention, attention side, FFN matrices, then the head), on(g) = p + s;
+      any[l,t] >= on(g), any[l,t] >= k[l,t].
   (4) ring[t] >= sum of nbytes[g] * s[g,t] over each layer's groups + its kv_bytes * ks[l,t].
   (5) memory: sum nbytes * p + PREFETCH_DEPTH * ring + sum kv_bytes * kp + compute(t)
       + logits bytes * on(output) <= budget - reserve.
@@ -58,13 +59,13 @@ from .cost import (
     CPU,
     PINNED,
     STREAMED,
+    ELEMENTWISE_KERNELS_PER_LAYER,
     CostModel,
     Loc,
     Shape,
     TierPlacement,
     evaluate,
     request_shapes,
-    switch_seconds,
 )
 from .groups import EMBD
 from .memory import compute_nbytes, kv_layer_nbytes
@@ -121,10 +122,13 @@ class _CpSat:
 @dataclass(frozen=True)
 class Solution:
     tiers: dict[int, TierPlacement]
-    objective_seconds: float  # the program's objective, converted back
-    bound_seconds: float
+    objective_seconds: float  # evaluate's value of the plan for the objective
+    bound_seconds: float  # the programs' bounds, a lower bound of what the request can take
     status: str
     wall_seconds: float
+    # per tier whose program's own solution was kept: (the program's objective, evaluate's value
+    # of that placement on the same ubatch shapes) — equal up to the 100 ns rounding
+    program_check: dict[int, tuple[float, float]]
 
     @property
     def gap(self) -> float:
@@ -142,7 +146,7 @@ def optimize(
     hint: dict[int, TierPlacement] | None = None,
 ) -> Solution:
     start = time.perf_counter()
-    cm = CostModel(p.spec, p.profile, p.workload, overlap=True)
+    cm = CostModel(p.spec, p.profile, p.workload)
     tiers = sorted(p.tiers)
     shapes, last_prefill, decode_tier = request_shapes(cm, tiers)
     if objective == "ttft":
@@ -156,24 +160,23 @@ def optimize(
     # One program per tier: they share nothing but the plan-switch cost, which is small next to
     # a request and is charged by evaluate (solving them jointly did not converge in 10 s on an
     # 80-layer model).
-    out, value, bound, statuses = {}, 0.0, 0.0, set()
+    out, bound, statuses, check = {}, 0.0, set(), {}
     for t in tiers:
         mine = [sh for sh in shapes if sh.tier == t]
-        placed, _, b, st = _program(p, cm, t, mine, time_limit_seconds / len(tiers), hint)
+        placed, v, b, st = _program(p, cm, t, mine, time_limit_seconds / len(tiers), hint)
         seconds = _tier_seconds(cm, placed, mine)
+        check[t] = (v, seconds)
         if hint and t in hint and _tier_seconds(cm, hint[t], mine) < seconds:
-            placed, seconds = (
-                hint[t],
-                _tier_seconds(cm, hint[t], mine),
-            )  # never worse than the start
+            placed, seconds = hint[t], _tier_seconds(cm, hint[t], mine)  # never worse than it
+            del check[t]
         out[t] = placed
-        value, bound = value + seconds, bound + min(b, seconds)
+        workload_part = sum(sh.weight for sh in mine if sh.part != "other")
+        if workload_part:  # bounds of tiers the request uses; the others it does not pay for
+            bound += min(b, seconds)
         statuses.add(st)
-    if objective in ("e2e", "tps"):
-        switch = switch_seconds(cm, out[last_prefill], out[decode_tier])
-        value += switch  # the bound stays a bound: switching costs >= 0
+    value = evaluate(out, p.spec, p.profile, p.workload).objective(objective)
     status = "OPTIMAL" if statuses == {"OPTIMAL"} else "FEASIBLE"
-    return Solution(out, value, bound, status, time.perf_counter() - start)
+    return Solution(out, value, min(bound, value), status, time.perf_counter() - start, check)
 
 
 def _tier_seconds(cm: CostModel, place: TierPlacement, shapes: list[Shape]) -> float:
@@ -251,9 +254,13 @@ def _program(
                 m.add(a >= ON[(g.name, t)])
             m.add(a >= K[(il, t)])
             anygpu[(il, t)] = a
-        hops[("embd", t)] = [
-            absdiff(ON[("token_embd", t)], ON[(cm.by_layer[0][0].name, t)], f"h_embd[{t}]")
-        ]
+        # between layers: the previous layer's last op (the embedding before layer 0) -> the
+        # attention side; after the last layer -> the head
+        prev = ON[("token_embd", t)]
+        for il in range(n_layer):
+            hops[("in", il, t)] = absdiff(prev, ON[(cm.by_layer[il][0].name, t)], f"h_in[{il},{t}]")
+            prev = ON[(cm.by_layer[il][-1].name, t)]
+        hops[("head", t)] = absdiff(prev, ON[("output", t)], f"h_head[{t}]")
 
     # -- memory (4), (5) -------------------------------------------------------------------
     kvs = {t: kv_shape(p.workload, t) for t in tiers}
@@ -264,15 +271,8 @@ def _program(
             kv_slot = 0 if il is None else kv_layer_nbytes(p.spec, il, kvs[t]) * KS[(il, t)]
             m.add(ring >= sum(g.nbytes * S[(g.name, t)] for g in cm.by_layer[il]) + kv_slot)
         rows = min(t, p.workload.users)
-        base = compute_nbytes(
-            p.spec, t, p.workload.n_ctx * p.workload.users, p.workload.flash_attn, 0
-        )
-        logits = (
-            compute_nbytes(
-                p.spec, t, p.workload.n_ctx * p.workload.users, p.workload.flash_attn, rows
-            )
-            - base
-        )
+        base = compute_nbytes(p.spec, t, p.workload.n_ctx, p.workload.flash_attn, 0)
+        logits = compute_nbytes(p.spec, t, p.workload.n_ctx, p.workload.flash_attn, rows) - base
         used_bytes = (
             sum(g.nbytes * P[(g.name, t)] for g in groups)
             + PREFETCH_DEPTH * ring
@@ -297,8 +297,9 @@ def _program(
                 for g in lg
             )
             cpu = sum(_ns(cm.cpu_seconds(g, n)) * C[(g.name, t)] for g in lg)
+            residual_hop = _ns(cm.hop_seconds(n, p.spec.hparams.n_embd))
             if il is None:
-                lat = _ns(cm.hop_seconds(n, p.spec.hparams.n_embd)) * hops[("embd", t)][0]
+                lat = residual_hop * hops[("head", t)]
             else:
                 att_gpu = _ns(cm.attention_seconds(il, n, sh.depth, Loc(PINNED), sh.sequences))
                 att_cpu = _ns(cm.attention_seconds(il, n, sh.depth, Loc(CPU), sh.sequences))
@@ -307,12 +308,11 @@ def _program(
                 up, down = cm.kv_stream_nbytes(il, n, sh.depth, sh.sequences)
                 copy = copy + _busy_aware(m, cm, up, KS[(il, t)], QK[(il, t)])
                 lat_kv = _busy_aware(m, cm, down, KS[(il, t)], QK[(il, t)])
-                hp = p.spec.hparams
-                width = max(hp.n_embd, hp.n_ff_exp * hp.n_expert_used if hp.n_expert else hp.n_ff)
                 lat = (
                     lat_kv
-                    + sum(_ns(cm.hop_seconds(n, width)) * h for h in hops[(il, t)])
-                    + _ns(cm.launch_seconds(8, n)) * anygpu[(il, t)]
+                    + residual_hop * hops[("in", il, t)]
+                    + sum(_ns(cm.hop_seconds(n, cm.hop_width)) * h for h in hops[(il, t)])
+                    + _ns(cm.launch_seconds(ELEMENTWISE_KERNELS_PER_LAYER, n)) * anygpu[(il, t)]
                     + sum(_ns(cm.launch_seconds(1, n)) * ON[(g.name, t)] for g in lg)
                 )
             if il is None:  # the two global groups overlap separately, as evaluate prices them

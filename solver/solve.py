@@ -58,11 +58,7 @@ def solve(
     for name, make in STRATEGIES.items():
         target = "llamacpp" if name == "fit" else "refengine"
         plan = make(Problem(spec, profile, w, tuple(tiers), budget_bytes, target))
-        baselines.append(
-            Outcome(
-                name, plan, evaluate(plan, spec, profile, w, overlap=target == "refengine"), target
-            )
-        )
+        baselines.append(Outcome(name, plan, evaluate(plan, spec, profile, w, target), target))
     if strategy is not None:
         if strategy not in STRATEGIES:
             raise UserError(f"unknown strategy {strategy!r} (known: {', '.join(STRATEGIES)})")

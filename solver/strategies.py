@@ -5,9 +5,9 @@ beat under the same cost model, and its warm starts.
 - `fit` (LLAMACPP.md): dense models get whole layers back to front (the output layer first, as
   `-ngl` counts it); MoE models first get every layer "dense-only" (experts on the CPU), back to
   front, then front to back whole layers, plus one partial layer (GATE: gate + up kept, down
-  moved; else UP: up kept). token_embd stays on the CPU. At run time llama.cpp computes CPU-held
-  weights on the CPU below 32 tokens and copies them to the GPU per ubatch at 32 and above
-  (op-offload), so those tiers mark them `streamed` (priced without overlap).
+  moved; else UP: up kept). token_embd stays on the CPU. The placement is static and marks
+  CPU-held weights `cpu`; llama.cpp's op-offload of them at >= 32 tokens is priced by the cost
+  model (target "llamacpp"), as CONTRACTS.md's llamacpp plans require.
 - pshard (PSHARD.md), per tier: `pshard-fitparams` is fit filled front to back, without
   op-offload; the streaming strategies pin the first n_pinned layers (at most n_layer - 1), then
   try one partial layer (ATTN, UP, GATE, MOE in that order, keeping the last that fits), and put
@@ -30,7 +30,7 @@ from refengine.spec import ModelSpec
 from .cost import CPU, PINNED, STREAMED, Loc, TierPlacement, Workload
 from .groups import ATTN_SIDE, EMBD, EXPERTS, Group, tensor_groups
 from .profile import HardwareProfile
-from .usage import OP_OFFLOAD_MIN_TOKENS, device_usage
+from .usage import device_usage
 
 
 @dataclass(frozen=True)
@@ -65,21 +65,9 @@ class Layout:
         return TierPlacement(dict(self.loc), dict(self.kv))
 
     def fits(self, tier: int) -> bool:
-        place = self.placement()
-        if self.p.target == "llamacpp" and tier >= OP_OFFLOAD_MIN_TOKENS:  # room for op-offload
-            place = (
-                self.copy()
-                .set(
-                    [
-                        g.name
-                        for g in self.groups
-                        if self.loc[g.name].kind == CPU and g.kind != EMBD
-                    ],
-                    STREAMED,
-                )
-                .placement()
-            )
-        u = device_usage(self.p.spec, self.groups, place, tier, self.p.workload, self.p.target)
+        u = device_usage(
+            self.p.spec, self.groups, self.placement(), tier, self.p.workload, self.p.target
+        )
         return u.total <= self.p.budget_bytes
 
 
@@ -158,19 +146,12 @@ LLAMACPP_UBATCH = 512  # llama.cpp's default -ub: its largest ubatch, and what -
 
 
 def fit(p: Problem) -> dict[int, TierPlacement]:
-    """llama.cpp's --fit: one placement, sized for and run at ubatches of at most 512 tokens."""
+    """llama.cpp's --fit: one static placement, sized for its 512-token ubatch; the cost model
+    prices the op-offload of CPU-held weights at >= 32 tokens (evaluate, target "llamacpp")."""
     groups = tensor_groups(p.spec)
     tiers = [t for t in p.tiers if t <= LLAMACPP_UBATCH] or [min(p.tiers)]
-    lay = _fit_layout(p, groups, max(tiers), front_to_back=False)
-    out = {}
-    for t in tiers:
-        tl = lay.copy()
-        if t >= OP_OFFLOAD_MIN_TOKENS:  # op-offload: CPU-held weights go to the GPU per ubatch
-            tl.set(
-                [g.name for g in groups if tl.loc[g.name].kind == CPU and g.kind != EMBD], STREAMED
-            )
-        out[t] = tl.placement()
-    return out
+    place = _fit_layout(p, groups, LLAMACPP_UBATCH, front_to_back=False).placement()
+    return {t: place for t in tiers}
 
 
 def pshard_fitparams(p: Problem) -> dict[int, TierPlacement]:

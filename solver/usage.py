@@ -14,12 +14,11 @@ from dataclasses import dataclass
 
 from refengine.spec import ModelSpec
 
-from .cost import CPU, PINNED, STREAMED, TierPlacement, Workload
-from .groups import Group
+from .cost import CPU, OP_OFFLOAD_MIN_TOKENS, PINNED, STREAMED, TierPlacement, Workload
+from .groups import EMBD, Group
 from .memory import KVShape, compute_nbytes, kv_layer_nbytes
 
 PREFETCH_DEPTH = 2
-OP_OFFLOAD_MIN_TOKENS = 32  # llama.cpp's GGML_OP_OFFLOAD_MIN_BATCH
 TARGETS = ("refengine", "llamacpp")
 
 
@@ -75,10 +74,12 @@ def device_usage(
     rows = 0
     if here(mine["output"]):
         rows = min(tier, w.users) if target == "refengine" else tier
-    compute = compute_nbytes(spec, tier, w.n_ctx * w.users, w.flash_attn, rows)
+    compute = compute_nbytes(spec, tier, w.n_ctx, w.flash_attn, rows)
     if target == "refengine":
         scratch = PREFETCH_DEPTH * max(streamed_per_layer.values(), default=0)
     else:  # llama.cpp copies one CPU-held weight at a time into its compute buffer
-        biggest = max((g.nbytes for g in groups if mine[g.name].kind == STREAMED), default=0)
+        biggest = max(
+            (g.nbytes for g in groups if mine[g.name].kind == CPU and g.kind != EMBD), default=0
+        )
         scratch = biggest if tier >= OP_OFFLOAD_MIN_TOKENS else 0
     return Usage(weights, scratch, kv_bytes, compute)

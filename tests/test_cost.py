@@ -83,9 +83,7 @@ def test_prefill_can_stream_cpu_resident_weights_instead_of_computing_them_on_th
 def test_copies_overlap_compute_on_our_runtime_but_not_on_llamacpp():
     streamed = place(DENSE, lambda g: Loc(STREAMED) if g.layer is not None else Loc(PINNED))
     ours = CostModel(DENSE, toy_profile(), W).layer_terms(0, streamed, 512, 0, False)
-    theirs = CostModel(DENSE, toy_profile(), W, overlap=False).layer_terms(
-        0, streamed, 512, 0, False
-    )
+    theirs = CostModel(DENSE, toy_profile(), W, "llamacpp").layer_terms(0, streamed, 512, 0, False)
     assert ours.total == pytest.approx(max(ours.gpu, ours.copy) + ours.latency)
     assert theirs.total == pytest.approx(theirs.gpu + theirs.copy + theirs.latency)
 

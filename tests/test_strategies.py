@@ -4,7 +4,7 @@ it (LLAMACPP.md for fit, PSHARD.md for pshard's)."""
 import pytest
 
 from refengine.synthetic import SyntheticConfig, spec_from_hparams
-from solver.cost import CPU, PINNED, STREAMED, Workload, evaluate
+from solver.cost import CPU, PINNED, STREAMED, CostModel, Workload, evaluate
 from solver.groups import tensor_groups
 from solver.profile import HardwareProfile
 from solver.strategies import LLAMACPP_UBATCH, STRATEGIES, Problem, fit
@@ -72,7 +72,7 @@ def test_every_strategy_fits_its_budget_in_every_tier(spec, name, budget):
         assert set(place.groups) == {g.name for g in groups}
         u = device_usage(spec, groups, place, tier, p.workload, target)
         assert u.total <= p.budget_bytes, (name, tier, u)
-    pred = evaluate(plan, spec, PROFILE, p.workload, overlap=name != "fit")
+    pred = evaluate(plan, spec, PROFILE, p.workload, "llamacpp" if name == "fit" else "refengine")
     assert pred.ttft_seconds > 0 and pred.tps > 0
 
 
@@ -85,8 +85,14 @@ def test_fit_offloads_the_last_layers_and_op_offloads_the_rest_at_32_tokens():
     assert plan[1].groups["output"].kind == PINNED  # -ngl counts the output layer first
     assert plan[1].groups["token_embd"].kind == CPU
     assert plan[1].groups["blk.0.ffn_up"].kind == CPU and plan[1].kv[0].kind == CPU
-    assert plan[512].groups["blk.0.ffn_up"].kind == STREAMED  # op-offload at >= 32 tokens
-    assert plan[16].groups["blk.0.ffn_up"].kind == CPU
+    assert plan[512] == plan[1]  # one static placement; llama.cpp's op-offload is priced instead
+    p = problem(DENSE, 2.5, "llamacpp")
+    cm = CostModel(DENSE, PROFILE, p.workload, "llamacpp")
+    up = next(g for g in cm.groups if g.name == "blk.0.ffn_up")
+    assert cm.effective(up, plan[1].groups[up.name], 512).kind == STREAMED  # >= 32 tokens
+    assert cm.effective(up, plan[1].groups[up.name], 16).kind == CPU
+    embd = next(g for g in cm.groups if g.name == "token_embd")
+    assert cm.effective(embd, plan[1].groups["token_embd"], 512).kind == CPU
 
 
 def test_fit_gives_moe_layers_dense_only_first_then_full_layers_front_to_back():
