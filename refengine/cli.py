@@ -478,7 +478,7 @@ def solve(
         users=users,
         kv_type=kv_type,
         flash_attn=fa == "on",
-        threads=threads,
+        threads=threads or prof.cpu.threads,  # resolved, so the fingerprint names it
     )
     tier_list = B.parse_tiers(tiers) if tiers else B.default_tiers(n_ctx, users)
     viable = viable_tiers(spec, w, tier_list, budget_bytes)

@@ -113,3 +113,31 @@ def test_llamacpp_target_exports_flags_and_a_refengine_plan_is_refused(tmp_path)
     reg = tmp_path / "reg.txt"
     assert refengine("export", ours, "--format", "pshard-registry", "-o", reg).returncode == 0
     assert reg.read_text().startswith("# Generated file. Edit at your own risk.\n[fingerprint=0x")
+
+
+def test_plans_are_identical_on_rerun_but_for_timing(tmp_path):
+    def run(name):
+        out = tmp_path / name
+        r = solve(
+            "llama3-8b",
+            "--profile",
+            "rtx4090-epyc-7742",
+            "--budget",
+            "3GiB",
+            "--ctx",
+            "4096",
+            "--tiers",
+            "1,16,512",
+            "--time-limit",
+            "2",
+            "-o",
+            out,
+        )
+        assert r.returncode == 0, r.stderr
+        plan = json.loads(out.read_text())
+        plan["solver"].pop("wall_seconds")
+        return plan
+
+    a, b = run("a.json"), run("b.json")
+    assert a == b
+    assert a["fingerprint"]["threads"] == 64  # the profile's CPU threads, resolved
