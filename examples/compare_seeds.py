@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import statistics
 
-from refengine.synthetic import SyntheticConfig, spec_from_hparams
+from refengine.synthetic import SyntheticConfig, preset, spec_from_hparams
 from solver.budget import LLAMACPP_MARGIN_BYTES
 from solver.cost import Workload, evaluate
 from solver.profile import HardwareProfile
@@ -26,36 +26,8 @@ from solver.solve import SHIPPED_PROFILES
 from solver.strategies import PSHARD_NAMES, STRATEGIES, Problem
 
 SHAPES = {
-    # Qwen3-32B: 64 layers, 5120 wide, FFN 25600, 64 query / 8 KV heads of 128, vocab 151936
-    "Qwen3-32B-Q4": SyntheticConfig(
-        "qwen3",
-        64,
-        5120,
-        25600,
-        64,
-        8,
-        128,
-        151936,
-        262144,
-        "Q4_K",
-        rope_base=1e6,
-        tied_output=False,
-    ),
-    # Llama-3 70B: 80 layers, 8192 wide, FFN 28672, 64 / 8 heads of 128, vocab 128256
-    "Llama3-70B-Q4": SyntheticConfig(
-        "llama",
-        80,
-        8192,
-        28672,
-        64,
-        8,
-        128,
-        128256,
-        262144,
-        "Q4_K",
-        rope_base=5e5,
-        tied_output=False,
-    ),
+    "Qwen3-32B-Q4": preset("qwen3-32b"),
+    "Llama3-70B-Q4": preset("llama3-70b"),
     # Qwen3.5-35B-A3B as qwen3moe: 40 layers, 2048 wide, 256 experts (8 used) of 512,
     # 16 query / 2 KV heads of 256, vocab 248320
     "35B-A3B-Q8_0": SyntheticConfig(

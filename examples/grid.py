@@ -13,7 +13,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from refengine.synthetic import SyntheticConfig, preset, spec_from_hparams
+from refengine.synthetic import preset, spec_from_hparams
 from solver.budget import default_tiers
 from solver.cost import Workload, evaluate
 from solver.optimize import best_start, optimize
@@ -23,9 +23,7 @@ from solver.strategies import STRATEGIES, Problem
 
 MODELS = {
     "8B": preset("llama3-8b"),
-    "32B": SyntheticConfig(
-        "qwen3", 64, 5120, 25600, 64, 8, 128, 151936, 262144, "Q4_K", rope_base=1e6
-    ),
+    "32B": preset("qwen3-32b"),
     "70B": preset("llama3-70b"),
     "30B-A3B": preset("qwen3moe-30b-a3b"),
     "122B-A10B": preset("qwen3moe-122b-a10b"),

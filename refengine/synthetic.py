@@ -125,6 +125,10 @@ PRESETS: dict[str, SyntheticConfig] = {
         rms_eps=1e-5,
         tied_output=False,
     ),
+    # Qwen3-32B: 64 layers, 5120 wide, FFN 25600, 64 query / 8 KV heads of 128, vocab 151936
+    "qwen3-32b": SyntheticConfig(
+        "qwen3", 64, 5120, 25600, 64, 8, 128, 151936, 40960, "Q4_K", rope_base=1e6
+    ),
     "llama3-70b": SyntheticConfig(
         "llama",
         80,

@@ -13,21 +13,11 @@ from solver.export import apply_llamacpp_args, llamacpp_args, tensor_devices
 from solver.groups import tensor_groups
 from solver.strategies import STRATEGIES, Problem
 
-from .test_strategies import PROFILE
+from .test_strategies import DENSE_CFG, MOE_CFG, PROFILE
 
 GIB = 2**30
 MODELS = {
-    "dense": SyntheticConfig(
-        "llama",
-        n_layer=24,
-        n_embd=4096,
-        n_ff=14336,
-        n_head=32,
-        n_head_kv=8,
-        head_dim=128,
-        n_vocab=128256,
-        qtype="Q4_K",
-    ),
+    "dense": DENSE_CFG,
     "tied": SyntheticConfig(
         "llama",
         n_layer=16,
@@ -40,20 +30,7 @@ MODELS = {
         qtype="Q4_K",
         tied_output=True,
     ),
-    "moe": SyntheticConfig(
-        "qwen3moe",
-        n_layer=24,
-        n_embd=2048,
-        n_ff=6144,
-        n_head=32,
-        n_head_kv=4,
-        head_dim=128,
-        n_vocab=151936,
-        qtype="Q4_K",
-        n_expert=128,
-        n_expert_used=8,
-        n_ff_exp=768,
-    ),
+    "moe": MOE_CFG,
 }
 
 

@@ -13,35 +13,32 @@ from solver.usage import device_usage
 from .test_profile import PROFILES
 
 GIB = 2**30
-DENSE = spec_from_hparams(
-    SyntheticConfig(
-        "llama",
-        n_layer=24,
-        n_embd=4096,
-        n_ff=14336,
-        n_head=32,
-        n_head_kv=8,
-        head_dim=128,
-        n_vocab=128256,
-        qtype="Q4_K",
-    )
+DENSE_CFG = SyntheticConfig(
+    "llama",
+    n_layer=24,
+    n_embd=4096,
+    n_ff=14336,
+    n_head=32,
+    n_head_kv=8,
+    head_dim=128,
+    n_vocab=128256,
+    qtype="Q4_K",
 )
-MOE = spec_from_hparams(
-    SyntheticConfig(
-        "qwen3moe",
-        n_layer=24,
-        n_embd=2048,
-        n_ff=6144,
-        n_head=32,
-        n_head_kv=4,
-        head_dim=128,
-        n_vocab=151936,
-        qtype="Q4_K",
-        n_expert=128,
-        n_expert_used=8,
-        n_ff_exp=768,
-    )
+MOE_CFG = SyntheticConfig(
+    "qwen3moe",
+    n_layer=24,
+    n_embd=2048,
+    n_ff=6144,
+    n_head=32,
+    n_head_kv=4,
+    head_dim=128,
+    n_vocab=151936,
+    qtype="Q4_K",
+    n_expert=128,
+    n_expert_used=8,
+    n_ff_exp=768,
 )
+DENSE, MOE = spec_from_hparams(DENSE_CFG), spec_from_hparams(MOE_CFG)
 TIERS = (1, 16, 512, 2048)
 PROFILE = HardwareProfile.load(PROFILES / "rtx4090-epyc-7742.json")
 
