@@ -350,29 +350,14 @@ def _program(
     status, value, bound = m.solve(sum(m.weight(w) * e for w, e in terms), time_limit_seconds)
     if status not in ("OPTIMAL", "FEASIBLE"):
         raise UserError("no placement fits the budget: the program is " + status.lower())
-    solver = m
-    out = {}
-    for t in tiers:
-        locs = {}
-        for g in groups:
-            key = (g.name, t)
-            locs[g.name] = (
-                Loc(PINNED)
-                if round(solver.value(P[key]))
-                else Loc(STREAMED)
-                if round(solver.value(S[key]))
-                else Loc(CPU)
-            )
-        kv = {
-            il: Loc(PINNED)
-            if round(solver.value(KP[(il, t)]))
-            else Loc(STREAMED)
-            if round(solver.value(KS[(il, t)]))
-            else Loc(CPU)
-            for il in range(n_layer)
-        }
-        out[t] = TierPlacement(locs, kv)
-    return out[tier], value, bound, status
+
+    def where(pinned, streamed) -> Loc:
+        return Loc(PINNED) if m.value(pinned) else Loc(STREAMED) if m.value(streamed) else Loc(CPU)
+
+    t = tier
+    locs = {g.name: where(P[(g.name, t)], S[(g.name, t)]) for g in groups}
+    kv = {il: where(KP[(il, t)], KS[(il, t)]) for il in range(n_layer)}
+    return TierPlacement(locs, kv), value, bound, status
 
 
 def _busy_aware(m, cm: CostModel, nbytes: float, streamed, streamed_while_busy):
