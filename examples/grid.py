@@ -1,6 +1,6 @@
 """The optimizer against every named strategy over a grid, under one cost model.
 
-    .venv/bin/python examples/grid.py [--time-limit 3]
+    .venv/bin/python examples/grid.py [--time-limit 6]
 
 Models: 8B, 32B, 70B dense (Q4_K); 30B-A3B and 122B-A10B MoE (Q4_K); budgets 4, 8, 12, 16, 24 GB
 (skipped where larger than the card); contexts 4K and 64K; the two client profiles. Workload: the
@@ -15,11 +15,9 @@ import sys
 
 from refengine.synthetic import preset, spec_from_hparams
 from solver.budget import default_tiers
-from solver.cost import Workload, evaluate
-from solver.optimize import best_start, optimize
+from solver.cost import Workload
 from solver.profile import HardwareProfile
-from solver.solve import SHIPPED_PROFILES, viable_tiers
-from solver.strategies import STRATEGIES, Problem
+from solver.solve import SHIPPED_PROFILES, solve, viable_tiers
 
 MODELS = {
     "8B": preset("llama3-8b"),
@@ -33,7 +31,7 @@ GIB = 2**30
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--time-limit", type=float, default=3.0)
+    ap.add_argument("--time-limit", type=float, default=6.0)
     args = ap.parse_args()
     print(
         "| profile | model | budget GB | ctx | optimal e2e s | best named | its e2e s | named / optimal |"
@@ -51,17 +49,16 @@ def main() -> None:
                 for ctx in (4096, 65536):
                     w = Workload(n_ctx=ctx, prompt_tokens=ctx - 200, gen_tokens=200)
                     tiers = tuple(viable_tiers(spec, w, default_tiers(ctx), budget_gb * GIB))
-                    p = Problem(spec, prof, w, tiers, budget_gb * GIB)
-                    named = []
-                    for name, make in STRATEGIES.items():
-                        target = "llamacpp" if name == "fit" else "refengine"
-                        plan = make(Problem(spec, prof, w, tiers, budget_gb * GIB, target))
-                        e = evaluate(plan, spec, prof, w, target)
-                        named.append((e.e2e_seconds, name))
-                    best_named = min(named)
-                    _, start, _ = best_start(p)
-                    sol = optimize(p, time_limit_seconds=args.time_limit, hint=start)
-                    ours = evaluate(sol.tiers, spec, prof, w).e2e_seconds
+                    chosen, baselines, _ = solve(
+                        spec,
+                        prof,
+                        w,
+                        list(tiers),
+                        budget_gb * GIB,
+                        time_limit_seconds=args.time_limit,
+                    )
+                    best_named = min((b.prediction.e2e_seconds, b.name) for b in baselines)
+                    ours = chosen.prediction.e2e_seconds
                     ratio = best_named[0] / ours
                     worse += ratio < 1 - 1e-6
                     better += ratio > 1 + 1e-6

@@ -546,7 +546,8 @@ def solve(
     if facts.get("status"):
         con.print(
             f"solver: {facts['status']}, gap {facts['gap']:.1%}, "
-            f"{facts['wall_seconds']:.1f} s, warm start {facts['warm_start']}"
+            f"{facts['wall_seconds']:.1f} s, warm start {facts['warm_start']}, prompt in "
+            f"ubatches of {facts['prefill_ubatch']}"
         )
     if output:
         doc = plan_json(

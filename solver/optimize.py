@@ -12,7 +12,7 @@ Variables, per tier t:
   busy[t] in {0,1}                 the tier computes something on the CPU
   q[g,t] in {0,1}                  g streamed while the CPU is busy (slower copies)
   hop[.,t], any[l,t] in {0,1}      device changes along a layer, any GPU work in a layer
-  ring[t] >= 0                     bytes of the largest layer's streamed set
+  ring[t] >= 0                     bytes of the largest streamed unit (a ring slot)
   T[l,s] >= 0                      a layer's overlapped GPU/copy time in shape s (and for the
                                    two global groups)
 
@@ -23,7 +23,8 @@ Constraints:
   (3) hop >= |on(a) - on(b)| for consecutive ops a, b (embedding, then per layer its attention
       side, attention, attention side, FFN matrices, then the head), on(g) = p + s;
       any[l,t] >= on(g), any[l,t] >= k[l,t].
-  (4) ring[t] >= sum of nbytes[g] * s[g,t] over each layer's groups + its kv_bytes * ks[l,t].
+  (4) ring[t] >= nbytes[g] * s[g,t] for each group, and >= kv_bytes[l] * ks[l,t]: one slot
+      holds the largest unit streamed.
   (5) memory: sum nbytes * p + PREFETCH_DEPTH * ring + sum kv_bytes * kp + compute(t)
       + logits bytes * on(output) <= budget - reserve.
   (6) T[l,s] >= GPU work of layer l in shape s; T[l,s] >= its copies (our runtime overlaps them).
@@ -164,6 +165,12 @@ def optimize(
     for t in tiers:
         mine = [sh for sh in shapes if sh.tier == t]
         placed, v, b, st = _program(p, cm, t, mine, time_limit_seconds / len(tiers), hint)
+        if placed is None:  # no solution within the time limit: the warm start stands
+            if not (hint and t in hint):
+                raise UserError(
+                    f"tier {t}: no placement found within the time limit; raise --time-limit"
+                )
+            placed, v, st = hint[t], _tier_seconds(cm, hint[t], mine), "FEASIBLE"
         seconds = _tier_seconds(cm, placed, mine)
         check[t] = (v, seconds)
         if hint and t in hint and _tier_seconds(cm, hint[t], mine) < seconds:
@@ -193,8 +200,9 @@ def _program(
     shapes: list[Shape],
     time_limit_seconds: float,
     hint: dict[int, TierPlacement] | None,
-) -> tuple[TierPlacement, float, float, str]:
-    """The program of one tier: its placement, objective, bound and status."""
+) -> tuple[TierPlacement | None, float, float, str]:
+    """The program of one tier: its placement (None when the time ran out first), objective,
+    bound and status."""
     m = _CpSat()
     _ns = m.coef
     t_max = m.coef(1e5)  # no layer-ubatch takes a day
@@ -268,8 +276,10 @@ def _program(
     for t in tiers:
         ring = m.num(sum(g.nbytes for g in groups) + 1, f"ring[{t}]")
         for il in layers_and_globals:
-            kv_slot = 0 if il is None else kv_layer_nbytes(p.spec, il, kvs[t]) * KS[(il, t)]
-            m.add(ring >= sum(g.nbytes * S[(g.name, t)] for g in cm.by_layer[il]) + kv_slot)
+            if il is not None:
+                m.add(ring >= kv_layer_nbytes(p.spec, il, kvs[t]) * KS[(il, t)])
+            for g in cm.by_layer[il]:
+                m.add(ring >= g.nbytes * S[(g.name, t)])
         rows = min(t, p.workload.users)
         base = compute_nbytes(p.spec, t, p.workload.n_ctx, p.workload.flash_attn, 0)
         logits = compute_nbytes(p.spec, t, p.workload.n_ctx, p.workload.flash_attn, rows) - base
@@ -348,8 +358,10 @@ def _program(
                 m.hint(KS[(il, t)], hint[t].kv[il].kind == STREAMED)
 
     status, value, bound = m.solve(sum(m.weight(w) * e for w, e in terms), time_limit_seconds)
+    if status == "INFEASIBLE":
+        raise UserError(f"tier {tier}: no placement fits the budget")
     if status not in ("OPTIMAL", "FEASIBLE"):
-        raise UserError("no placement fits the budget: the program is " + status.lower())
+        return None, 0.0, 0.0, status
 
     def where(pinned, streamed) -> Loc:
         return Loc(PINNED) if m.value(pinned) else Loc(STREAMED) if m.value(streamed) else Loc(CPU)

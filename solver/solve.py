@@ -18,6 +18,7 @@ from .strategies import STRATEGIES, Problem
 from .usage import device_usage
 
 SHIPPED_PROFILES = Path(__file__).resolve().parents[1] / "examples" / "profiles"
+PREFILL_MIN_TOKENS = 512  # the smallest prefill tier (PSHARD.md's 512 * 2^k)
 
 
 def load_profile(name_or_path: str | None) -> HardwareProfile:
@@ -70,8 +71,20 @@ def solve(
             baselines,
             {"not_needed": True},
         )
-    start_name, start, _ = best_start(p, objective)
-    sol = optimize(p, objective, time_limit_seconds, hint=start)
+    # The prompt runs in ubatches of the plan's largest tier. A smaller one can be faster where a
+    # large tier's workspace crowds out pinned weights (pshard's cache_ubatch), so each largest
+    # prefill tier is a candidate: the two with the best warm starts are optimized.
+    candidates = []
+    for top in [t for t in tiers if t >= PREFILL_MIN_TOKENS] or [max(tiers)]:
+        sub = Problem(spec, profile, w, tuple(t for t in tiers if t <= top), budget_bytes)
+        name, start, seconds = best_start(sub, objective)
+        candidates.append((seconds, top, sub, name, start))
+    best = None
+    for _, top, sub, name, start in sorted(candidates, key=lambda c: c[0])[:2]:
+        sol = optimize(sub, objective, time_limit_seconds / 2, hint=start)
+        if best is None or sol.objective_seconds < best[0].objective_seconds:
+            best = (sol, name, top)
+    sol, start_name, top = best
     chosen = Outcome("optimal", sol.tiers, evaluate(sol.tiers, spec, profile, w), "refengine")
     facts = {
         "status": sol.status,
@@ -80,6 +93,7 @@ def solve(
         "gap": sol.gap,
         "wall_seconds": sol.wall_seconds,
         "warm_start": start_name,
+        "prefill_ubatch": top,
     }
     return chosen, baselines, facts
 

@@ -1,8 +1,8 @@
 """Device memory a placement needs in one tier, under our runtime or under llama.cpp.
 
-Ours (the arena of CONTRACTS.md): pinned weights, a scratch ring of PREFETCH_DEPTH slots each as
-large as the largest set of tensors one layer streams (with its KV, where pshard streams KV),
-the runtime's workspace (the compute buffer
+Ours (the arena of CONTRACTS.md): pinned weights, a scratch ring of PREFETCH_DEPTH slots, each
+as large as the largest unit streamed (a tensor group, or a layer's KV where pshard's scheme
+streams it) — the runtime copies the next unit while the current one computes —, the workspace (the compute buffer
 of memory.py) and the KV of the layers whose KV lives there. llama.cpp's: the weights it holds on
 the device, the KV of those layers, its compute buffer, and — at 32 tokens and more, when it
 copies CPU-held weights to the GPU (op-offload) — room for the largest such weight.
@@ -60,23 +60,22 @@ def device_usage(
     here = lambda loc: loc.kind != CPU and loc.device == device  # noqa: E731
     weights = sum(g.nbytes for g in groups if here(mine[g.name]) and mine[g.name].kind == PINNED)
     kv = kv_shape(w, tier)
-    streamed_per_layer: dict[int | None, int] = {}
-    for g in groups:
-        loc = mine[g.name]
-        if here(loc) and loc.kind == STREAMED:
-            streamed_per_layer[g.layer] = streamed_per_layer.get(g.layer, 0) + g.nbytes
+    # the ring streams one group (or one layer's KV) per slot: its largest such unit sizes it
+    streamed_units = [
+        g.nbytes for g in groups if here(mine[g.name]) and mine[g.name].kind == STREAMED
+    ]
     kv_bytes = 0
     for il, loc in place.kv.items():
         if here(loc) and loc.kind == PINNED:
             kv_bytes += kv_layer_nbytes(spec, il, kv)
         elif here(loc) and loc.kind == STREAMED:
-            streamed_per_layer[il] = streamed_per_layer.get(il, 0) + kv_layer_nbytes(spec, il, kv)
+            streamed_units.append(kv_layer_nbytes(spec, il, kv))
     rows = 0
     if here(mine["output"]):
         rows = min(tier, w.users) if target == "refengine" else tier
     compute = compute_nbytes(spec, tier, w.n_ctx, w.flash_attn, rows)
     if target == "refengine":
-        scratch = PREFETCH_DEPTH * max(streamed_per_layer.values(), default=0)
+        scratch = PREFETCH_DEPTH * max(streamed_units, default=0)
     else:  # llama.cpp copies one CPU-held weight at a time into its compute buffer
         biggest = max(
             (g.nbytes for g in groups if mine[g.name].kind == CPU and g.kind != EMBD), default=0
