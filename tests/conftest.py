@@ -1,3 +1,6 @@
+import subprocess
+import sys
+
 import pytest
 from gguf import GGUFWriter
 
@@ -70,3 +73,13 @@ def tiny_gguf(path, arch: str, tensors: dict, **writer_calls):
     w.write_tensors_to_file()
     w.close()
     return path
+
+
+def refengine(*args, timeout_seconds: int = 600):
+    """Run the `refengine` command as a user does, in a subprocess."""
+    return subprocess.run(
+        [sys.executable, "-m", "refengine", *map(str, args)],
+        capture_output=True,
+        text=True,
+        timeout=timeout_seconds,
+    )

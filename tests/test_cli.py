@@ -1,24 +1,11 @@
 """The command line, run as a user runs it (a subprocess), including every way to misuse it."""
 
 import json
-import subprocess
-import sys
-
 import numpy as np
 import pytest
 from gguf import GGMLQuantizationType
 
-from .conftest import tiny_gguf
-
-
-def refengine(*args, cwd=None):
-    return subprocess.run(
-        [sys.executable, "-m", "refengine", *map(str, args)],
-        capture_output=True,
-        text=True,
-        cwd=cwd,
-        timeout=300,
-    )
+from .conftest import refengine, tiny_gguf
 
 
 def assert_one_line_error(r, *fragments):

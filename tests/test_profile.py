@@ -1,12 +1,12 @@
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from refengine.errors import UserError
 from solver.profile import ANY_TYPE, Figure, HardwareProfile, RateTable
+
+from .conftest import refengine
 
 PROFILES = Path(__file__).resolve().parents[1] / "examples" / "profiles"
 SHIPPED = sorted(PROFILES.glob("*.json"))
@@ -76,21 +76,7 @@ def test_bad_profiles_are_user_errors(tmp_path, content, message):
 
 def test_profile_command_measures_the_cpu_and_keeps_the_gpu_side(tmp_path):
     out = tmp_path / "me.json"
-    r = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "refengine",
-            "profile",
-            "-o",
-            str(out),
-            "--quick",
-            "--gpu-from",
-            str(PROFILES / "h100.json"),
-        ],
-        capture_output=True,
-        text=True,
-    )
+    r = refengine("profile", "-o", out, "--quick", "--gpu-from", PROFILES / "h100.json")
     assert r.returncode == 0, r.stderr
     prof = HardwareProfile.load(out)
     base = HardwareProfile.load(PROFILES / "h100.json")

@@ -1,17 +1,12 @@
 """`refengine solve`: tables, the plan file, and its user errors."""
 
 import json
-import subprocess
-import sys
+
+from .conftest import refengine
 
 
 def solve(*args):
-    return subprocess.run(
-        [sys.executable, "-m", "refengine", "solve", *map(str, args)],
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    return refengine("solve", *args)
 
 
 def test_solve_a_preset_shape_writes_a_plan(tmp_path):
@@ -58,15 +53,6 @@ def test_a_budget_below_the_minimum_names_it(tmp_path):
 def test_unknown_profile_lists_the_shipped_ones():
     r = solve("llama3-8b", "--budget", "8GiB")
     assert r.returncode == 2 and "rtx4090-epyc-7742" in r.stderr
-
-
-def refengine(*args):
-    return subprocess.run(
-        [sys.executable, "-m", "refengine", *map(str, args)],
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
 
 
 def test_llamacpp_target_exports_flags_and_a_refengine_plan_is_refused(tmp_path):
