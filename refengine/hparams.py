@@ -32,6 +32,11 @@ class HParams:
     n_expert_used: int = 0
     n_ff_exp: int = 0
 
+    @property
+    def n_ff_active(self) -> int:
+        """FFN rows one token computes: the routed experts' together, or the dense FFN's."""
+        return self.n_ff_exp * self.n_expert_used if self.n_expert else self.n_ff
+
 
 def swa_layers(traits: ArchTraits, n_layer: int, pattern: int | None = None) -> tuple[bool, ...]:
     """Which layers slide: il % p < p - 1 (llama.cpp's swa pattern; p from the file or the arch)."""

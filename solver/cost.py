@@ -156,7 +156,7 @@ class CostModel:
         self.cell_nbytes = kv_cell_nbytes(spec, workload.kv_type)
         hp = spec.hparams
         # activations crossing inside a layer: the wider of the residual and the FFN's inner rows
-        self.hop_width = max(hp.n_embd, hp.n_ff_exp * hp.n_expert_used if hp.n_expert else hp.n_ff)
+        self.hop_width = max(hp.n_embd, hp.n_ff_active)
 
     def effective(self, g: Group, loc: Loc, tokens: int) -> Loc:
         """Where g really runs: llama.cpp copies CPU-held weights to the GPU for ubatches of 32

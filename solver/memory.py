@@ -59,7 +59,7 @@ def compute_nbytes(
     """Approximate compute buffer of one device for ubatches of n_ubatch tokens, `output_rows` of
     which get logits there (llama.cpp reserves for all n_ubatch; our runtime, one per sequence)."""
     hp = spec.hparams
-    n_ff = hp.n_ff_exp * hp.n_expert_used if hp.n_expert else hp.n_ff
+    n_ff = hp.n_ff_active
     q_dim = hp.n_head * hp.head_dim
     activations = 4 * n_ubatch * (3 * hp.n_embd + 3 * q_dim + 3 * n_ff)
     scores = 0 if flash_attn else 4 * pad_cells(n_ctx) * n_ubatch * hp.n_head

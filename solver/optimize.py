@@ -297,15 +297,14 @@ def _program(
     for sh in shapes:
         t, n = sh.tier, sh.tokens
         w = sh.weight
+        gpu_of = {g.name: _ns(cm.gpu_seconds(g, n)) * ON[(g.name, t)] for g in groups}
+        copy_of = {
+            g.name: _busy_aware(m, cm, g.nbytes, S[(g.name, t)], Q[(g.name, t)]) for g in groups
+        }
         for il in layers_and_globals:
             lg = cm.by_layer[il]
-            gpu = sum(_ns(cm.gpu_seconds(g, n)) * ON[(g.name, t)] for g in lg)
-            copy = sum(
-                _ns(cm.copy_seconds(g.nbytes, 0, False)) * S[(g.name, t)]
-                + _ns(cm.copy_seconds(g.nbytes, 0, True) - cm.copy_seconds(g.nbytes, 0, False))
-                * Q[(g.name, t)]
-                for g in lg
-            )
+            gpu = sum(gpu_of[g.name] for g in lg)
+            copy = sum(copy_of[g.name] for g in lg)
             cpu = sum(_ns(cm.cpu_seconds(g, n)) * C[(g.name, t)] for g in lg)
             residual_hop = _ns(cm.hop_seconds(n, p.spec.hparams.n_embd))
             if il is None:
@@ -328,15 +327,8 @@ def _program(
             if il is None:  # the two global groups overlap separately, as evaluate prices them
                 for g in lg:
                     T = m.num(t_max, f"T[{g.name},{t},{sh.depth}]")
-                    m.add(T >= _ns(cm.gpu_seconds(g, n)) * ON[(g.name, t)])
-                    m.add(
-                        T
-                        >= _ns(cm.copy_seconds(g.nbytes, 0, False)) * S[(g.name, t)]
-                        + _ns(
-                            cm.copy_seconds(g.nbytes, 0, True) - cm.copy_seconds(g.nbytes, 0, False)
-                        )
-                        * Q[(g.name, t)]
-                    )
+                    m.add(T >= gpu_of[g.name])
+                    m.add(T >= copy_of[g.name])
                     terms.append((w, T))
                 terms.append((w, cpu + lat))
                 continue

@@ -28,7 +28,7 @@ from typing import Callable
 from refengine.spec import ModelSpec
 
 from .cost import CPU, PINNED, STREAMED, Loc, TierPlacement, Workload
-from .groups import ATTN_SIDE, EMBD, EXPERTS, Group, tensor_groups
+from .groups import ATTN_SIDE, EMBD, FFN_MATRIX, Group, tensor_groups
 from .profile import HardwareProfile
 from .usage import device_usage
 
@@ -58,7 +58,7 @@ class Layout:
 
     def set(self, names, kind: str) -> "Layout":
         for n in names:
-            self.loc[n] = Loc(kind) if kind != CPU else Loc(CPU)
+            self.loc[n] = Loc(kind)
         return self
 
     def placement(self) -> TierPlacement:
@@ -192,26 +192,19 @@ def _streaming(
     k = _largest(lambda k: with_pinned(k).fits(tier), n - 1)
     if k < 0:
         return Layout(p, groups)  # nothing viable: everything on the CPU
-    lay = with_pinned(k)
-    if k < n:
-        for _, kinds, bases in PARTIALS:
-            part = lay.copy().set(_layer(groups, k, kinds=kinds), PINNED)
-            if bases:
-                part.set(_layer(groups, k, bases=bases), PINNED)
-            if not part.fits(tier):
-                break
+    lay = with_pinned(k)  # k <= n - 1: layer k is the boundary
+    for _, kinds, bases in PARTIALS:
+        part = lay.copy().set(_layer(groups, k, kinds=kinds), PINNED)
+        if bases:
+            part.set(_layer(groups, k, bases=bases), PINNED)
+        if not part.fits(tier):
+            break
+        lay = part
+    if p.spec.arch.moe:  # MOE: everything but the expert stacks pinned
+        part = lay.copy().set(_layer(groups, k, kinds={ATTN_SIDE, FFN_MATRIX}), PINNED)
+        if part.fits(tier):
             lay = part
-        if p.spec.arch.moe:  # MOE: everything but the expert stacks pinned
-            part = lay.copy().set(
-                [g for g in _layer(groups, k) if not _is_expert(groups, g)], PINNED
-            )
-            if part.fits(tier):
-                lay = part
     return lay
-
-
-def _is_expert(groups: list[Group], name: str) -> bool:
-    return next(g for g in groups if g.name == name).kind == EXPERTS
 
 
 def layerpin_layerstream(p: Problem) -> dict[int, TierPlacement]:
