@@ -17,12 +17,16 @@ Formulas (every rate from the HardwareProfile; M = tokens in the ubatch, the tie
 4. Attention at context depth d (per sequence; S sequences share the ubatch): each of the M
    tokens attends to d + (M/S + 1)/2 keys (causal; a sliding layer to at most n_swa), costing
    4 * n_head * head_dim flops per key, and S * d + M cached cells are read; it runs where the
-   layer's KV lives.
+   layer's KV lives. Under llama.cpp a CPU-held layer's attention runs on the GPU for ubatches of
+   32 tokens and more (its scheduler places it between the op-offloaded matmuls), copying the
+   cells it reads up first; on the CPU, ggml's kernel reads the cells once per query head
+   (n_head / n_head_kv times).
 5. Every change of device along the ops (embedding -> each layer's attention side -> attention ->
    FFN matrices -> next layer ... -> head) is a hop: sync + copy latency + activation bytes over
    PCIe (residual rows between layers, the wider FFN rows inside one).
 6. Launches: ~8 element-wise kernels per layer plus one per GPU matrix, at the host launch cost, or
    at the per-kernel graph cost for single-token decode (captured as a CUDA graph).
+   Under pshard's runtime (target "pshard") copies run at most at PSHARD_PAGEABLE_H2D_GBPS.
    Under llama.cpp (target "llamacpp") a CPU-held weight runs on the CPU below 32 tokens and is
    copied to the GPU and computed there at 32 and above (op-offload), unoverlapped.
 7. KV placed `streamed` (pshard's scheme, for its strategies only: our runtime keeps a layer's KV
@@ -49,6 +53,17 @@ from .profile import HardwareProfile
 
 PINNED, STREAMED, CPU = "pinned", "streamed", "cpu"
 OP_OFFLOAD_MIN_TOKENS = 32  # llama.cpp's GGML_OP_OFFLOAD_MIN_BATCH
+# Calibrated, each on one cell of seed 000 (Qwen3-32B-Q4 at 256K on the RTX 5080 machine), which
+# examples/compare_seeds.py then leaves out of its medians:
+# - flash attention on a GPU reaches this fraction of the profile's matmul rate (its softmax runs
+#   on the scalar units, between two small matmuls per key block); from the TTFT cell;
+GPU_ATTENTION_EFFICIENCY = 0.37
+# - ggml's CPU flash attention (decode under llama.cpp) reaches this fraction of host memory
+#   bandwidth over the bytes it reads; from the TPS cell.
+GGML_CPU_ATTENTION_EFFICIENCY = 0.42
+# pshard's runtime as measured (target "pshard", for predicting its results only): it streamed from
+# pageable host memory, 4-13 GB/s (PSHARD.md reason 4); the middle of that range.
+PSHARD_PAGEABLE_H2D_GBPS = 8.5
 ELEMENTWISE_KERNELS_PER_LAYER = 8
 OBJECTIVES = ("e2e", "tps", "ttft")
 
@@ -147,7 +162,7 @@ class CostModel:
     ):
         self.spec, self.profile, self.w = spec, profile, workload
         self.target = target
-        self.overlap = target == "refengine"  # our runtime prefetches; llama.cpp does not
+        self.overlap = target != "llamacpp"  # our runtime and pshard's prefetch; llama.cpp does not
         self.groups = tensor_groups(spec)
         self.by_layer: dict[int | None, list[Group]] = {}
         for g in self.groups:
@@ -206,6 +221,8 @@ class CostModel:
     def copy_seconds(self, nbytes: float, device: int, cpu_busy: bool) -> float:
         gpu = self.profile.gpus[device]
         rate = gpu.h2d_gbps_while_cpu_computes.value if cpu_busy else gpu.h2d_gbps.value
+        if self.target == "pshard":
+            rate = min(rate, PSHARD_PAGEABLE_H2D_GBPS)
         return nbytes / (rate * 1e9) + gpu.copy_latency_seconds.value
 
     # -- attention and hops ------------------------------------------------------------------
@@ -225,13 +242,26 @@ class CostModel:
             gpu = self.profile.gpus[loc.device]
             return max(
                 nbytes / (gpu.matvec_gbps.at("F16", 1) * 1e9),
-                flops / (gpu.matmul_tflops.at("F16", tokens) * 1e12),
+                flops / (GPU_ATTENTION_EFFICIENCY * gpu.matmul_tflops.at("F16", tokens) * 1e12),
             )
+        gbps = self.profile.cpu.memory_gbps.value
+        if self.target == "llamacpp":  # ggml's CPU kernel reads the KV head once per query head
+            nbytes *= hp.n_head / hp.n_head_kv
+            gbps *= GGML_CPU_ATTENTION_EFFICIENCY
         cpu = self.profile.cpu
         return max(
-            nbytes / (cpu.memory_gbps.value * 1e9),
+            nbytes / (gbps * 1e9),
             flops / (cpu.matmul_gflops.at("F16", tokens) * 1e9),
         )
+
+    def attention_loc(self, kv: Loc, tokens: int, device: int = 0) -> Loc:
+        """Where a layer's attention runs: with its KV, except under llama.cpp for ubatches of 32
+        tokens and more, whose scheduler puts a CPU-held layer's attention between its two
+        op-offloaded matmuls, on the GPU, and copies the cached cells up (ggml-backend.c pass 2
+        skips FLASH_ATTN_EXT in pass 1, then expands the GPU assignment over it)."""
+        if kv.on_gpu or self.target != "llamacpp" or tokens < OP_OFFLOAD_MIN_TOKENS:
+            return kv
+        return Loc(STREAMED, device)
 
     def kv_stream_nbytes(self, il: int, tokens: int, depth: int, sequences: int) -> tuple[int, int]:
         """Bytes a streamed KV moves for one ubatch: the cells attention reads (up) and the new
@@ -280,22 +310,19 @@ class CostModel:
                     t.copy += self.copy_seconds(g.nbytes, loc.device, cpu_busy)
             else:
                 t.cpu += self.cpu_seconds(g, tokens)
-        kv = place.kv[il]
+        kv = self.attention_loc(place.kv[il], tokens)
         attention = self.attention_seconds(il, tokens, depth, kv, sequences)
         if kv.on_gpu:
             t.gpu += attention
         else:
             t.cpu += attention
-        if kv.kind == STREAMED:  # pshard: the cached cells go up before the layer, new ones back
+        if kv.kind == STREAMED:  # the cached cells go up before the layer, new ones back
             up, down = self.kv_stream_nbytes(il, tokens, depth, sequences)
             t.copy += self.copy_seconds(up, kv.device, cpu_busy)
             t.latency += self.copy_seconds(down, kv.device, cpu_busy)
         # device sequence: attention side, attention, FFN matrices (in file order)
-        seq = [
-            place.groups[groups[0].name].on_gpu,
-            kv.on_gpu,
-            place.groups[groups[0].name].on_gpu,
-        ] + [place.groups[g.name].on_gpu for g in groups[1:]]
+        runs_on_gpu = [self.effective(g, place.groups[g.name], tokens).on_gpu for g in groups]
+        seq = [runs_on_gpu[0], kv.on_gpu, runs_on_gpu[0]] + runs_on_gpu[1:]
         hops = sum(a != b for a, b in zip(seq, seq[1:]))
         t.latency += hops * self.hop_seconds(tokens, self.hop_width)
         if prev_on_gpu != seq[0]:  # the residual stream arrives from the other device
@@ -317,7 +344,8 @@ class CostModel:
         prev = place.groups["token_embd"].on_gpu
         for il in range(self.spec.hparams.n_layer):
             total.add(self.layer_terms(il, place, tokens, depth, cpu_busy, sequences, prev))
-            prev = place.groups[self.by_layer[il][-1].name].on_gpu
+            last = self.by_layer[il][-1]
+            prev = self.effective(last, place.groups[last.name], tokens).on_gpu
         for g in self.by_layer[None]:  # token_embd and the output head
             loc, t = self.effective(g, place.groups[g.name], tokens), Terms()
             if loc.on_gpu:

@@ -4,7 +4,19 @@ a line of arithmetic, written beside the assertion."""
 import pytest
 
 from refengine.synthetic import SyntheticConfig, spec_from_hparams
-from solver.cost import CPU, PINNED, STREAMED, CostModel, Loc, TierPlacement, Workload, evaluate
+from solver.cost import (
+    CPU,
+    GGML_CPU_ATTENTION_EFFICIENCY,
+    GPU_ATTENTION_EFFICIENCY,
+    PINNED,
+    PSHARD_PAGEABLE_H2D_GBPS,
+    STREAMED,
+    CostModel,
+    Loc,
+    TierPlacement,
+    Workload,
+    evaluate,
+)
 from solver.memory import KVShape, expected_distinct_experts, kv_layer_nbytes
 from solver.profile import ANY_TYPE, CPUProfile, Figure, GPUProfile, HardwareProfile, RateTable
 
@@ -129,12 +141,59 @@ def test_attention_at_real_depth_and_token_count():
     # decode at depth 4000: 4001 cells x 2 x 1024 x 2 B = 16.4 MB at 100 GB/s
     cell = 2 * 1024 * 2
     assert cm.attention_seconds(0, 1, 4000, Loc(PINNED)) == pytest.approx(4001 * cell / 100e9)
-    # prefill 512 tokens at depth 0: 4 * 8 * 128 * 512 * 256.5 flops at 10 TFLOP/s
+    # prefill 512 tokens at depth 0: 4 * 8 * 128 * 512 * 256.5 flops at 10 TFLOP/s, of which
+    # flash attention reaches GPU_ATTENTION_EFFICIENCY
     flops = 4 * hp.n_head * hp.head_dim * 512 * (0 + 513 / 2)
-    assert cm.attention_seconds(0, 512, 0, Loc(PINNED)) == pytest.approx(flops / 10e12)
+    assert cm.attention_seconds(0, 512, 0, Loc(PINNED)) == pytest.approx(
+        flops / (GPU_ATTENTION_EFFICIENCY * 10e12)
+    )
     # deeper is slower, prefill-shaped differs from 512 decode-shaped tokens
     assert cm.attention_seconds(0, 1, 8000, Loc(PINNED)) > cm.attention_seconds(
         0, 1, 4000, Loc(PINNED)
+    )
+
+
+def test_llamacpp_runs_cpu_kv_attention_on_the_gpu_for_prefill_and_rereads_it_per_head():
+    gqa = spec_from_hparams(
+        SyntheticConfig("llama", n_layer=2, n_embd=1024, n_ff=4096, n_head=8, n_head_kv=2)
+    )
+    ours, theirs = CostModel(gqa, toy_profile(), W), CostModel(gqa, toy_profile(), W, "llamacpp")
+    cpu_kv = place(gqa, lambda g: Loc(CPU), kv=Loc(CPU))
+    # prefill: the scheduler puts attention between the op-offloaded matmuls, on the GPU, after
+    # copying the 4000 + 512 cells it reads up at 10 GB/s (the CPU is idle: standalone rate)
+    cell = 2 * 256 * 2
+    assert theirs.attention_loc(Loc(CPU), 512) == Loc(STREAMED)
+    assert theirs.attention_loc(Loc(CPU), 16) == Loc(CPU)
+    assert ours.attention_loc(Loc(CPU), 512) == Loc(CPU)
+    t = theirs.layer_terms(0, cpu_kv, 512, 4000, False)
+    att_gpu = theirs.attention_seconds(0, 512, 4000, Loc(STREAMED))
+    assert t.cpu == 0.0 and t.gpu == pytest.approx(
+        att_gpu + sum(theirs.gpu_seconds(g, 512) for g in theirs.by_layer[0])
+    )
+    assert t.copy == pytest.approx(
+        4512 * cell / 10e9 + sum(g.nbytes for g in theirs.by_layer[0]) / 10e9
+    )
+    # decode on the CPU: ggml reads the KV head once per query head (8 / 2 = 4 times), at the
+    # calibrated fraction of the 20 GB/s host bandwidth
+    assert theirs.attention_seconds(0, 1, 4000, Loc(CPU)) == pytest.approx(
+        4 * 4001 * cell / (GGML_CPU_ATTENTION_EFFICIENCY * 20e9)
+    )
+    assert ours.attention_seconds(0, 1, 4000, Loc(CPU)) == pytest.approx(4001 * cell / 20e9)
+
+
+def test_pshard_runtime_streams_from_pageable_memory():
+    streamed = place(DENSE, lambda g: Loc(STREAMED))
+    ours, pshard = CostModel(DENSE, toy_profile(), W), CostModel(DENSE, toy_profile(), W, "pshard")
+    up = next(g for g in ours.groups if g.name == "blk.0.ffn_up")
+    # pinned: the toy's 10 GB/s; pshard's pageable copies: at most PSHARD_PAGEABLE_H2D_GBPS
+    assert ours.copy_seconds(up.nbytes, 0, False) == pytest.approx(up.nbytes / 10e9)
+    assert pshard.copy_seconds(up.nbytes, 0, False) == pytest.approx(
+        up.nbytes / (min(10.0, PSHARD_PAGEABLE_H2D_GBPS) * 1e9)
+    )
+    plan = dict.fromkeys((1, 512), streamed)
+    assert (
+        evaluate(plan, DENSE, toy_profile(), W, "pshard").e2e_seconds
+        > evaluate(plan, DENSE, toy_profile(), W).e2e_seconds
     )
 
 
