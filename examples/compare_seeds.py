@@ -8,44 +8,26 @@ the seeds measured it, and print predicted beside measured.
 - Seed 001 / issue 8 (RTX 4090 + EPYC 7742): a 35B-A3B Q8_0 MoE, 346-token prompt, 200 generated
   tokens: llama.cpp 525 t/s prompt, 43.1 t/s generation; pshard 213 / 14.8.
 The profiles in examples/profiles/ were committed before this script first ran. Model shapes are
-the real hyperparameters; simplifications: Q4_K_M is priced as uniform Q4_K (4.5 bits per weight;
-the real mix, with some Q6_K tensors, is about 4.8), and Qwen3.5-35B-A3B, a hybrid with linear
-attention layers and a shared expert, is planned as the nearest qwen3moe shape (every layer full
-attention, no shared expert).
+the real hyperparameters (refengine/shapes.json); "Q4" is llama.cpp's Q4_K_M mix (refengine/qmix.py),
+and Qwen3.5-35B-A3B, a hybrid with linear attention layers and a shared expert, is planned as the
+nearest qwen3moe shape (every layer full attention, no shared expert).
 """
 
 from __future__ import annotations
 
 import statistics
 
-from refengine.synthetic import SyntheticConfig, preset, spec_from_hparams
+from refengine.synthetic import preset, spec_from_hparams
 from solver.budget import LLAMACPP_MARGIN_BYTES
 from solver.cost import Workload, evaluate
 from solver.profile import HardwareProfile
 from solver.solve import SHIPPED_PROFILES
 from solver.strategies import PSHARD_NAMES, STRATEGIES, Problem
 
-SHAPES = {
-    "Qwen3-32B-Q4": preset("qwen3-32b"),
-    "Llama3-70B-Q4": preset("llama3-70b"),
-    # Qwen3.5-35B-A3B as qwen3moe: 40 layers, 2048 wide, 256 experts (8 used) of 512,
-    # 16 query / 2 KV heads of 256, vocab 248320
-    "35B-A3B-Q8_0": SyntheticConfig(
-        "qwen3moe",
-        40,
-        2048,
-        4096,
-        16,
-        2,
-        256,
-        248320,
-        262144,
-        "Q8_0",
-        n_expert=256,
-        n_expert_used=8,
-        n_ff_exp=512,
-        tied_output=False,
-    ),
+SHAPES = {  # refengine/shapes.json, which names each one's source and simplifications
+    "Qwen3-32B-Q4": preset("qwen3-32b", qtype="Q4_K_M"),
+    "Llama3-70B-Q4": preset("llama3-70b", qtype="Q4_K_M"),
+    "35B-A3B-Q8_0": preset("qwen3moe-35b-a3b", qtype="Q8_0"),
 }
 
 SEED_000 = [  # model, context, measured Base TTFT (s), measured Base TPS

@@ -5,6 +5,7 @@ User mistakes raise `UserError`; `main` prints them on one line and exits with s
 
 from __future__ import annotations
 
+from dataclasses import replace
 import json
 import sys
 import time
@@ -380,7 +381,10 @@ def profile(output: Path, gpu_from: Path | None, threads: int | None, quick: boo
 
 
 @cli.command()
-@click.argument("model")
+@click.argument("model", required=False)
+@click.option("--arch", help="Spec-only model: architecture in the shape table (shapes.json).")
+@click.option("--params", help="Spec-only model: size in the shape table, e.g. 70B or 30B-A3B.")
+@click.option("--qtype", help="Spec-only model: matrix type, e.g. Q4_K_M (llama.cpp's mix), Q8_0.")
 @click.option(
     "--budget",
     help="Device memory we may use: 12000 (MiB), 12GiB. Default: the "
@@ -424,6 +428,9 @@ def profile(output: Path, gpu_from: Path | None, threads: int | None, quick: boo
 @click.option("-o", "--output", type=click.Path(dir_okay=False, path_type=Path))
 def solve(
     model,
+    arch,
+    params,
+    qtype,
     budget,
     reserve,
     profile_name,
@@ -441,8 +448,9 @@ def solve(
     time_limit,
     output,
 ) -> None:
-    """Place every tensor of MODEL (a GGUF, a known name, or a shape preset such as llama3-70b)
-    for each tier, and compare with llama.cpp's --fit and pshard's strategies."""
+    """Place every tensor of MODEL (a GGUF, a known name, or a spec-only shape such as
+    llama3-70b or llama3-70b:Q4_K_M; or --arch llama --params 70B --qtype Q4_K_M) for each tier,
+    and compare with llama.cpp's --fit and pshard's strategies."""
     from rich.console import Console
     from rich.table import Table
 
@@ -454,7 +462,7 @@ def solve(
     from solver.usage import device_usage
     from solver.groups import tensor_groups
 
-    spec = _spec_or_preset(model)
+    spec = _spec_or_preset(_solve_model(model, arch, params, qtype))
     prof = load_profile(profile_name)
     budgets = (
         B.parse_budget(budget)
@@ -628,11 +636,28 @@ def export(plan_path: Path, fmt: str, output: Path | None) -> None:
 
 
 def _spec_or_preset(model: str) -> ModelSpec:
+    """A GGUF, a known real model, or a spec-only shape from shapes.json as NAME or NAME:QTYPE
+    (e.g. llama3-70b:Q4_K_M)."""
     from .synthetic import PRESETS, preset, spec_from_hparams
 
-    if model in PRESETS:
-        return spec_from_hparams(preset(model))
+    name, _, qtype = model.partition(":")
+    if name in PRESETS:
+        cfg = preset(name, qtype=qtype) if qtype else preset(name)
+        return spec_from_hparams(replace(cfg, name=model))
     return _spec(model)
+
+
+def _solve_model(model: str | None, arch: str | None, params: str | None, qtype: str | None) -> str:
+    """MODEL, or the shape table's name for --arch/--params (with --qtype)."""
+    from .synthetic import shape_for
+
+    if arch or params:
+        if model or not (arch and params):
+            raise UserError("give either MODEL or both --arch and --params")
+        model = shape_for(arch, params)
+    elif not model:
+        raise UserError("give MODEL (a GGUF, a known name, a shape) or --arch and --params")
+    return f"{model}:{qtype}" if qtype else model
 
 
 def main() -> None:

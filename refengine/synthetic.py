@@ -14,6 +14,7 @@ file tokenizes text like a real byte-level BPE model.
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -25,6 +26,7 @@ from .arch import arch_traits
 from .errors import UserError
 from .hparams import HParams, attention_scale, check_hparams, swa_layers
 from .layout import QUANTIZED, tensor_layout
+from .qmix import MIXES, fit_rows, mixed_type
 from .quants import Q, dequantize, qtype, quantize, tensor_nbytes
 from .spec import ModelSpec, TensorInfo, layer_of, tensor_role
 
@@ -91,109 +93,29 @@ class SyntheticConfig:
 
 
 # Shapes of real models, for planning (spec-only) and for synthetic files at real sizes.
+SHAPES_FILE = Path(__file__).with_name("shapes.json")
+_NOT_CONFIG = ("params", "source", "note")
+
+
+def load_shapes() -> dict[str, dict]:
+    """The spec-only shape table (shapes.json): name -> real hyperparameters and their source."""
+    return {k: v for k, v in json.loads(SHAPES_FILE.read_text()).items() if not k.startswith("_")}
+
+
 PRESETS: dict[str, SyntheticConfig] = {
-    "smollm2-135m": SyntheticConfig(
-        "llama",
-        30,
-        576,
-        1536,
-        9,
-        3,
-        64,
-        49152,
-        8192,
-        "Q4_1",
-        rope_base=1e5,
-        rms_eps=1e-5,
-        tied_output=True,
-    ),
-    "gemma3-270m": SyntheticConfig(
-        "gemma3", 18, 640, 2048, 4, 1, 256, 262144, 32768, "Q5_0", n_swa=512, tied_output=True
-    ),
-    "llama3-8b": SyntheticConfig(
-        "llama",
-        32,
-        4096,
-        14336,
-        32,
-        8,
-        128,
-        128256,
-        131072,
-        "Q4_K",
-        rope_base=5e5,
-        rms_eps=1e-5,
-        tied_output=False,
-    ),
-    # Qwen3-32B: 64 layers, 5120 wide, FFN 25600, 64 query / 8 KV heads of 128, vocab 151936
-    "qwen3-32b": SyntheticConfig(
-        "qwen3", 64, 5120, 25600, 64, 8, 128, 151936, 40960, "Q4_K", rope_base=1e6
-    ),
-    "llama3-70b": SyntheticConfig(
-        "llama",
-        80,
-        8192,
-        28672,
-        64,
-        8,
-        128,
-        128256,
-        131072,
-        "Q4_K",
-        rope_base=5e5,
-        rms_eps=1e-5,
-        tied_output=False,
-    ),
-    "qwen3moe-30b-a3b": SyntheticConfig(
-        "qwen3moe",
-        48,
-        2048,
-        6144,
-        32,
-        4,
-        128,
-        151936,
-        40960,
-        "Q4_K",
-        n_expert=128,
-        n_expert_used=8,
-        n_ff_exp=768,
-        tied_output=False,
-    ),
-    # Qwen3.5-122B-A10B's sizes (seed 000) on the qwen3moe layout: 256 experts, 8 used.
-    "qwen3moe-122b-a10b": SyntheticConfig(
-        "qwen3moe",
-        48,
-        3072,
-        9216,
-        32,
-        2,
-        256,
-        248320,
-        262144,
-        "Q4_K",
-        n_expert=256,
-        n_expert_used=8,
-        n_ff_exp=1024,
-        tied_output=False,
-    ),
-    "qwen3moe-235b-a22b": SyntheticConfig(
-        "qwen3moe",
-        94,
-        4096,
-        12288,
-        64,
-        4,
-        128,
-        151936,
-        40960,
-        "Q4_K",
-        n_expert=128,
-        n_expert_used=8,
-        n_ff_exp=1536,
-        tied_output=False,
-    ),
+    name: SyntheticConfig(**{k: v for k, v in row.items() if k not in _NOT_CONFIG})
+    for name, row in load_shapes().items()
 }
+
+
+def shape_for(arch: str, params: str) -> str:
+    """The table's name for `--arch A --params P`; UserError listing what there is otherwise."""
+    rows = load_shapes()
+    for name, row in rows.items():
+        if row["arch"] == arch and row["params"].lower() == params.lower():
+            return name
+    known = ", ".join(f"{r['arch']} {r['params']}" for r in rows.values())
+    raise UserError(f"no shape for --arch {arch} --params {params} (known: {known})")
 
 
 def preset(name: str, **changes) -> SyntheticConfig:
@@ -214,10 +136,17 @@ def matrix_type(t: GGMLQuantizationType, n_in: int) -> GGMLQuantizationType:
 def spec_from_hparams(cfg: SyntheticConfig) -> ModelSpec:
     """A ModelSpec for a model described by hyperparameters alone (no file, no weights)."""
     traits, hp = arch_traits(cfg.arch), cfg.hparams()
-    q = qtype(cfg.qtype).ggml
+    mix = cfg.qtype.upper() if cfg.qtype.upper() in MIXES else None
+    q = None if mix else qtype(cfg.qtype).ggml
     tensors = []
     for slot in tensor_layout(traits, hp, cfg.tied_output):
-        tt = matrix_type(q, slot.shape[-1]) if slot.kind == QUANTIZED else Q.F32
+        if slot.kind != QUANTIZED:
+            tt = Q.F32
+        elif mix:
+            want = mixed_type(mix, slot.name, layer_of(slot.name), hp, cfg.arch, cfg.tied_output)
+            tt = fit_rows(want, slot.shape[-1])
+        else:
+            tt = matrix_type(q, slot.shape[-1])
         tensors.append(
             TensorInfo(
                 slot.name,

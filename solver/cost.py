@@ -45,6 +45,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from refengine.spec import ModelSpec
 
 from .groups import EMBD, EXPERTS, HEAD, Group, tensor_groups
@@ -234,13 +236,13 @@ class CostModel:
         keys = depth + (tokens / sequences + 1) / 2
         cells = sequences * depth + tokens
         if self.spec.is_swa(il):
-            keys = min(keys, hp.n_swa)
-            cells = min(cells, sequences * hp.n_swa + tokens)
+            keys = np.minimum(keys, hp.n_swa)
+            cells = np.minimum(cells, sequences * hp.n_swa + tokens)
         flops = 4.0 * hp.n_head * hp.head_dim * tokens * keys
         nbytes = cells * self.cell_nbytes
         if loc.on_gpu:
             gpu = self.profile.gpus[loc.device]
-            return max(
+            return np.maximum(
                 nbytes / (gpu.matvec_gbps.at("F16", 1) * 1e9),
                 flops / (GPU_ATTENTION_EFFICIENCY * gpu.matmul_tflops.at("F16", tokens) * 1e12),
             )
@@ -249,7 +251,7 @@ class CostModel:
             nbytes *= hp.n_head / hp.n_head_kv
             gbps *= GGML_CPU_ATTENTION_EFFICIENCY
         cpu = self.profile.cpu
-        return max(
+        return np.maximum(
             nbytes / (gbps * 1e9),
             flops / (cpu.matmul_gflops.at("F16", tokens) * 1e9),
         )
@@ -268,7 +270,7 @@ class CostModel:
         ones (down)."""
         cells = sequences * depth + tokens
         if self.spec.is_swa(il):
-            cells = min(cells, sequences * self.spec.hparams.n_swa + tokens)
+            cells = np.minimum(cells, sequences * self.spec.hparams.n_swa + tokens)
         return cells * self.cell_nbytes, tokens * self.cell_nbytes
 
     def hop_seconds(self, tokens: int, width: int, device: int = 0) -> float:
@@ -329,17 +331,38 @@ class CostModel:
             t.latency += self.hop_seconds(tokens, hp.n_embd)
         if gpu_mats or kv.on_gpu:
             t.latency += self.launch_seconds(ELEMENTWISE_KERNELS_PER_LAYER + gpu_mats, tokens)
-        inner = max(t.gpu, t.copy) if self.overlap else t.gpu + t.copy
+        inner = np.maximum(t.gpu, t.copy) if self.overlap else t.gpu + t.copy
         t.total = inner + t.cpu + t.latency
         return t
+
+    def global_terms(
+        self, g: Group, place: TierPlacement, tokens: int, cpu_busy: bool, prev_on_gpu: bool
+    ) -> Terms:
+        """The embedding or the output head; `prev_on_gpu`: where the last layer ended."""
+        loc, t = self.effective(g, place.groups[g.name], tokens), Terms()
+        if loc.on_gpu:
+            t.gpu = self.gpu_seconds(g, tokens, loc.device)
+            if loc.kind == STREAMED:
+                t.copy = self.copy_seconds(g.nbytes, loc.device, cpu_busy)
+        else:
+            t.cpu = self.cpu_seconds(g, tokens)
+        if g.kind == HEAD and loc.on_gpu != prev_on_gpu:  # from the last layer to the head
+            t.latency = self.hop_seconds(tokens, self.spec.hparams.n_embd)
+        t.total = (max(t.gpu, t.copy) if self.overlap else t.gpu + t.copy) + t.cpu + t.latency
+        return t
+
+    @staticmethod
+    def cpu_busy(place: TierPlacement) -> bool:
+        """Whether a tier computes on the CPU (its copies then share the host memory bus); the
+        embedding's row gather is too small to count."""
+        return any(
+            not loc.on_gpu for name, loc in place.groups.items() if name != "token_embd"
+        ) or any(not loc.on_gpu for loc in place.kv.values())
 
     def ubatch_terms(
         self, place: TierPlacement, tokens: int, depth: int, sequences: int = 1
     ) -> Terms:
-        # the embedding's row gather is too small to compete with the copies for host memory
-        cpu_busy = any(
-            not place.groups[g.name].on_gpu for g in self.groups if g.kind != EMBD
-        ) or any(not loc.on_gpu for loc in place.kv.values())
+        cpu_busy = self.cpu_busy(place)
         total = Terms()
         prev = place.groups["token_embd"].on_gpu
         for il in range(self.spec.hparams.n_layer):
@@ -347,17 +370,7 @@ class CostModel:
             last = self.by_layer[il][-1]
             prev = self.effective(last, place.groups[last.name], tokens).on_gpu
         for g in self.by_layer[None]:  # token_embd and the output head
-            loc, t = self.effective(g, place.groups[g.name], tokens), Terms()
-            if loc.on_gpu:
-                t.gpu = self.gpu_seconds(g, tokens, loc.device)
-                if loc.kind == STREAMED:
-                    t.copy = self.copy_seconds(g.nbytes, loc.device, cpu_busy)
-            else:
-                t.cpu = self.cpu_seconds(g, tokens)
-            if g.kind == HEAD and loc.on_gpu != prev:  # from the last layer to the head
-                t.latency = self.hop_seconds(tokens, self.spec.hparams.n_embd)
-            t.total = (max(t.gpu, t.copy) if self.overlap else t.gpu + t.copy) + t.cpu + t.latency
-            total.add(t)
+            total.add(self.global_terms(g, place, tokens, cpu_busy, prev))
         return total
 
     # -- a request -------------------------------------------------------------------------------
@@ -442,6 +455,6 @@ def evaluate(
         else:
             decode += s.weight * t.total
     switch = switch_seconds(cm, tiers[last_prefill], tiers[dt]) if workload.gen_tokens else 0.0
-    decode += switch
+    ttft, decode = float(ttft), float(decode + switch)
     tps = workload.users * workload.gen_tokens / decode if decode > 0 else 0.0
     return Prediction(ttft, decode, tps, ttft + decode, per_tier, switch)

@@ -1,56 +1,65 @@
-"""The placement program (OR-Tools CP-SAT), for one GPU.
+"""The placement program (OR-Tools CP-SAT), for one GPU: a multiple-choice knapsack per tier.
 
-Data: groups g (solver.groups), layers l, tiers t, and the request's ubatch shapes s (each a tier,
-token count, depth and weight w_s, from cost.request_shapes); every coefficient below is the
-cost model's own time or byte count (CostModel), in integer units of 100 ns and bytes.
+Data: layers l, tiers t and the request's ubatch shapes s (a tier, token count, depth and weight
+w_s, from cost.request_shapes). A layer's *options* are every way to place it in a tier: each of
+its groups (solver.groups) pinned, streamed or on the CPU, and its KV pinned, streamed with the
+layer (uploaded before it, new cells back after: pshard's scheme) or on the CPU, priced for the
+tier's CPU either idle or busy (copies are slower while the CPU computes). Each option is priced
+once by the cost model itself: seconds_o = sum_s w_s * CostModel.layer_terms(...).total, summed
+over the tier's shapes (depths vectorized), so the program's objective *is* `evaluate` of its
+solution up to rounding to 100 ns (a test checks it). Layers whose groups have the same shapes,
+types and KV share their options; options dominated in (pinned bytes, streamed unit, seconds) by
+another with the same busy flag and end devices are dropped. The embedding and the output head
+form one more choice, g.
 
-Variables, per tier t:
-  p[g,t], s[g,t], c[g,t] in {0,1}  group g pinned / streamed / on the CPU
-  kp[l,t], ks[l,t] in {0,1}        layer l's KV pinned on the GPU, or streamed with the layer
-                                   (uploaded before it, new cells back after: pshard's scheme),
-                                   else on the CPU; k = kp + ks (attention on the GPU)
-  busy[t] in {0,1}                 the tier computes something on the CPU
-  q[g,t] in {0,1}                  g streamed while the CPU is busy (slower copies)
-  hop[.,t], any[l,t] in {0,1}      device changes along a layer, any GPU work in a layer
-  ring[t] >= 0                     bytes of the largest streamed unit (a ring slot)
-  T[l,s] >= 0                      a layer's overlapped GPU/copy time in shape s (and for the
-                                   two global groups)
+Variables, per tier (c: a class of identical layers, m_c of them):
+  n[c,o] in 0..m_c    how many of class c's layers take option o; u[c,o] in {0,1}: any do
+  y[g] in {0,1}       the globals take option g
+  busy in {0,1}       the tier computes something on the CPU
+  ring >= 0           bytes of the largest streamed unit (one slot of the scratch ring)
+  imb >= 0, e_dev in {0,1}   residual-stream hops between layers (5)
 
 Constraints:
-  (1) p + s + c = 1 for each group and tier; the embedding is never streamed.
-  (2) busy[t] >= c[g,t] (g not the embedding) and busy[t] >= 1 - k[l,t]; q[g,t] >= s[g,t] + busy[t] - 1 (and the
-      same for streamed KV).
-  (3) hop >= |on(a) - on(b)| for consecutive ops a, b (embedding, then per layer its attention
-      side, attention, attention side, FFN matrices, then the head), on(g) = p + s;
-      any[l,t] >= on(g), any[l,t] >= k[l,t].
-  (4) ring[t] >= nbytes[g] * s[g,t] for each group, and >= kv_bytes[l] * ks[l,t]: one slot
-      holds the largest unit streamed.
-  (5) memory: sum nbytes * p + PREFETCH_DEPTH * ring + sum kv_bytes * kp + compute(t)
-      + logits bytes * on(output) <= budget - reserve.
-  (6) T[l,s] >= GPU work of layer l in shape s; T[l,s] >= its copies (our runtime overlaps them).
+  (1) sum_o n[c,o] = m_c for each class; sum_g y[g] = 1; n[c,o] <= m_c * u[c,o].
+  (2) u[c,o] => busy for options priced with the CPU busy (all that use the CPU are),
+      u[c,o] => not busy for the others; the same for y.
+  (3) ring >= unit_o * u[c,o], and the same for the globals.
+  (4) memory: sum pinned_o * n[c,o] + sum pinned_g * y[g] + PREFETCH_DEPTH * ring + workspace(t)
+      <= budget - reserve (pinned_g counts the logits buffer when the head is on the GPU).
+  (5) hops: the layers are arranged (`_arrange`) as a walk over the two devices from the
+      embedding's to the head's; a GPU->CPU layer (count gc) or CPU->GPU layer (cg) crosses once,
+      so imb >= |emb_on - head_on - gc + cg| hops are needed, and two more for a device that some
+      layer stays on but the walk never visits: e_dev >= needs_dev - visits_dev, with
+      needs_dev * L >= (layers staying on dev) and visits_dev <= (walk ends on dev) + gc + cg + imb.
+      Exact when one class holds every layer; with interleaved classes (Gemma-3's sliding-window
+      layers) a lower bound, and evaluate charges what the arrangement really needs.
 Objective (e2e by default; ttft or tps keep only the prefill or decode shapes):
-  minimize sum_s w_s * (sum_l T[l,s] + CPU work + hop and launch latency).
-Tiers share no variable, so each tier is its own program (solved in turn, each with an equal
-share of the time limit); the plan-switch cost between the last prefill tier and the decode tier
-(re-pinned bytes / h2d) is then added as evaluate charges it — the joint program with that
-coupling did not converge in 10 s on an 80-layer model.
-This is `cost.evaluate` of the resulting plan, up to the rounding of each term to 100 ns (a test
-checks it). Tiers the request does not use get a shape of their own (a full ubatch at half the
-context, weight 0.5), so they are planned too.
-Deterministic: one worker, a fixed seed and a deterministic time limit; warm-started from the best
-named strategy or from `stream_rest`, whichever evaluates better.
+  minimize sum seconds_o * n[c,o] + sum seconds_g * y[g] + hop_seconds * (imb + 2 sum e_dev).
+Tiers share no variable, so each tier is its own program, each with an equal share of the
+(deterministic) time limit; the plan-switch cost between the last prefill tier and the decode tier
+(re-pinned bytes / h2d) is then added as evaluate charges it. Tiers the request does not use get a
+shape of their own (a full ubatch at half the context, weight 0.5), so they are planned too.
+Deterministic: one worker, a fixed seed, a deterministic time limit and a relative gap limit
+(RELATIVE_GAP); warm-started from the best named strategy or from `stream_rest`, whichever
+evaluates better; never worse than that start.
 
 CP-SAT, not a MIP, by measurement (qwen3moe-30b-a3b shape, 16K context, 15 GiB on the RTX 5080
 profile, warm start at 22.38 s end to end): SCIP through pywraplp, single-threaded, 10 s: 22.38 s
 (no better than the start, its root LP unfinished); CP-SAT, one worker, deterministic time 5:
-4.92 s.
+4.92 s. This knapsack over option counts replaced (a) a program with a time variable per layer
+and shape, and (b) one boolean per layer and option: on llama3-70b, 8K context, 5 tiers, 16 GiB
+on the RTX 4090 profile, (a) took 47 s of CP-SAT for an end-to-end 123.7 s, (b) found no solution
+in 0.6 deterministic seconds per tier (its presolve probing alone used them) and SCIP/CBC/HiGHS
+needed 15-20 s on its identical-layer symmetry; the counts need 0.7 s for 117.2 s.
 """
 
 from __future__ import annotations
 
+import itertools
 import time
 from dataclasses import dataclass
 
+import numpy as np
 from ortools.sat.python import cp_model
 
 from refengine.defaults import SOLVER_SECONDS
@@ -60,7 +69,6 @@ from .cost import (
     CPU,
     PINNED,
     STREAMED,
-    ELEMENTWISE_KERNELS_PER_LAYER,
     CostModel,
     Loc,
     Shape,
@@ -68,56 +76,28 @@ from .cost import (
     evaluate,
     request_shapes,
 )
-from .groups import EMBD
 from .memory import compute_nbytes, kv_layer_nbytes
 from .strategies import STRATEGIES, Problem, stream_rest
 from .usage import PREFETCH_DEPTH, kv_shape
 
+TIME_UNIT = 1e7  # CP-SAT wants integers: 100 ns
+RELATIVE_GAP = 1e-3  # proving the last 0.1% is not worth the seconds
+LOCS = (Loc(PINNED), Loc(STREAMED), Loc(CPU))
 
-class _CpSat:
-    """CP-SAT: integer coefficients, so time counts in units of 100 ns and weights double."""
 
-    TIME_UNIT, WEIGHT_SCALE = 1e7, 2
+@dataclass(frozen=True)
+class Option:
+    """One way to place a layer (locs: its groups in order, kv) or the globals (locs: embedding,
+    head; kv None) in a tier."""
 
-    def __init__(self):
-        self.m = cp_model.CpModel()
-        self.solver = cp_model.CpSolver()
-
-    def bool(self, name):
-        return self.m.NewBoolVar(name)
-
-    def num(self, ub, name):
-        return self.m.NewIntVar(0, int(ub), name)
-
-    def add(self, c):
-        self.m.Add(c)
-
-    def coef(self, seconds: float) -> int:
-        return int(round(seconds * self.TIME_UNIT))
-
-    def weight(self, w: float) -> int:
-        return int(round(w * self.WEIGHT_SCALE))
-
-    def hint(self, var, value: bool):
-        self.m.AddHint(var, bool(value))
-
-    def solve(self, objective, limit_seconds: float) -> tuple[str, float, float]:
-        self.m.Minimize(objective)
-        p = self.solver.parameters
-        p.num_workers, p.random_seed, p.max_deterministic_time = 1, 0, limit_seconds
-        p.repair_hint = True
-        st = self.solver.Solve(self.m)
-        if st not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
-            return self.solver.StatusName(st), 0.0, 0.0
-        denom = self.TIME_UNIT * self.WEIGHT_SCALE
-        return (
-            self.solver.StatusName(st),
-            self.solver.ObjectiveValue() / denom,
-            self.solver.BestObjectiveBound() / denom,
-        )
-
-    def value(self, var) -> float:
-        return self.solver.Value(var)
+    locs: tuple[Loc, ...]
+    kv: Loc | None
+    busy: bool
+    pinned_nbytes: int
+    unit_nbytes: int  # the largest streamed unit
+    first_on: bool  # the first op runs on the GPU
+    last_on: bool
+    seconds: float  # summed over the tier's shapes, weighted
 
 
 @dataclass(frozen=True)
@@ -149,7 +129,7 @@ def optimize(
     start = time.perf_counter()
     cm = CostModel(p.spec, p.profile, p.workload)
     tiers = sorted(p.tiers)
-    shapes, last_prefill, decode_tier = request_shapes(cm, tiers)
+    shapes, _, _ = request_shapes(cm, tiers)
     if objective == "ttft":
         shapes = [s for s in shapes if s.part == "prefill"]
     elif objective == "tps":
@@ -158,27 +138,24 @@ def optimize(
     for t in tiers:
         if t not in used:
             shapes.append(Shape(t, t, p.workload.n_ctx // 2, 1, 0.5, "other"))
-    # One program per tier: they share nothing but the plan-switch cost, which is small next to
-    # a request and is charged by evaluate (solving them jointly did not converge in 10 s on an
-    # 80-layer model).
     out, bound, statuses, check = {}, 0.0, set(), {}
     for t in tiers:
         mine = [sh for sh in shapes if sh.tier == t]
-        placed, v, b, st = _program(p, cm, t, mine, time_limit_seconds / len(tiers), hint)
+        tier_hint = hint.get(t) if hint else None
+        placed, v, b, st = _program(p, cm, t, mine, time_limit_seconds / len(tiers), tier_hint)
         if placed is None:  # no solution within the time limit: the warm start stands
-            if not (hint and t in hint):
+            if tier_hint is None:
                 raise UserError(
                     f"tier {t}: no placement found within the time limit; raise --time-limit"
                 )
-            placed, v, st = hint[t], _tier_seconds(cm, hint[t], mine), "FEASIBLE"
+            placed, v, st = tier_hint, _tier_seconds(cm, tier_hint, mine), "FEASIBLE"
         seconds = _tier_seconds(cm, placed, mine)
         check[t] = (v, seconds)
-        if hint and t in hint and _tier_seconds(cm, hint[t], mine) < seconds:
-            placed, seconds = hint[t], _tier_seconds(cm, hint[t], mine)  # never worse than it
+        if tier_hint is not None and _tier_seconds(cm, tier_hint, mine) < seconds:
+            placed, seconds = tier_hint, _tier_seconds(cm, tier_hint, mine)  # never worse
             del check[t]
         out[t] = placed
-        workload_part = sum(sh.weight for sh in mine if sh.part != "other")
-        if workload_part:  # bounds of tiers the request uses; the others it does not pay for
+        if any(sh.part != "other" for sh in mine):  # bounds of the tiers the request pays for
             bound += min(b, seconds)
         statuses.add(st)
     value = evaluate(out, p.spec, p.profile, p.workload).objective(objective)
@@ -188,9 +165,112 @@ def optimize(
 
 def _tier_seconds(cm: CostModel, place: TierPlacement, shapes: list[Shape]) -> float:
     """What evaluate charges a tier's placement for these shapes."""
-    return sum(
-        sh.weight * cm.ubatch_terms(place, sh.tokens, sh.depth, sh.sequences).total for sh in shapes
+    return float(
+        sum(
+            sh.weight * cm.ubatch_terms(place, sh.tokens, sh.depth, sh.sequences).total
+            for sh in shapes
+        )
     )
+
+
+def _by_token_count(shapes: list[Shape]) -> list[tuple[int, int, np.ndarray, np.ndarray]]:
+    """(tokens, sequences, depths, weights): the shapes grouped so depth can be vectorized."""
+    out: dict[tuple[int, int], list[Shape]] = {}
+    for sh in shapes:
+        out.setdefault((sh.tokens, sh.sequences), []).append(sh)
+    return [
+        (n, seqs, np.array([s.depth for s in ss], float), np.array([s.weight for s in ss]))
+        for (n, seqs), ss in sorted(out.items())
+    ]
+
+
+def _pareto(options: list[Option]) -> list[Option]:
+    """Drop options another beats or equals in pinned bytes, streamed unit and seconds, among
+    those with the same busy flag and end devices."""
+    kept: list[Option] = []
+    for o in sorted(options, key=lambda o: (o.pinned_nbytes, o.unit_nbytes, o.seconds)):
+        if not any(
+            k.busy == o.busy
+            and k.first_on == o.first_on
+            and k.last_on == o.last_on
+            and k.pinned_nbytes <= o.pinned_nbytes
+            and k.unit_nbytes <= o.unit_nbytes
+            and k.seconds <= o.seconds
+            for k in kept
+        ):
+            kept.append(o)
+    return kept
+
+
+def _layer_options(cm: CostModel, il: int, shapes, kv_nbytes: int) -> list[Option]:
+    groups = cm.by_layer[il]
+    options = []
+    for locs in itertools.product(LOCS, repeat=len(groups)):
+        for kv in LOCS:
+            uses_cpu = kv.kind == CPU or any(loc.kind == CPU for loc in locs)
+            place = TierPlacement({g.name: loc for g, loc in zip(groups, locs)}, {il: kv})
+            first, last = locs[0].on_gpu, locs[-1].on_gpu
+            pinned = sum(g.nbytes for g, loc in zip(groups, locs) if loc.kind == PINNED)
+            units = [g.nbytes for g, loc in zip(groups, locs) if loc.kind == STREAMED]
+            pinned += kv_nbytes if kv.kind == PINNED else 0
+            units += [kv_nbytes] if kv.kind == STREAMED else []
+            for busy in (True, False) if not uses_cpu else (True,):
+                seconds = sum(
+                    float(
+                        w
+                        @ np.broadcast_to(
+                            cm.layer_terms(il, place, n, d, busy, seqs, first).total, w.shape
+                        )
+                    )
+                    for n, seqs, d, w in shapes
+                )
+                options.append(
+                    Option(locs, kv, busy, pinned, max(units, default=0), first, last, seconds)
+                )
+    return _pareto(options)
+
+
+def _global_options(cm: CostModel, shapes, logits_nbytes: int) -> list[Option]:
+    embd, head = cm.by_layer[None]
+    options = []
+    for e_loc in (Loc(PINNED), Loc(CPU)):  # the embedding is a row gather: never streamed
+        for h_loc in LOCS:
+            place = TierPlacement({embd.name: e_loc, head.name: h_loc}, {})
+            pinned = sum(
+                g.nbytes for g, loc in ((embd, e_loc), (head, h_loc)) if loc.kind == PINNED
+            )
+            pinned += logits_nbytes if h_loc.on_gpu else 0
+            unit = head.nbytes if h_loc.kind == STREAMED else 0
+            for busy in (True, False) if h_loc.on_gpu else (True,):
+                seconds = sum(
+                    float(
+                        w.sum()
+                        * sum(
+                            cm.global_terms(g, place, n, busy, h_loc.on_gpu).total
+                            for g in (embd, head)
+                        )
+                    )
+                    for n, _, _, w in shapes
+                )
+                options.append(
+                    Option(
+                        (e_loc, h_loc),
+                        None,
+                        busy,
+                        pinned,
+                        unit,
+                        e_loc.on_gpu,
+                        h_loc.on_gpu,
+                        seconds,
+                    )
+                )
+    return options
+
+
+def _layer_key(cm: CostModel, il: int, kv_nbytes: int) -> tuple:
+    """Layers with equal keys have the same options."""
+    shape = tuple((g.kind, g.nbytes, g.params, g.qtype) for g in cm.by_layer[il])
+    return shape, cm.spec.is_swa(il), kv_nbytes
 
 
 def _program(
@@ -199,178 +279,166 @@ def _program(
     tier: int,
     shapes: list[Shape],
     time_limit_seconds: float,
-    hint: dict[int, TierPlacement] | None,
+    hint: TierPlacement | None,
 ) -> tuple[TierPlacement | None, float, float, str]:
     """The program of one tier: its placement (None when the time ran out first), objective,
     bound and status."""
-    m = _CpSat()
-    _ns = m.coef
-    t_max = m.coef(1e5)  # no layer-ubatch takes a day
-    tiers = [tier]
-    groups = cm.groups
     n_layer = p.spec.hparams.n_layer
-    # -- variables ---------------------------------------------------------------------------
-    P, S, C, ON = {}, {}, {}, {}
-    for t in tiers:
-        for g in groups:
-            key = (g.name, t)
-            P[key], S[key], C[key] = (m.bool(f"{x}[{g.name},{t}]") for x in "psc")
-            m.add(P[key] + S[key] + C[key] == 1)  # (1)
-            if g.kind == EMBD:
-                m.add(S[key] == 0)
-            ON[key] = P[key] + S[key]
-    KP, KS, K = {}, {}, {}  # KV pinned, streamed (pshard's scheme), on the GPU at all
+    kvs = kv_shape(p.workload, tier)
+    grouped = _by_token_count(shapes)
+    base = compute_nbytes(p.spec, tier, p.workload.n_ctx, p.workload.flash_attn, 0)
+    rows = min(tier, p.workload.users)
+    logits = compute_nbytes(p.spec, tier, p.workload.n_ctx, p.workload.flash_attn, rows) - base
+
+    # -- options, per class of identical layers ------------------------------------------------
+    classes: dict[tuple, list[int]] = {}
+    class_options: dict[tuple, list[Option]] = {}
     for il in range(n_layer):
-        for t in tiers:
-            KP[(il, t)] = m.bool(f"kp[{il},{t}]")
-            KS[(il, t)] = m.bool(f"ks[{il},{t}]")
-            m.add(KP[(il, t)] + KS[(il, t)] <= 1)
-            K[(il, t)] = KP[(il, t)] + KS[(il, t)]
-    busy = {t: m.bool(f"busy[{t}]") for t in tiers}
-    Q, QK = {}, {}
-    for t in tiers:  # (2)
-        for g in groups:
-            if g.kind != EMBD:
-                m.add(busy[t] >= C[(g.name, t)])
-            Q[(g.name, t)] = m.bool(f"q[{g.name},{t}]")
-            m.add(Q[(g.name, t)] >= S[(g.name, t)] + busy[t] - 1)
-        for il in range(n_layer):
-            m.add(busy[t] >= 1 - K[(il, t)])
-            QK[(il, t)] = m.bool(f"qk[{il},{t}]")
-            m.add(QK[(il, t)] >= KS[(il, t)] + busy[t] - 1)
+        kv_nbytes = kv_layer_nbytes(p.spec, il, kvs)
+        key = _layer_key(cm, il, kv_nbytes)
+        classes.setdefault(key, []).append(il)
+        if key not in class_options:
+            class_options[key] = _layer_options(cm, il, grouped, kv_nbytes)
+    global_options = _global_options(cm, grouped, logits)
+    hop = sum(float(w.sum()) * cm.hop_seconds(n, p.spec.hparams.n_embd) for n, _, _, w in grouped)
 
-    def absdiff(a, b, name):
-        h = m.bool(name)
-        m.add(h >= a - b)
-        m.add(h >= b - a)
-        return h
+    # -- variables and constraints ---------------------------------------------------------
+    m = cp_model.CpModel()
+    coef = lambda seconds: int(round(seconds * TIME_UNIT))  # noqa: E731
+    busy = m.NewBoolVar("busy")
+    all_options = [o for opts in class_options.values() for o in opts] + global_options
+    ring = m.NewIntVar(0, max(o.unit_nbytes for o in all_options), "ring")
+    counts: list[tuple[object, Option]] = []  # (how many layers take it, option)
 
-    hops, anygpu = {}, {}
-    for t in tiers:  # (3)
-        for il in range(n_layer):
-            lg = cm.by_layer[il]
-            attn = ON[(lg[0].name, t)]
-            seq = [ON[(g.name, t)] for g in lg[1:]]
-            hs = [absdiff(attn, K[(il, t)], f"h_ak[{il},{t}]")] * 2
-            prev = attn
-            for j, x in enumerate(seq):
-                hs.append(absdiff(prev, x, f"h{j}[{il},{t}]"))
-                prev = x
-            hops[(il, t)] = hs
-            a = m.bool(f"any[{il},{t}]")
-            for g in lg:
-                m.add(a >= ON[(g.name, t)])
-            m.add(a >= K[(il, t)])
-            anygpu[(il, t)] = a
-        # between layers: the previous layer's last op (the embedding before layer 0) -> the
-        # attention side; after the last layer -> the head
-        prev = ON[("token_embd", t)]
-        for il in range(n_layer):
-            hops[("in", il, t)] = absdiff(prev, ON[(cm.by_layer[il][0].name, t)], f"h_in[{il},{t}]")
-            prev = ON[(cm.by_layer[il][-1].name, t)]
-        hops[("head", t)] = absdiff(prev, ON[("output", t)], f"h_head[{t}]")
+    def choose(options: list[Option], n: int, name: str) -> list:
+        xs = [m.NewIntVar(0, n, f"{name}[{i}]") for i in range(len(options))]
+        m.Add(sum(xs) == n)  # (1)
+        for i, (x, o) in enumerate(zip(xs, options)):
+            used = m.NewBoolVar(f"u{name}[{i}]")
+            m.Add(x <= n * used)
+            m.AddImplication(used, busy if o.busy else busy.Not())  # (2)
+            if o.unit_nbytes:
+                m.Add(ring >= o.unit_nbytes * used)  # (3)
+            counts.append((x, o))
+        return xs
 
-    # -- memory (4), (5) -------------------------------------------------------------------
-    kvs = {t: kv_shape(p.workload, t) for t in tiers}
-    layers_and_globals = list(range(n_layer)) + [None]
-    for t in tiers:
-        ring = m.num(sum(g.nbytes for g in groups) + 1, f"ring[{t}]")
-        for il in layers_and_globals:
-            if il is not None:
-                m.add(ring >= kv_layer_nbytes(p.spec, il, kvs[t]) * KS[(il, t)])
-            for g in cm.by_layer[il]:
-                m.add(ring >= g.nbytes * S[(g.name, t)])
-        rows = min(t, p.workload.users)
-        base = compute_nbytes(p.spec, t, p.workload.n_ctx, p.workload.flash_attn, 0)
-        logits = compute_nbytes(p.spec, t, p.workload.n_ctx, p.workload.flash_attn, rows) - base
-        used_bytes = (
-            sum(g.nbytes * P[(g.name, t)] for g in groups)
-            + PREFETCH_DEPTH * ring
-            + sum(kv_layer_nbytes(p.spec, il, kvs[t]) * KP[(il, t)] for il in range(n_layer))
-            + base
-            + logits * ON[("output", t)]
-        )
-        m.add(used_bytes <= p.budget_bytes)
+    X = {
+        key: choose(opts, len(classes[key]), f"n{k}")
+        for k, (key, opts) in enumerate(class_options.items())
+    }
+    Y = choose(global_options, 1, "g")
+    layer_counts = counts[: len(counts) - len(global_options)]
+    m.Add(
+        sum(o.pinned_nbytes * x for x, o in counts) + PREFETCH_DEPTH * ring + base <= p.budget_bytes
+    )  # (4)
 
-    # -- time (6) and objective ------------------------------------------------------------
-    terms = []
-    for sh in shapes:
-        t, n = sh.tier, sh.tokens
-        w = sh.weight
-        gpu_of = {g.name: _ns(cm.gpu_seconds(g, n)) * ON[(g.name, t)] for g in groups}
-        copy_of = {
-            g.name: _busy_aware(m, cm, g.nbytes, S[(g.name, t)], Q[(g.name, t)]) for g in groups
-        }
-        for il in layers_and_globals:
-            lg = cm.by_layer[il]
-            gpu = sum(gpu_of[g.name] for g in lg)
-            copy = sum(copy_of[g.name] for g in lg)
-            cpu = sum(_ns(cm.cpu_seconds(g, n)) * C[(g.name, t)] for g in lg)
-            residual_hop = _ns(cm.hop_seconds(n, p.spec.hparams.n_embd))
-            if il is None:
-                lat = residual_hop * hops[("head", t)]
-            else:
-                att_gpu = _ns(cm.attention_seconds(il, n, sh.depth, Loc(PINNED), sh.sequences))
-                att_cpu = _ns(cm.attention_seconds(il, n, sh.depth, Loc(CPU), sh.sequences))
-                gpu = gpu + att_gpu * K[(il, t)]
-                cpu = cpu + att_cpu * (1 - K[(il, t)])
-                up, down = cm.kv_stream_nbytes(il, n, sh.depth, sh.sequences)
-                copy = copy + _busy_aware(m, cm, up, KS[(il, t)], QK[(il, t)])
-                lat_kv = _busy_aware(m, cm, down, KS[(il, t)], QK[(il, t)])
-                lat = (
-                    lat_kv
-                    + residual_hop * hops[("in", il, t)]
-                    + sum(_ns(cm.hop_seconds(n, cm.hop_width)) * h for h in hops[(il, t)])
-                    + _ns(cm.launch_seconds(ELEMENTWISE_KERNELS_PER_LAYER, n)) * anygpu[(il, t)]
-                    + sum(_ns(cm.launch_seconds(1, n)) * ON[(g.name, t)] for g in lg)
-                )
-            if il is None:  # the two global groups overlap separately, as evaluate prices them
-                for g in lg:
-                    T = m.num(t_max, f"T[{g.name},{t},{sh.depth}]")
-                    m.add(T >= gpu_of[g.name])
-                    m.add(T >= copy_of[g.name])
-                    terms.append((w, T))
-                terms.append((w, cpu + lat))
-                continue
-            T = m.num(t_max, f"T[{il},{t},{sh.depth}]")
-            m.add(T >= gpu)
-            m.add(T >= copy)
-            terms.append((w, T + cpu + lat))
-    if hint:
-        for t in tiers:
-            if t not in hint:
-                continue
-            for g in groups:
-                loc = hint[t].groups[g.name]
-                m.hint(P[(g.name, t)], loc.kind == PINNED)
-                m.hint(S[(g.name, t)], loc.kind == STREAMED)
-                m.hint(C[(g.name, t)], loc.kind == CPU)
-            for il in range(n_layer):
-                m.hint(KP[(il, t)], hint[t].kv[il].kind == PINNED)
-                m.hint(KS[(il, t)], hint[t].kv[il].kind == STREAMED)
+    # (5) residual hops between layers, the layers arranged to need the fewest: a walk over the
+    # two devices from the embedding's to the head's, where a GPU->CPU layer and a CPU->GPU layer
+    # each cross once; the imbalance costs hops, and a device that a layer needs but the walk
+    # never visits costs two
+    def typed(first: bool, last: bool):
+        return sum(x for x, o in layer_counts if o.first_on == first and o.last_on == last)
 
-    status, value, bound = m.solve(sum(m.weight(w) * e for w, e in terms), time_limit_seconds)
-    if status == "INFEASIBLE":
+    emb_on = sum(y for y, o in zip(Y, global_options) if o.first_on)
+    head_on = sum(y for y, o in zip(Y, global_options) if o.last_on)
+    gc, cg = typed(True, False), typed(False, True)
+    imbalance = m.NewIntVar(0, n_layer + 1, "imbalance")
+    m.Add(imbalance >= emb_on - head_on - gc + cg)
+    m.Add(imbalance >= -(emb_on - head_on - gc + cg))
+    extra = []
+    for dev, (self_loops, ends) in {
+        "gpu": (typed(True, True), emb_on + head_on),
+        "cpu": (typed(False, False), 2 - emb_on - head_on),
+    }.items():
+        needed, visited = m.NewBoolVar(f"need_{dev}"), m.NewBoolVar(f"visit_{dev}")
+        m.Add(self_loops <= n_layer * needed)
+        m.Add(visited <= ends + gc + cg + imbalance)
+        e = m.NewBoolVar(f"extra_{dev}")
+        m.Add(e >= needed - visited)
+        extra.append(e)
+    n_hops = imbalance + 2 * sum(extra)
+
+    m.Minimize(sum(coef(o.seconds) * x for x, o in counts) + coef(hop) * n_hops)
+    if hint is not None:
+        _add_hint(m, cm, hint, classes, class_options, X, global_options, Y, busy)
+
+    solver = cp_model.CpSolver()
+    prm = solver.parameters
+    prm.num_workers, prm.random_seed, prm.max_deterministic_time = 1, 0, time_limit_seconds
+    prm.relative_gap_limit = RELATIVE_GAP
+    st = solver.Solve(m)
+    status = solver.StatusName(st)
+    if st == cp_model.INFEASIBLE:
         raise UserError(f"tier {tier}: no placement fits the budget")
-    if status not in ("OPTIMAL", "FEASIBLE"):
+    if st not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
         return None, 0.0, 0.0, status
 
-    def where(pinned, streamed) -> Loc:
-        return Loc(PINNED) if m.value(pinned) else Loc(STREAMED) if m.value(streamed) else Loc(CPU)
-
-    t = tier
-    locs = {g.name: where(P[(g.name, t)], S[(g.name, t)]) for g in groups}
-    kv = {il: where(KP[(il, t)], KS[(il, t)]) for il in range(n_layer)}
-    return TierPlacement(locs, kv), value, bound, status
-
-
-def _busy_aware(m, cm: CostModel, nbytes: float, streamed, streamed_while_busy):
-    """A copy's time: standalone when the tier leaves the CPU idle, slower when it does not."""
-    free = cm.copy_seconds(nbytes, 0, False)
+    g_opt = next(o for y, o in zip(Y, global_options) if solver.Value(y))
+    taken = {
+        key: [o for x, o in zip(X[key], opts) for _ in range(solver.Value(x))]
+        for key, opts in class_options.items()
+    }
+    per_layer = _arrange(classes, taken, g_opt.first_on, n_layer)
+    groups = {g.name: loc for g, loc in zip(cm.by_layer[None], g_opt.locs)}
+    kv = {}
+    for il, o in enumerate(per_layer):
+        groups.update({g.name: loc for g, loc in zip(cm.by_layer[il], o.locs)})
+        kv[il] = o.kv
+    place = TierPlacement({g.name: groups[g.name] for g in cm.groups}, kv)
     return (
-        m.coef(free) * streamed
-        + m.coef(cm.copy_seconds(nbytes, 0, True) - free) * streamed_while_busy
+        place,
+        solver.ObjectiveValue() / TIME_UNIT,
+        solver.BestObjectiveBound() / TIME_UNIT,
+        status,
     )
+
+
+def _arrange(
+    classes: dict[tuple, list[int]], taken: dict[tuple, list[Option]], on: bool, n_layer: int
+) -> list[Option]:
+    """Give each layer one of its class's chosen options, walking the layers in order and taking,
+    where the residual stream is, an option that stays there, else one that crosses, so as few
+    hops as the program counted are needed (exactly that few when one class holds every layer)."""
+    left = {key: list(opts) for key, opts in taken.items()}
+    key_of = {il: key for key, layers in classes.items() for il in layers}
+    out = []
+    for il in range(n_layer):
+        pool = left[key_of[il]]
+        rank = lambda o: (o.first_on != on, o.last_on != on)  # noqa: E731
+        o = min(pool, key=rank)
+        pool.remove(o)
+        out.append(o)
+        on = o.last_on
+    return out
+
+
+def _add_hint(
+    m, cm: CostModel, hint: TierPlacement, classes, class_options, X, global_options, Y, busy
+):
+    """Hint the warm start's option counts where its options survived the pruning."""
+    is_busy = CostModel.cpu_busy(hint)
+    m.AddHint(busy, is_busy)
+
+    def option_of(options, locs, kv):
+        for i, o in enumerate(options):
+            if o.locs == locs and o.kv == kv and o.busy == is_busy:
+                return i
+        return None
+
+    for key, layers in classes.items():
+        opts = class_options[key]
+        found = [
+            option_of(opts, tuple(hint.groups[g.name] for g in cm.by_layer[il]), hint.kv[il])
+            for il in layers
+        ]
+        if None in found:
+            continue
+        for i, x in enumerate(X[key]):
+            m.AddHint(x, found.count(i))
+    g = option_of(global_options, tuple(hint.groups[g.name] for g in cm.by_layer[None]), None)
+    if g is not None:
+        for i, y in enumerate(Y):
+            m.AddHint(y, int(i == g))
 
 
 def best_start(p: Problem, objective: str = "e2e") -> tuple[str, dict[int, TierPlacement], float]:

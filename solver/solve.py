@@ -73,15 +73,15 @@ def solve(
         )
     # The prompt runs in ubatches of the plan's largest tier. A smaller one can be faster where a
     # large tier's workspace crowds out pinned weights (pshard's cache_ubatch), so each largest
-    # prefill tier is a candidate: the two with the best warm starts are optimized.
+    # prefill tier is a candidate, each optimized with an equal share of the time limit.
     candidates = []
     for top in [t for t in tiers if t >= PREFILL_MIN_TOKENS] or [max(tiers)]:
         sub = Problem(spec, profile, w, tuple(t for t in tiers if t <= top), budget_bytes)
         name, start, seconds = best_start(sub, objective)
         candidates.append((seconds, top, sub, name, start))
     best = None
-    for _, top, sub, name, start in sorted(candidates, key=lambda c: c[0])[:2]:
-        sol = optimize(sub, objective, time_limit_seconds / 2, hint=start)
+    for _, top, sub, name, start in sorted(candidates, key=lambda c: c[0]):
+        sol = optimize(sub, objective, time_limit_seconds / len(candidates), hint=start)
         if best is None or sol.objective_seconds < best[0].objective_seconds:
             best = (sol, name, top)
     sol, start_name, top = best
