@@ -403,8 +403,8 @@ def profile(output: Path, gpu_from: Path | None, threads: int | None, quick: boo
     type=click.Choice(["refengine", "llamacpp"]),
     default="refengine",
     show_default=True,
-    help="llamacpp: one static placement llama.cpp can run "
-    "(its --fit placement for now), exportable as flags.",
+    help="llamacpp: the best static placement llama.cpp's flags can express, "
+    "under llama.cpp's own execution (op-offload, its KV rules); exportable as flags.",
 )
 @click.option(
     "--objective", type=click.Choice(["e2e", "tps", "ttft"]), default="e2e", show_default=True
@@ -498,10 +498,8 @@ def solve(
         )
     dropped = sorted(set(tier_list) - set(viable))
     tier_list = viable
-    if target == "llamacpp":
-        strategy = "fit"
     chosen, baselines, facts = run_solve(
-        spec, prof, w, tier_list, budget_bytes, objective, strategy, time_limit
+        spec, prof, w, tier_list, budget_bytes, objective, strategy, time_limit, target
     )
     con = Console()
     con.print(
@@ -618,7 +616,9 @@ def export(plan_path: Path, fmt: str, output: Path | None) -> None:
                 "this plan is for refengine's runtime (streamed, per tier); solve "
                 "with --target llamacpp to export llama.cpp flags"
             )
-        args = llamacpp_args(spec, tiers[min(tiers)], w.n_ctx, w.kv_type, w.flash_attn)
+        args = llamacpp_args(
+            spec, tiers[min(tiers)], w.n_ctx, w.kv_type, w.flash_attn, n_ubatch=max(tiers)
+        )
         click.echo(command_line(str(spec.path or d["model"]["name"]), args))
         return
     per_tier = {

@@ -67,6 +67,7 @@ from refengine.errors import UserError
 
 from .cost import (
     CPU,
+    OP_OFFLOAD_MIN_TOKENS,
     PINNED,
     STREAMED,
     CostModel,
@@ -76,6 +77,7 @@ from .cost import (
     evaluate,
     request_shapes,
 )
+from .groups import EMBD, Group
 from .memory import compute_nbytes, kv_layer_nbytes
 from .strategies import STRATEGIES, Problem, stream_rest
 from .usage import PREFETCH_DEPTH, kv_shape
@@ -126,39 +128,46 @@ def optimize(
     time_limit_seconds: float = SOLVER_SECONDS,
     hint: dict[int, TierPlacement] | None = None,
 ) -> Solution:
+    """The best plan for p's target: per tier for our runtime; for llama.cpp one static placement
+    (what its flags can say), sized at the largest tier and priced over every ubatch."""
     start = time.perf_counter()
-    cm = CostModel(p.spec, p.profile, p.workload)
+    cm = CostModel(p.spec, p.profile, p.workload, p.target)
     tiers = sorted(p.tiers)
     shapes, _, _ = request_shapes(cm, tiers)
     if objective == "ttft":
         shapes = [s for s in shapes if s.part == "prefill"]
     elif objective == "tps":
         shapes = [s for s in shapes if s.part == "decode"]
-    used = {s.tier for s in shapes}
-    for t in tiers:
-        if t not in used:
-            shapes.append(Shape(t, t, p.workload.n_ctx // 2, 1, 0.5, "other"))
+    if p.target == "llamacpp":  # one placement for every ubatch the request runs
+        units = [(max(tiers), tiers)]
+    else:  # a plan per tier; those the request does not use are planned for a typical ubatch
+        units = [(t, [t]) for t in tiers]
+        used = {s.tier for s in shapes}
+        for t in tiers:
+            if t not in used:
+                shapes.append(Shape(t, t, p.workload.n_ctx // 2, 1, 0.5, "other"))
     out, bound, statuses, check = {}, 0.0, set(), {}
-    for t in tiers:
-        mine = [sh for sh in shapes if sh.tier == t]
-        tier_hint = hint.get(t) if hint else None
-        placed, v, b, st = _program(p, cm, t, mine, time_limit_seconds / len(tiers), tier_hint)
+    for top, covered in units:
+        mine = [sh for sh in shapes if sh.tier in covered]
+        unit_hint = hint.get(top) if hint else None
+        limit = time_limit_seconds / len(units)
+        placed, v, b, st = _program(p, cm, top, mine, limit, unit_hint)
         if placed is None:  # no solution within the time limit: the warm start stands
-            if tier_hint is None:
+            if unit_hint is None:
                 raise UserError(
-                    f"tier {t}: no placement found within the time limit; raise --time-limit"
+                    f"tier {top}: no placement found within the time limit; raise --time-limit"
                 )
-            placed, v, st = tier_hint, _tier_seconds(cm, tier_hint, mine), "FEASIBLE"
+            placed, v, st = unit_hint, _tier_seconds(cm, unit_hint, mine), "FEASIBLE"
         seconds = _tier_seconds(cm, placed, mine)
-        check[t] = (v, seconds)
-        if tier_hint is not None and _tier_seconds(cm, tier_hint, mine) < seconds:
-            placed, seconds = tier_hint, _tier_seconds(cm, tier_hint, mine)  # never worse
-            del check[t]
-        out[t] = placed
+        check[top] = (v, seconds)
+        if unit_hint is not None and _tier_seconds(cm, unit_hint, mine) < seconds:
+            placed, seconds = unit_hint, _tier_seconds(cm, unit_hint, mine)  # never worse
+            del check[top]
+        out.update({t: placed for t in covered})
         if any(sh.part != "other" for sh in mine):  # bounds of the tiers the request pays for
             bound += min(b, seconds)
         statuses.add(st)
-    value = evaluate(out, p.spec, p.profile, p.workload).objective(objective)
+    value = evaluate(out, p.spec, p.profile, p.workload, p.target).objective(objective)
     status = "OPTIMAL" if statuses == {"OPTIMAL"} else "FEASIBLE"
     return Solution(out, value, min(bound, value), status, time.perf_counter() - start, check)
 
@@ -202,56 +211,65 @@ def _pareto(options: list[Option]) -> list[Option]:
     return kept
 
 
-def _layer_options(cm: CostModel, il: int, shapes, kv_nbytes: int) -> list[Option]:
+def _locs(cm: CostModel) -> tuple[Loc, ...]:
+    """llama.cpp can hold a weight (and a layer's KV) on the GPU or on the CPU, not stream it."""
+    return (Loc(PINNED), Loc(CPU)) if cm.target == "llamacpp" else LOCS
+
+
+def _extra_unit(cm: CostModel, groups: list[Group], locs, op_offload: bool) -> int:
+    """Device bytes an option needs besides what it pins: our runtime's ring slot (its largest
+    streamed unit), or llama.cpp's room for copying its largest CPU-held weight (op-offload)."""
+    if cm.target == "llamacpp":
+        held = [g.nbytes for g, loc in zip(groups, locs) if loc.kind == CPU and g.kind != EMBD]
+        return max(held, default=0) if op_offload else 0
+    return max((g.nbytes for g, loc in zip(groups, locs) if loc.kind == STREAMED), default=0)
+
+
+def _layer_options(cm: CostModel, il: int, shapes, kv_nbytes: int, op_offload: bool):
     groups = cm.by_layer[il]
     options = []
-    for locs in itertools.product(LOCS, repeat=len(groups)):
-        for kv in LOCS:
+    for locs in itertools.product(_locs(cm), repeat=len(groups)):
+        for kv in _locs(cm):
             uses_cpu = kv.kind == CPU or any(loc.kind == CPU for loc in locs)
             place = TierPlacement({g.name: loc for g, loc in zip(groups, locs)}, {il: kv})
-            first, last = locs[0].on_gpu, locs[-1].on_gpu
             pinned = sum(g.nbytes for g, loc in zip(groups, locs) if loc.kind == PINNED)
-            units = [g.nbytes for g, loc in zip(groups, locs) if loc.kind == STREAMED]
             pinned += kv_nbytes if kv.kind == PINNED else 0
-            units += [kv_nbytes] if kv.kind == STREAMED else []
+            unit = _extra_unit(cm, groups, locs, op_offload)
+            unit = max(unit, kv_nbytes if kv.kind == STREAMED else 0)
             for busy in (True, False) if not uses_cpu else (True,):
-                seconds = sum(
-                    float(
-                        w
-                        @ np.broadcast_to(
-                            cm.layer_terms(il, place, n, d, busy, seqs, first).total, w.shape
-                        )
-                    )
-                    for n, seqs, d, w in shapes
-                )
+                seconds = 0.0
+                for n, seqs, d, w in shapes:
+                    # priced as if the residual stream arrived where the layer starts: hops
+                    # between layers are the program's (5)
+                    enter = cm.effective(groups[0], locs[0], n).on_gpu
+                    total = cm.layer_terms(il, place, n, d, busy, seqs, enter).total
+                    seconds += float(w @ np.broadcast_to(total, w.shape))
                 options.append(
-                    Option(locs, kv, busy, pinned, max(units, default=0), first, last, seconds)
+                    Option(locs, kv, busy, pinned, unit, locs[0].on_gpu, locs[-1].on_gpu, seconds)
                 )
     return _pareto(options)
 
 
-def _global_options(cm: CostModel, shapes, logits_nbytes: int) -> list[Option]:
+def _global_options(cm: CostModel, shapes, logits_nbytes: int, op_offload: bool):
     embd, head = cm.by_layer[None]
     options = []
-    for e_loc in (Loc(PINNED), Loc(CPU)):  # the embedding is a row gather: never streamed
-        for h_loc in LOCS:
+    # the embedding is a row gather: never streamed (and llama.cpp keeps it on the CPU)
+    embd_locs = (Loc(CPU),) if cm.target == "llamacpp" else (Loc(PINNED), Loc(CPU))
+    for e_loc in embd_locs:
+        for h_loc in _locs(cm):
             place = TierPlacement({embd.name: e_loc, head.name: h_loc}, {})
             pinned = sum(
                 g.nbytes for g, loc in ((embd, e_loc), (head, h_loc)) if loc.kind == PINNED
             )
             pinned += logits_nbytes if h_loc.on_gpu else 0
-            unit = head.nbytes if h_loc.kind == STREAMED else 0
+            unit = _extra_unit(cm, [head], [h_loc], op_offload)
+            unit = max(unit, head.nbytes if h_loc.kind == STREAMED else 0)
             for busy in (True, False) if h_loc.on_gpu else (True,):
-                seconds = sum(
-                    float(
-                        w.sum()
-                        * sum(
-                            cm.global_terms(g, place, n, busy, h_loc.on_gpu).total
-                            for g in (embd, head)
-                        )
-                    )
-                    for n, _, _, w in shapes
-                )
+                seconds = 0.0
+                for n, _, _, w in shapes:
+                    arrive = cm.effective(head, h_loc, n).on_gpu
+                    terms = (cm.global_terms(g, place, n, busy, arrive) for g in (embd, head))
+                    seconds += float(w.sum() * sum(t.total for t in terms))
                 options.append(
                     Option(
                         (e_loc, h_loc),
@@ -281,13 +299,15 @@ def _program(
     time_limit_seconds: float,
     hint: TierPlacement | None,
 ) -> tuple[TierPlacement | None, float, float, str]:
-    """The program of one tier: its placement (None when the time ran out first), objective,
-    bound and status."""
+    """The program of one tier (for llama.cpp: of the static placement, sized at `tier`): its
+    placement (None when the time ran out first), objective, bound and status."""
+    llama = cm.target == "llamacpp"
     n_layer = p.spec.hparams.n_layer
     kvs = kv_shape(p.workload, tier)
     grouped = _by_token_count(shapes)
+    op_offload = tier >= OP_OFFLOAD_MIN_TOKENS
     base = compute_nbytes(p.spec, tier, p.workload.n_ctx, p.workload.flash_attn, 0)
-    rows = min(tier, p.workload.users)
+    rows = tier if llama else min(tier, p.workload.users)  # llama.cpp reserves a full ubatch
     logits = compute_nbytes(p.spec, tier, p.workload.n_ctx, p.workload.flash_attn, rows) - base
 
     # -- options, per class of identical layers ------------------------------------------------
@@ -298,9 +318,17 @@ def _program(
         key = _layer_key(cm, il, kv_nbytes)
         classes.setdefault(key, []).append(il)
         if key not in class_options:
-            class_options[key] = _layer_options(cm, il, grouped, kv_nbytes)
-    global_options = _global_options(cm, grouped, logits)
-    hop = sum(float(w.sum()) * cm.hop_seconds(n, p.spec.hparams.n_embd) for n, _, _, w in grouped)
+            class_options[key] = _layer_options(cm, il, grouped, kv_nbytes, op_offload)
+    global_options = _global_options(cm, grouped, logits, op_offload)
+    # residual hops between layers where devices follow the placement; under llama.cpp, ubatches
+    # of 32 tokens and more run every layer on the GPU and hop once, from the CPU's embedding
+    hop_var = hop_const = 0.0
+    for n, _, _, w in grouped:
+        hop = float(w.sum()) * cm.hop_seconds(n, p.spec.hparams.n_embd)
+        if llama and n >= OP_OFFLOAD_MIN_TOKENS:
+            hop_const += hop
+        else:
+            hop_var += hop
 
     # -- variables and constraints ---------------------------------------------------------
     m = cp_model.CpModel()
@@ -328,37 +356,39 @@ def _program(
     }
     Y = choose(global_options, 1, "g")
     layer_counts = counts[: len(counts) - len(global_options)]
+    slots = 1 if llama else PREFETCH_DEPTH
     m.Add(
-        sum(o.pinned_nbytes * x for x, o in counts) + PREFETCH_DEPTH * ring + base <= p.budget_bytes
+        sum(o.pinned_nbytes * x for x, o in counts) + slots * ring + base <= p.budget_bytes
     )  # (4)
-
-    # (5) residual hops between layers, the layers arranged to need the fewest: a walk over the
-    # two devices from the embedding's to the head's, where a GPU->CPU layer and a CPU->GPU layer
-    # each cross once; the imbalance costs hops, and a device that a layer needs but the walk
-    # never visits costs two
-    def typed(first: bool, last: bool):
-        return sum(x for x, o in layer_counts if o.first_on == first and o.last_on == last)
 
     emb_on = sum(y for y, o in zip(Y, global_options) if o.first_on)
     head_on = sum(y for y, o in zip(Y, global_options) if o.last_on)
-    gc, cg = typed(True, False), typed(False, True)
-    imbalance = m.NewIntVar(0, n_layer + 1, "imbalance")
-    m.Add(imbalance >= emb_on - head_on - gc + cg)
-    m.Add(imbalance >= -(emb_on - head_on - gc + cg))
-    extra = []
-    for dev, (self_loops, ends) in {
-        "gpu": (typed(True, True), emb_on + head_on),
-        "cpu": (typed(False, False), 2 - emb_on - head_on),
-    }.items():
-        needed, visited = m.NewBoolVar(f"need_{dev}"), m.NewBoolVar(f"visit_{dev}")
-        m.Add(self_loops <= n_layer * needed)
-        m.Add(visited <= ends + gc + cg + imbalance)
-        e = m.NewBoolVar(f"extra_{dev}")
-        m.Add(e >= needed - visited)
-        extra.append(e)
-    n_hops = imbalance + 2 * sum(extra)
+    if llama:
+        # (6) llama.cpp offloads the last K layers with their KV (-ngl): GPU KV is a suffix, so
+        # each class has as many GPU-KV layers as it has among the last K
+        k_of = [m.NewBoolVar(f"k={k}") for k in range(n_layer + 1)]
+        m.AddExactlyOne(k_of)
+        for key, layers in classes.items():
+            in_suffix = [sum(1 for il in layers if il >= n_layer - k) for k in range(n_layer + 1)]
+            gpu_kv = sum(x for x, o in zip(X[key], class_options[key]) if o.kv.on_gpu)
+            m.Add(gpu_kv == sum(c * b for c, b in zip(in_suffix, k_of)))
+        if p.spec.by_name.get("output.weight") is None:  # (7) a tied head is the output layer's
+            m.Add(head_on >= 1 - k_of[0])
+        junction = m.NewBoolVar("junction")
+        segments = [
+            ([xo for xo in layer_counts if not xo[1].kv.on_gpu], emb_on, junction),
+            ([xo for xo in layer_counts if xo[1].kv.on_gpu], junction, head_on),
+        ]
+    else:
+        segments = [(layer_counts, emb_on, head_on)]
+    n_hops = sum(
+        _walk_hops(m, xs, start, end, n_layer, f"s{i}")
+        for i, (xs, start, end) in enumerate(segments)
+    )
 
-    m.Minimize(sum(coef(o.seconds) * x for x, o in counts) + coef(hop) * n_hops)
+    m.Minimize(
+        sum(coef(o.seconds) * x for x, o in counts) + coef(hop_var) * n_hops + coef(hop_const)
+    )
     if hint is not None:
         _add_hint(m, cm, hint, classes, class_options, X, global_options, Y, busy)
 
@@ -378,7 +408,8 @@ def _program(
         key: [o for x, o in zip(X[key], opts) for _ in range(solver.Value(x))]
         for key, opts in class_options.items()
     }
-    per_layer = _arrange(classes, taken, g_opt.first_on, n_layer)
+    n_gpu_kv = sum(o.kv.on_gpu for opts in taken.values() for o in opts) if llama else 0
+    per_layer = _arrange(classes, taken, g_opt.first_on, n_layer, n_layer - n_gpu_kv)
     groups = {g.name: loc for g, loc in zip(cm.by_layer[None], g_opt.locs)}
     kv = {}
     for il, o in enumerate(per_layer):
@@ -393,20 +424,53 @@ def _program(
     )
 
 
+def _walk_hops(m, layer_counts, start, end, n_layer: int, name: str):
+    """(5) The fewest residual hops for layers that can be ordered freely, walking from device
+    `start` to `end` (1: the GPU): each GPU->CPU layer (gc) or CPU->GPU layer (cg) crosses once,
+    so |start - end - gc + cg| hops make up the imbalance, and a device some layer stays on but
+    the walk never visits costs two more."""
+
+    def typed(first: bool, last: bool):
+        return sum(x for x, o in layer_counts if o.first_on == first and o.last_on == last)
+
+    gc, cg = typed(True, False), typed(False, True)
+    imbalance = m.NewIntVar(0, n_layer + 2, f"imbalance_{name}")
+    m.Add(imbalance >= start - end - gc + cg)
+    m.Add(imbalance >= end - start + gc - cg)
+    extra = []
+    for dev, stays, ends in (
+        ("gpu", typed(True, True), start + end),
+        ("cpu", typed(False, False), 2 - start - end),
+    ):
+        needed, visited = m.NewBoolVar(f"need_{dev}_{name}"), m.NewBoolVar(f"visit_{dev}_{name}")
+        m.Add(stays <= n_layer * needed)
+        m.Add(visited <= ends + gc + cg + imbalance)
+        e = m.NewBoolVar(f"extra_{dev}_{name}")
+        m.Add(e >= needed - visited)
+        extra.append(e)
+    return imbalance + 2 * sum(extra)
+
+
 def _arrange(
-    classes: dict[tuple, list[int]], taken: dict[tuple, list[Option]], on: bool, n_layer: int
+    classes: dict[tuple, list[int]],
+    taken: dict[tuple, list[Option]],
+    on: bool,
+    n_layer: int,
+    first_gpu_kv: int,
 ) -> list[Option]:
-    """Give each layer one of its class's chosen options, walking the layers in order and taking,
-    where the residual stream is, an option that stays there, else one that crosses, so as few
-    hops as the program counted are needed (exactly that few when one class holds every layer)."""
+    """Give each layer one of its class's chosen options — those with KV on the GPU to the layers
+    from `first_gpu_kv` on (llama.cpp's suffix; our runtime passes n_layer and has one pool) —
+    walking the layers in order and taking, where the residual stream is, an option that stays
+    there, else one that crosses, so as few hops as the program counted are needed (exactly that
+    few when one class holds every layer)."""
     left = {key: list(opts) for key, opts in taken.items()}
     key_of = {il: key for key, layers in classes.items() for il in layers}
     out = []
     for il in range(n_layer):
-        pool = left[key_of[il]]
-        rank = lambda o: (o.first_on != on, o.last_on != on)  # noqa: E731
-        o = min(pool, key=rank)
-        pool.remove(o)
+        suffix = il >= first_gpu_kv
+        pool = [o for o in left[key_of[il]] if o.kv.on_gpu == suffix or first_gpu_kv == n_layer]
+        o = min(pool, key=lambda o: (o.first_on != on, o.last_on != on))
+        left[key_of[il]].remove(o)
         out.append(o)
         on = o.last_on
     return out

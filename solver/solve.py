@@ -52,20 +52,22 @@ def solve(
     objective: str = "e2e",
     strategy: str | None = None,
     time_limit_seconds: float = SOLVER_SECONDS,
+    target: str = "refengine",
 ) -> tuple[Outcome, list[Outcome], dict]:
-    """(chosen plan, every named strategy's plan, solver facts)."""
-    p = Problem(spec, profile, w, tuple(tiers), budget_bytes, "refengine")
+    """(chosen plan, every named strategy's plan, solver facts). Target llamacpp: the best
+    static placement llama.cpp's flags can express, warm-started from its --fit placement."""
+    p = Problem(spec, profile, w, tuple(tiers), budget_bytes, target)
     baselines = []
     for name, make in STRATEGIES.items():
-        target = "llamacpp" if name == "fit" else "refengine"
-        plan = make(Problem(spec, profile, w, tuple(tiers), budget_bytes, target))
-        baselines.append(Outcome(name, plan, evaluate(plan, spec, profile, w, target), target))
+        runs_on = "llamacpp" if name == "fit" else "refengine"
+        plan = make(Problem(spec, profile, w, tuple(tiers), budget_bytes, runs_on))
+        baselines.append(Outcome(name, plan, evaluate(plan, spec, profile, w, runs_on), runs_on))
     if strategy is not None:
         if strategy not in STRATEGIES:
             raise UserError(f"unknown strategy {strategy!r} (known: {', '.join(STRATEGIES)})")
         return next(b for b in baselines if b.name == strategy), baselines, {}
     all_pinned = _all_pinned(spec, tiers)
-    if all(_fits(p, all_pinned[t], t) for t in tiers):
+    if target == "refengine" and all(_fits(p, all_pinned[t], t) for t in tiers):
         return (
             Outcome("not-needed", all_pinned, evaluate(all_pinned, spec, profile, w), "refengine"),
             baselines,
@@ -76,8 +78,12 @@ def solve(
     # prefill tier is a candidate, each optimized with an equal share of the time limit.
     candidates = []
     for top in [t for t in tiers if t >= PREFILL_MIN_TOKENS] or [max(tiers)]:
-        sub = Problem(spec, profile, w, tuple(t for t in tiers if t <= top), budget_bytes)
-        name, start, seconds = best_start(sub, objective)
+        sub = Problem(spec, profile, w, tuple(t for t in tiers if t <= top), budget_bytes, target)
+        if target == "llamacpp":
+            name, start = "fit", STRATEGIES["fit"](sub)
+            seconds = evaluate(start, spec, profile, w, target).objective(objective)
+        else:
+            name, start, seconds = best_start(sub, objective)
         candidates.append((seconds, top, sub, name, start))
     best = None
     for _, top, sub, name, start in sorted(candidates, key=lambda c: c[0]):
@@ -85,7 +91,7 @@ def solve(
         if best is None or sol.objective_seconds < best[0].objective_seconds:
             best = (sol, name, top)
     sol, start_name, top = best
-    chosen = Outcome("optimal", sol.tiers, evaluate(sol.tiers, spec, profile, w), "refengine")
+    chosen = Outcome("optimal", sol.tiers, evaluate(sol.tiers, spec, profile, w, target), target)
     facts = {
         "status": sol.status,
         "objective_seconds": sol.objective_seconds,

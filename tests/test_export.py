@@ -8,10 +8,12 @@ import pytest
 
 from refengine.errors import UserError
 from refengine.synthetic import SyntheticConfig, spec_from_hparams
-from solver.cost import CPU, PINNED, STREAMED, Loc, TierPlacement, Workload
+from solver.cost import CPU, PINNED, STREAMED, Loc, TierPlacement, Workload, evaluate
 from solver.export import apply_llamacpp_args, llamacpp_args, tensor_devices
 from solver.groups import tensor_groups
+from solver.optimize import optimize
 from solver.strategies import STRATEGIES, Problem
+from solver.usage import device_usage
 
 from .test_strategies import DENSE_CFG, MOE_CFG, PROFILE
 
@@ -48,6 +50,26 @@ def test_fit_plans_export_to_flags_that_recover_them(model, budget_gib):
         pattern = item.split("=")[0]
         assert pattern.startswith("^") and pattern.endswith("$")  # anchored
         re.compile(pattern)
+
+
+@pytest.mark.parametrize("model", sorted(MODELS))
+@pytest.mark.parametrize("budget_gib", [1.5, 5])
+def test_optimized_llamacpp_plans_export_and_never_lose_to_fit(model, budget_gib):
+    spec = spec_from_hparams(MODELS[model])
+    w = Workload(n_ctx=8192, prompt_tokens=4000, gen_tokens=200)
+    p = Problem(spec, PROFILE, w, (1, 512), int(budget_gib * GIB), "llamacpp")
+    fit = STRATEGIES["fit"](p)
+    sol = optimize(p, hint=fit, time_limit_seconds=2)
+    assert sol.tiers[1] == sol.tiers[512]  # one static placement: llama.cpp cannot switch
+    place = sol.tiers[1]
+    args = llamacpp_args(spec, place, 8192, "f16", True)
+    assert apply_llamacpp_args(spec, args) == tensor_devices(spec, place)
+    ours = evaluate(sol.tiers, spec, PROFILE, w, "llamacpp").e2e_seconds
+    assert ours <= evaluate(fit, spec, PROFILE, w, "llamacpp").e2e_seconds * (1 + 1e-9)
+    usage = device_usage(spec, tensor_groups(spec), place, 512, w, "llamacpp")
+    assert usage.total <= budget_gib * GIB
+    for program, evaluated in sol.program_check.values():  # one class of layers: exact hops
+        assert program == pytest.approx(evaluated, rel=1e-6, abs=1e-5)
 
 
 def test_a_hand_made_mixed_placement_round_trips():
