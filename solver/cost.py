@@ -81,6 +81,11 @@ class Loc:
     def on_gpu(self) -> bool:
         return self.kind != CPU
 
+    @property
+    def where(self) -> int:
+        """The device the data is used on: a GPU's index, or -1 for the CPU."""
+        return self.device if self.kind != CPU else -1
+
     def __str__(self) -> str:
         return CPU if self.kind == CPU else f"{self.kind}:{self.device}"
 
@@ -296,10 +301,10 @@ class CostModel:
         depth: int,
         cpu_busy: bool,
         sequences: int = 1,
-        prev_on_gpu: bool = True,
+        prev: int = 0,
     ) -> Terms:
-        """One layer; `prev_on_gpu`: where the residual stream comes from (the previous layer's
-        last op, or the embedding)."""
+        """One layer; `prev`: the device (Loc.where) the residual stream comes from (the
+        previous layer's last op, or the embedding)."""
         hp, t = self.spec.hparams, Terms()
         groups = self.by_layer[il]
         gpu_mats = 0
@@ -323,11 +328,11 @@ class CostModel:
             t.copy += self.copy_seconds(up, kv.device, cpu_busy)
             t.latency += self.copy_seconds(down, kv.device, cpu_busy)
         # device sequence: attention side, attention, FFN matrices (in file order)
-        runs_on_gpu = [self.effective(g, place.groups[g.name], tokens).on_gpu for g in groups]
-        seq = [runs_on_gpu[0], kv.on_gpu, runs_on_gpu[0]] + runs_on_gpu[1:]
+        runs_on = [self.effective(g, place.groups[g.name], tokens).where for g in groups]
+        seq = [runs_on[0], kv.where, runs_on[0]] + runs_on[1:]
         hops = sum(a != b for a, b in zip(seq, seq[1:]))
         t.latency += hops * self.hop_seconds(tokens, self.hop_width)
-        if prev_on_gpu != seq[0]:  # the residual stream arrives from the other device
+        if prev != seq[0]:  # the residual stream arrives from another device
             t.latency += self.hop_seconds(tokens, hp.n_embd)
         if gpu_mats or kv.on_gpu:
             t.latency += self.launch_seconds(ELEMENTWISE_KERNELS_PER_LAYER + gpu_mats, tokens)
@@ -336,9 +341,9 @@ class CostModel:
         return t
 
     def global_terms(
-        self, g: Group, place: TierPlacement, tokens: int, cpu_busy: bool, prev_on_gpu: bool
+        self, g: Group, place: TierPlacement, tokens: int, cpu_busy: bool, prev: int
     ) -> Terms:
-        """The embedding or the output head; `prev_on_gpu`: where the last layer ended."""
+        """The embedding or the output head; `prev`: the device the last layer ended on."""
         loc, t = self.effective(g, place.groups[g.name], tokens), Terms()
         if loc.on_gpu:
             t.gpu = self.gpu_seconds(g, tokens, loc.device)
@@ -346,7 +351,7 @@ class CostModel:
                 t.copy = self.copy_seconds(g.nbytes, loc.device, cpu_busy)
         else:
             t.cpu = self.cpu_seconds(g, tokens)
-        if g.kind == HEAD and loc.on_gpu != prev_on_gpu:  # from the last layer to the head
+        if g.kind == HEAD and loc.where != prev:  # from the last layer to the head
             t.latency = self.hop_seconds(tokens, self.spec.hparams.n_embd)
         t.total = (max(t.gpu, t.copy) if self.overlap else t.gpu + t.copy) + t.cpu + t.latency
         return t
@@ -364,11 +369,11 @@ class CostModel:
     ) -> Terms:
         cpu_busy = self.cpu_busy(place)
         total = Terms()
-        prev = place.groups["token_embd"].on_gpu
+        prev = place.groups["token_embd"].where
         for il in range(self.spec.hparams.n_layer):
             total.add(self.layer_terms(il, place, tokens, depth, cpu_busy, sequences, prev))
             last = self.by_layer[il][-1]
-            prev = self.effective(last, place.groups[last.name], tokens).on_gpu
+            prev = self.effective(last, place.groups[last.name], tokens).where
         for g in self.by_layer[None]:  # token_embd and the output head
             total.add(self.global_terms(g, place, tokens, cpu_busy, prev))
         return total

@@ -241,7 +241,7 @@ def _layer_options(cm: CostModel, il: int, shapes, kv_nbytes: int, op_offload: b
                 for n, seqs, d, w in shapes:
                     # priced as if the residual stream arrived where the layer starts: hops
                     # between layers are the program's (5)
-                    enter = cm.effective(groups[0], locs[0], n).on_gpu
+                    enter = cm.effective(groups[0], locs[0], n).where
                     total = cm.layer_terms(il, place, n, d, busy, seqs, enter).total
                     seconds += float(w @ np.broadcast_to(total, w.shape))
                 options.append(
@@ -267,7 +267,7 @@ def _global_options(cm: CostModel, shapes, logits_nbytes: int, op_offload: bool)
             for busy in (True, False) if h_loc.on_gpu else (True,):
                 seconds = 0.0
                 for n, _, _, w in shapes:
-                    arrive = cm.effective(head, h_loc, n).on_gpu
+                    arrive = cm.effective(head, h_loc, n).where
                     terms = (cm.global_terms(g, place, n, busy, arrive) for g in (embd, head))
                     seconds += float(w.sum() * sum(t.total for t in terms))
                 options.append(

@@ -10,8 +10,9 @@ from refengine.defaults import SOLVER_SECONDS
 from refengine.errors import UserError
 from refengine.spec import ModelSpec
 
-from .cost import CPU, PINNED, Loc, Prediction, TierPlacement, Workload, evaluate
+from .cost import PINNED, Loc, Prediction, TierPlacement, Workload, evaluate
 from .groups import ATTN_SIDE, tensor_groups
+from .memory import compute_nbytes
 from .optimize import best_start, optimize
 from .profile import HardwareProfile
 from .strategies import STRATEGIES, Problem
@@ -119,12 +120,9 @@ def _fits(p: Problem, place: TierPlacement, tier: int) -> bool:
 
 
 def minimum_budget_bytes(spec: ModelSpec, w: Workload, tier: int) -> int:
-    """The smallest budget a tier needs: everything on the CPU but the workspace."""
-    groups = tensor_groups(spec)
-    place = TierPlacement(
-        {g.name: Loc(CPU) for g in groups}, {il: Loc(CPU) for il in range(spec.hparams.n_layer)}
-    )
-    return device_usage(spec, groups, place, tier, w, "refengine").total
+    """The smallest budget a tier needs on a device that computes anything: its workspace (with
+    every weight and all KV on the CPU)."""
+    return compute_nbytes(spec, tier, w.n_ctx, w.flash_attn, 0)
 
 
 def viable_tiers(spec: ModelSpec, w: Workload, tiers: list[int], budget_bytes: int) -> list[int]:

@@ -73,12 +73,16 @@ def device_usage(
     rows = 0
     if here(mine["output"]):
         rows = min(tier, w.users) if target == "refengine" else tier
-    compute = compute_nbytes(spec, tier, w.n_ctx, w.flash_attn, rows)
+    # a workspace on every device that computes something (seed 004: a device holding a layer
+    # holds a compute buffer too); llama.cpp's op-offload computes on the first GPU
+    holds = any(here(loc) for loc in mine.values()) or any(here(loc) for loc in place.kv.values())
+    offloads = target == "llamacpp" and device == 0 and tier >= OP_OFFLOAD_MIN_TOKENS
+    compute = compute_nbytes(spec, tier, w.n_ctx, w.flash_attn, rows) if holds or offloads else 0
     if target == "refengine":
         scratch = PREFETCH_DEPTH * max(streamed_units, default=0)
     else:  # llama.cpp copies one CPU-held weight at a time into its compute buffer
         biggest = max(
             (g.nbytes for g in groups if mine[g.name].kind == CPU and g.kind != EMBD), default=0
         )
-        scratch = biggest if tier >= OP_OFFLOAD_MIN_TOKENS else 0
+        scratch = biggest if offloads else 0
     return Usage(weights, scratch, kv_bytes, compute)
