@@ -89,8 +89,9 @@ LOCS = (Loc(PINNED), Loc(STREAMED), Loc(CPU))
 
 @dataclass(frozen=True)
 class Option:
-    """One way to place a layer (locs: its groups in order, kv) or the globals (locs: embedding,
-    head; kv None) in a tier."""
+    """One way to place a layer (locs: its groups in order; kv), the embedding or the head (locs:
+    one; kv None) in a tier, using GPU `device` (an all-CPU option still names the device whose
+    range of layers it sits in)."""
 
     locs: tuple[Loc, ...]
     kv: Loc | None
@@ -100,6 +101,11 @@ class Option:
     first_on: bool  # the first op runs on the GPU
     last_on: bool
     seconds: float  # summed over the tier's shapes, weighted
+    device: int = 0
+
+    @property
+    def uses_gpu(self) -> bool:
+        return any(loc.on_gpu for loc in self.locs) or (self.kv is not None and self.kv.on_gpu)
 
 
 @dataclass(frozen=True)
@@ -211,9 +217,11 @@ def _pareto(options: list[Option]) -> list[Option]:
     return kept
 
 
-def _locs(cm: CostModel) -> tuple[Loc, ...]:
+def _locs(cm: CostModel, device: int) -> tuple[Loc, ...]:
     """llama.cpp can hold a weight (and a layer's KV) on the GPU or on the CPU, not stream it."""
-    return (Loc(PINNED), Loc(CPU)) if cm.target == "llamacpp" else LOCS
+    if cm.target == "llamacpp":
+        return (Loc(PINNED, device), Loc(CPU))
+    return (Loc(PINNED, device), Loc(STREAMED, device), Loc(CPU))
 
 
 def _extra_unit(cm: CostModel, groups: list[Group], locs, op_offload: bool) -> int:
@@ -225,11 +233,12 @@ def _extra_unit(cm: CostModel, groups: list[Group], locs, op_offload: bool) -> i
     return max((g.nbytes for g, loc in zip(groups, locs) if loc.kind == STREAMED), default=0)
 
 
-def _layer_options(cm: CostModel, il: int, shapes, kv_nbytes: int, op_offload: bool):
+def _layer_options(cm: CostModel, il: int, shapes, kv_nbytes: int, op_offload: bool, device: int):
     groups = cm.by_layer[il]
     options = []
-    for locs in itertools.product(_locs(cm), repeat=len(groups)):
-        for kv in _locs(cm):
+    locs_here = _locs(cm, device)
+    for locs in itertools.product(locs_here, repeat=len(groups)):
+        for kv in locs_here:
             uses_cpu = kv.kind == CPU or any(loc.kind == CPU for loc in locs)
             place = TierPlacement({g.name: loc for g, loc in zip(groups, locs)}, {il: kv})
             pinned = sum(g.nbytes for g, loc in zip(groups, locs) if loc.kind == PINNED)
@@ -244,44 +253,34 @@ def _layer_options(cm: CostModel, il: int, shapes, kv_nbytes: int, op_offload: b
                     enter = cm.effective(groups[0], locs[0], n).where
                     total = cm.layer_terms(il, place, n, d, busy, seqs, enter).total
                     seconds += float(w @ np.broadcast_to(total, w.shape))
-                options.append(
-                    Option(locs, kv, busy, pinned, unit, locs[0].on_gpu, locs[-1].on_gpu, seconds)
-                )
+                first, last = locs[0].on_gpu, locs[-1].on_gpu
+                options.append(Option(locs, kv, busy, pinned, unit, first, last, seconds, device))
     return _pareto(options)
 
 
-def _global_options(cm: CostModel, shapes, logits_nbytes: int, op_offload: bool):
-    embd, head = cm.by_layer[None]
+def _global_options(cm: CostModel, g: Group, shapes, logits_nbytes: int, op_offload: bool, device):
+    """The embedding's options on the first GPU, or the head's on the last (its hop from the last
+    layer is the program's)."""
     options = []
-    # the embedding is a row gather: never streamed (and llama.cpp keeps it on the CPU)
-    embd_locs = (Loc(CPU),) if cm.target == "llamacpp" else (Loc(PINNED), Loc(CPU))
-    for e_loc in embd_locs:
-        for h_loc in _locs(cm):
-            place = TierPlacement({embd.name: e_loc, head.name: h_loc}, {})
-            pinned = sum(
-                g.nbytes for g, loc in ((embd, e_loc), (head, h_loc)) if loc.kind == PINNED
-            )
-            pinned += logits_nbytes if h_loc.on_gpu else 0
-            unit = _extra_unit(cm, [head], [h_loc], op_offload)
-            unit = max(unit, head.nbytes if h_loc.kind == STREAMED else 0)
-            for busy in (True, False) if h_loc.on_gpu else (True,):
-                seconds = 0.0
-                for n, _, _, w in shapes:
-                    arrive = cm.effective(head, h_loc, n).where
-                    terms = (cm.global_terms(g, place, n, busy, arrive) for g in (embd, head))
-                    seconds += float(w.sum() * sum(t.total for t in terms))
-                options.append(
-                    Option(
-                        (e_loc, h_loc),
-                        None,
-                        busy,
-                        pinned,
-                        unit,
-                        e_loc.on_gpu,
-                        h_loc.on_gpu,
-                        seconds,
-                    )
-                )
+    if g.kind == EMBD:  # a row gather: never streamed (and llama.cpp keeps it on the CPU)
+        locs = (Loc(CPU),) if cm.target == "llamacpp" else (Loc(PINNED, device), Loc(CPU))
+    else:
+        locs = _locs(cm, device)
+    for loc in locs:
+        place = TierPlacement({g.name: loc}, {})
+        pinned = g.nbytes if loc.kind == PINNED else 0
+        if g.kind != EMBD and loc.on_gpu:
+            pinned += logits_nbytes
+        unit = _extra_unit(cm, [g], [loc], op_offload)
+        unit = max(unit, g.nbytes if loc.kind == STREAMED else 0)
+        busy_choices = (True, False) if loc.on_gpu or g.kind == EMBD else (True,)
+        for busy in busy_choices:
+            seconds = 0.0
+            for n, _, _, w in shapes:
+                arrive = cm.effective(g, loc, n).where
+                seconds += float(w.sum() * cm.global_terms(g, place, n, busy, arrive).total)
+            on = loc.on_gpu
+            options.append(Option((loc,), None, busy, pinned, unit, on, on, seconds, device))
     return options
 
 
@@ -302,6 +301,8 @@ def _program(
     """The program of one tier (for llama.cpp: of the static placement, sized at `tier`): its
     placement (None when the time ran out first), objective, bound and status."""
     llama = cm.target == "llamacpp"
+    budgets = p.budgets
+    devices = range(len(budgets))
     n_layer = p.spec.hparams.n_layer
     kvs = kv_shape(p.workload, tier)
     grouped = _by_token_count(shapes)
@@ -310,7 +311,7 @@ def _program(
     rows = tier if llama else min(tier, p.workload.users)  # llama.cpp reserves a full ubatch
     logits = compute_nbytes(p.spec, tier, p.workload.n_ctx, p.workload.flash_attn, rows) - base
 
-    # -- options, per class of identical layers ------------------------------------------------
+    # -- options, per class of identical layers and per device ---------------------------------
     classes: dict[tuple, list[int]] = {}
     class_options: dict[tuple, list[Option]] = {}
     for il in range(n_layer):
@@ -318,8 +319,14 @@ def _program(
         key = _layer_key(cm, il, kv_nbytes)
         classes.setdefault(key, []).append(il)
         if key not in class_options:
-            class_options[key] = _layer_options(cm, il, grouped, kv_nbytes, op_offload)
-    global_options = _global_options(cm, grouped, logits, op_offload)
+            class_options[key] = [
+                o
+                for d in devices
+                for o in _layer_options(cm, il, grouped, kv_nbytes, op_offload, d)
+            ]
+    embd, head = cm.by_layer[None]
+    embd_options = _global_options(cm, embd, grouped, logits, op_offload, 0)
+    head_options = _global_options(cm, head, grouped, logits, op_offload, devices[-1])
     # residual hops between layers where devices follow the placement; under llama.cpp, ubatches
     # of 32 tokens and more run every layer on the GPU and hop once, from the CPU's embedding
     hop_var = hop_const = 0.0
@@ -334,8 +341,9 @@ def _program(
     m = cp_model.CpModel()
     coef = lambda seconds: int(round(seconds * TIME_UNIT))  # noqa: E731
     busy = m.NewBoolVar("busy")
-    all_options = [o for opts in class_options.values() for o in opts] + global_options
-    ring = m.NewIntVar(0, max(o.unit_nbytes for o in all_options), "ring")
+    every = [o for opts in class_options.values() for o in opts] + embd_options + head_options
+    rings = [m.NewIntVar(0, max(o.unit_nbytes for o in every), f"ring{d}") for d in devices]
+    holds = [m.NewBoolVar(f"holds{d}") for d in devices]
     counts: list[tuple[object, Option]] = []  # (how many layers take it, option)
 
     def choose(options: list[Option], n: int, name: str) -> list:
@@ -346,7 +354,9 @@ def _program(
             m.Add(x <= n * used)
             m.AddImplication(used, busy if o.busy else busy.Not())  # (2)
             if o.unit_nbytes:
-                m.Add(ring >= o.unit_nbytes * used)  # (3)
+                m.Add(rings[o.device] >= o.unit_nbytes * used)  # (3)
+            if o.uses_gpu:
+                m.AddImplication(used, holds[o.device])
             counts.append((x, o))
         return xs
 
@@ -354,43 +364,62 @@ def _program(
         key: choose(opts, len(classes[key]), f"n{k}")
         for k, (key, opts) in enumerate(class_options.items())
     }
-    Y = choose(global_options, 1, "g")
-    layer_counts = counts[: len(counts) - len(global_options)]
+    layer_counts = list(counts)
+    E = choose(embd_options, 1, "e")
+    H = choose(head_options, 1, "h")
     slots = 1 if llama else PREFETCH_DEPTH
-    m.Add(
-        sum(o.pinned_nbytes * x for x, o in counts) + slots * ring + base <= p.budget_bytes
-    )  # (4)
+    for d in devices:  # (4) a device computing anything holds a workspace
+        pinned = sum(o.pinned_nbytes * x for x, o in counts if o.device == d)
+        m.Add(pinned + slots * rings[d] + base * holds[d] <= budgets[d])
+    if not llama:
+        m.Add(sum(holds) >= 1)  # our runtime runs on a GPU
 
-    emb_on = sum(y for y, o in zip(Y, global_options) if o.first_on)
-    head_on = sum(y for y, o in zip(Y, global_options) if o.last_on)
+    emb_on = sum(x for x, o in zip(E, embd_options) if o.first_on)
+    head_on = sum(x for x, o in zip(H, head_options) if o.last_on)
     if llama:
         # (6) llama.cpp offloads the last K layers with their KV (-ngl): GPU KV is a suffix, so
         # each class has as many GPU-KV layers as it has among the last K
-        k_of = [m.NewBoolVar(f"k={k}") for k in range(n_layer + 1)]
-        m.AddExactlyOne(k_of)
-        for key, layers in classes.items():
-            in_suffix = [sum(1 for il in layers if il >= n_layer - k) for k in range(n_layer + 1)]
+        ranges = _ranges(m, classes, n_layer, 2, "k")
+        for key in classes:
             gpu_kv = sum(x for x, o in zip(X[key], class_options[key]) if o.kv.on_gpu)
-            m.Add(gpu_kv == sum(c * b for c, b in zip(in_suffix, k_of)))
+            m.Add(gpu_kv == ranges[key][1])
         if p.spec.by_name.get("output.weight") is None:  # (7) a tied head is the output layer's
-            m.Add(head_on >= 1 - k_of[0])
+            m.Add(n_layer * head_on >= sum(ranges[key][1] for key in classes))
         junction = m.NewBoolVar("junction")
         segments = [
             ([xo for xo in layer_counts if not xo[1].kv.on_gpu], emb_on, junction),
             ([xo for xo in layer_counts if xo[1].kv.on_gpu], junction, head_on),
         ]
+        n_hops = sum(
+            _walk_hops(m, xs, a, b, n_layer, f"s{i}") for i, (xs, a, b) in enumerate(segments)
+        )
     else:
-        segments = [(layer_counts, emb_on, head_on)]
-    n_hops = sum(
-        _walk_hops(m, xs, start, end, n_layer, f"s{i}")
-        for i, (xs, start, end) in enumerate(segments)
-    )
+        # (8) several GPUs: each holds a contiguous range of layers, in device order
+        if len(budgets) > 1:
+            ranges = _ranges(m, classes, n_layer, len(budgets), "b")
+            for key in classes:
+                for d in devices:
+                    here = sum(x for x, o in zip(X[key], class_options[key]) if o.device == d)
+                    m.Add(here == ranges[key][d])
+        # (5) hops: a walk per device's range; leaving a range on its GPU costs one hop, after
+        # which the next range may start on its GPU or on the CPU
+        n_hops, start = 0, emb_on
+        for d in devices:
+            end = head_on if d == devices[-1] else m.NewBoolVar(f"end{d}")
+            mine = [xo for xo in layer_counts if xo[1].device == d]
+            n_hops += _walk_hops(m, mine, start, end, n_layer, f"d{d}")
+            if d != devices[-1]:
+                n_hops += end
+                start = m.NewBoolVar(f"start{d + 1}")
+                m.Add(start <= end)
 
     m.Minimize(
         sum(coef(o.seconds) * x for x, o in counts) + coef(hop_var) * n_hops + coef(hop_const)
     )
     if hint is not None:
-        _add_hint(m, cm, hint, classes, class_options, X, global_options, Y, busy)
+        _add_hint(
+            m, cm, hint, classes, class_options, X, (embd_options, E), (head_options, H), busy
+        )
 
     solver = cp_model.CpSolver()
     prm = solver.parameters
@@ -403,14 +432,14 @@ def _program(
     if st not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
         return None, 0.0, 0.0, status
 
-    g_opt = next(o for y, o in zip(Y, global_options) if solver.Value(y))
+    e_opt = next(o for x, o in zip(E, embd_options) if solver.Value(x))
+    h_opt = next(o for x, o in zip(H, head_options) if solver.Value(x))
     taken = {
         key: [o for x, o in zip(X[key], opts) for _ in range(solver.Value(x))]
         for key, opts in class_options.items()
     }
-    n_gpu_kv = sum(o.kv.on_gpu for opts in taken.values() for o in opts) if llama else 0
-    per_layer = _arrange(classes, taken, g_opt.first_on, n_layer, n_layer - n_gpu_kv)
-    groups = {g.name: loc for g, loc in zip(cm.by_layer[None], g_opt.locs)}
+    per_layer = _arrange(classes, taken, e_opt.first_on, n_layer, llama)
+    groups = {embd.name: e_opt.locs[0], head.name: h_opt.locs[0]}
     kv = {}
     for il, o in enumerate(per_layer):
         groups.update({g.name: loc for g, loc in zip(cm.by_layer[il], o.locs)})
@@ -424,6 +453,25 @@ def _program(
     )
 
 
+def _ranges(m, classes: dict[tuple, list[int]], n_layer: int, parts: int, name: str) -> dict:
+    """Split the layers into `parts` contiguous ranges, in order, by one-hot boundaries; returns
+    per class the number of its layers in each range (linear in the boundaries)."""
+    bounds = []
+    for b in range(parts - 1):
+        onehot = [m.NewBoolVar(f"{name}{b}={k}") for k in range(n_layer + 1)]
+        m.AddExactlyOne(onehot)
+        bounds.append(onehot)
+    for a, b in zip(bounds, bounds[1:]):
+        m.Add(sum(k * x for k, x in enumerate(a)) <= sum(k * x for k, x in enumerate(b)))
+    out = {}
+    for key, layers in classes.items():
+        before = [sum(1 for il in layers if il < k) for k in range(n_layer + 1)]
+        cuts = [0] + [sum(c * x for c, x in zip(before, onehot)) for onehot in bounds]
+        cuts.append(len(layers))
+        out[key] = [cuts[i + 1] - cuts[i] for i in range(parts)]
+    return out
+
+
 def _walk_hops(m, layer_counts, start, end, n_layer: int, name: str):
     """(5) The fewest residual hops for layers that can be ordered freely, walking from device
     `start` to `end` (1: the GPU): each GPU->CPU layer (gc) or CPU->GPU layer (cg) crosses once,
@@ -435,8 +483,8 @@ def _walk_hops(m, layer_counts, start, end, n_layer: int, name: str):
 
     gc, cg = typed(True, False), typed(False, True)
     imbalance = m.NewIntVar(0, n_layer + 2, f"imbalance_{name}")
-    m.Add(imbalance >= start - end - gc + cg)
-    m.Add(imbalance >= end - start + gc - cg)
+    # exactly |.|: a walk's hops have its parity, so a larger imbalance must not buy a visit
+    m.AddAbsEquality(imbalance, start - end - gc + cg)
     extra = []
     for dev, stays, ends in (
         ("gpu", typed(True, True), start + end),
@@ -456,19 +504,24 @@ def _arrange(
     taken: dict[tuple, list[Option]],
     on: bool,
     n_layer: int,
-    first_gpu_kv: int,
+    llama: bool,
 ) -> list[Option]:
-    """Give each layer one of its class's chosen options — those with KV on the GPU to the layers
-    from `first_gpu_kv` on (llama.cpp's suffix; our runtime passes n_layer and has one pool) —
-    walking the layers in order and taking, where the residual stream is, an option that stays
-    there, else one that crosses, so as few hops as the program counted are needed (exactly that
-    few when one class holds every layer)."""
-    left = {key: list(opts) for key, opts in taken.items()}
+    """Give each layer one of its class's chosen options: the layers split into ranges in order
+    (llama.cpp: those with KV on the CPU, then on the GPU; ours: by device), and within a range,
+    walking the layers in order, the option that stays where the residual stream is, else one
+    that crosses — as few hops as the program counted (exactly that few when one class holds
+    every layer)."""
     key_of = {il: key for key, layers in classes.items() for il in layers}
+    part = (lambda o: int(o.kv.on_gpu)) if llama else (lambda o: o.device)  # noqa: E731
+    left = {key: list(opts) for key, opts in taken.items()}
+    sizes: dict[int, int] = {}
+    for opts in taken.values():
+        for o in opts:
+            sizes[part(o)] = sizes.get(part(o), 0) + 1
+    at = [r for r in sorted(sizes) for _ in range(sizes[r])]  # the range of each position
     out = []
     for il in range(n_layer):
-        suffix = il >= first_gpu_kv
-        pool = [o for o in left[key_of[il]] if o.kv.on_gpu == suffix or first_gpu_kv == n_layer]
+        pool = [o for o in left[key_of[il]] if part(o) == at[il]]
         o = min(pool, key=lambda o: (o.first_on != on, o.last_on != on))
         left[key_of[il]].remove(o)
         out.append(o)
@@ -476,9 +529,7 @@ def _arrange(
     return out
 
 
-def _add_hint(
-    m, cm: CostModel, hint: TierPlacement, classes, class_options, X, global_options, Y, busy
-):
+def _add_hint(m, cm: CostModel, hint: TierPlacement, classes, class_options, X, embd, head, busy):
     """Hint the warm start's option counts where its options survived the pruning."""
     is_busy = CostModel.cpu_busy(hint)
     m.AddHint(busy, is_busy)
@@ -499,10 +550,11 @@ def _add_hint(
             continue
         for i, x in enumerate(X[key]):
             m.AddHint(x, found.count(i))
-    g = option_of(global_options, tuple(hint.groups[g.name] for g in cm.by_layer[None]), None)
-    if g is not None:
-        for i, y in enumerate(Y):
-            m.AddHint(y, int(i == g))
+    for (options, xs), g in zip((embd, head), cm.by_layer[None]):
+        i = option_of(options, (hint.groups[g.name],), None)
+        if i is not None:
+            for j, x in enumerate(xs):
+                m.AddHint(x, int(i == j))
 
 
 def best_start(p: Problem, objective: str = "e2e") -> tuple[str, dict[int, TierPlacement], float]:

@@ -41,6 +41,11 @@ class Problem:
     tiers: tuple[int, ...]
     budget_bytes: int  # device 0, after the reserve
     target: str = "refengine"
+    more_budgets: tuple[int, ...] = ()  # devices 1, 2, ... (the named strategies use device 0)
+
+    @property
+    def budgets(self) -> tuple[int, ...]:
+        return (self.budget_bytes, *self.more_budgets)
 
 
 class Layout:
