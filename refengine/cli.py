@@ -390,7 +390,12 @@ def profile(output: Path, gpu_from: Path | None, threads: int | None, quick: boo
     help="Device memory we may use: 12000 (MiB), 12GiB. Default: the "
     "profile's GPU memory minus 1024 MiB.",
 )
-@click.option("--reserve", default="0", show_default=True, help="Subtracted from the budget.")
+@click.option(
+    "--reserve",
+    default="0",
+    show_default=True,
+    help="Subtracted from the budget: one size for every device, or one per device.",
+)
 @click.option("--profile", "profile_name", help="A profile file, or a shipped profile's name.")
 @click.option("--ctx", "n_ctx", default=defaults.N_CTX, show_default=True, help="Context, tokens.")
 @click.option("--tiers", help="Tokens per ubatch to plan for, e.g. 1,16,512 (default: PSHARD's).")
@@ -457,7 +462,8 @@ def solve(
     from solver import budget as B
     from solver.cost import Workload
     from solver.plan import plan_json
-    from solver.solve import load_profile, minimum_budget_bytes, solve as run_solve, summarize
+    from solver.solve import excluded_devices, load_profile, minimum_budget_bytes
+    from solver.solve import solve as run_solve, summarize
     from solver.solve import viable_tiers
     from solver.usage import device_usage
     from solver.groups import tensor_groups
@@ -469,9 +475,17 @@ def solve(
         if budget
         else [int(g.memory_bytes.value) - B.LLAMACPP_MARGIN_BYTES for g in prof.gpus]
     )
-    if len(budgets) != 1:
-        raise UserError("one budget per device: this version plans for one GPU")
-    budget_bytes = budgets[0] - B.parse_bytes(reserve)
+    if len(budgets) > len(prof.gpus):
+        raise UserError(
+            f"{len(budgets)} budgets but profile {prof.name} describes {len(prof.gpus)} GPU(s); "
+            "give one budget per GPU of the profile (`refengine profile` measures yours)"
+        )
+    reserves = B.parse_budget(reserve)
+    if len(reserves) not in (1, len(budgets)):
+        raise UserError(f"give one --reserve for every device or one per device ({len(budgets)})")
+    reserves = reserves * len(budgets) if len(reserves) == 1 else reserves
+    budgets = [b - r for b, r in zip(budgets, reserves)]
+    budget_bytes = budgets[0]
     per_user = n_ctx // max(users, 1)  # one unified KV cache of --ctx cells, shared by the users
     prompt = prompt_tokens if prompt_tokens is not None else per_user - gen_tokens
     if prompt < 1 or prompt + gen_tokens > per_user:
@@ -489,51 +503,61 @@ def solve(
         threads=threads or prof.cpu.threads,  # resolved, so the fingerprint names it
     )
     tier_list = B.parse_tiers(tiers) if tiers else B.default_tiers(n_ctx, users)
-    viable = viable_tiers(spec, w, tier_list, budget_bytes)
+    viable = viable_tiers(spec, w, tier_list, budgets)
     if min(tier_list) not in viable:
         need = minimum_budget_bytes(spec, w, min(tier_list))
-        raise UserError(
-            f"a budget of {budget_bytes / 2**20:.0f} MiB is below the minimum of "
-            f"{need / 2**20:.0f} MiB any placement needs here; raise --budget"
+        if len(budgets) == 1:
+            raise UserError(
+                f"a budget of {budget_bytes / 2**20:.0f} MiB is below the minimum of "
+                f"{need / 2**20:.0f} MiB any placement needs here; raise --budget"
+            )
+        short = ", ".join(
+            f"device {d}: workspace of tier {min(tier_list)} needs {need / 2**20:.0f} MiB, "
+            f"budget {b / 2**20:.0f} MiB, short by {(need - b) / 2**20:.0f} MiB"
+            for d, b in enumerate(budgets)
         )
+        raise UserError(f"no device can compute at all ({short}); raise a --budget")
+    excluded = excluded_devices(spec, w, max(viable), budgets) if len(budgets) > 1 else {}
     dropped = sorted(set(tier_list) - set(viable))
     tier_list = viable
     chosen, baselines, facts = run_solve(
-        spec, prof, w, tier_list, budget_bytes, objective, strategy, time_limit, target
+        spec, prof, w, tier_list, budgets, objective, strategy, time_limit, target
     )
     con = Console()
     con.print(
-        f"[bold]{spec.name}[/] on {prof.name}: budget {budget_bytes / 2**30:.2f} GiB, "
+        f"[bold]{spec.name}[/] on {prof.name}: budget "
+        f"{' + '.join(f'{b / 2**30:.2f}' for b in budgets)} GiB, "
         f"ctx {n_ctx}, prompt {prompt}, generate {gen_tokens}, users {users}"
     )
     groups = tensor_groups(spec)
     t = Table(title=f"plan: {chosen.name}")
-    for col in (
-        "tier",
-        "placement",
-        "weights GiB",
-        "scratch GiB",
-        "KV GiB",
-        "workspace GiB",
-        "ubatch s",
-        "bound",
-    ):
+    for col in ("tier", "placement", "ubatch s", "bound"):
         t.add_column(col)
+    mem = Table(title="device memory, GiB")
+    for col in ("tier", "GPU", "weights", "scratch", "KV", "workspace", "total", "budget"):
+        mem.add_column(col)
     for tier, place in sorted(chosen.tiers.items()):
-        u = device_usage(spec, groups, place, tier, w, chosen.target)
         terms = chosen.prediction.per_tier.get(tier, {})
         first = terms[min(terms)] if terms else None
         t.add_row(
             str(tier),
             summarize(spec, place),
-            f"{u.weights / 2**30:.2f}",
-            f"{u.scratch / 2**30:.2f}",
-            f"{u.kv / 2**30:.2f}",
-            f"{u.compute / 2**30:.2f}",
             f"{first.total:.4f}" if first else "-",
             first.bound if first else "-",
         )
+        for d, b in enumerate(budgets):
+            u = device_usage(spec, groups, place, tier, w, chosen.target, d)
+            mem.add_row(
+                str(tier),
+                str(d),
+                *(f"{x / 2**30:.2f}" for x in (u.weights, u.scratch, u.kv, u.compute, u.total, b)),
+            )
     con.print(t)
+    con.print(mem)
+    for d, lack in sorted(excluded.items()):
+        con.print(
+            f"GPU {d} excluded: {lack / 2**20:.0f} MiB short of one layer, its KV and a workspace"
+        )
     if dropped:
         con.print(f"not viable (their workspace alone exceeds the budget): tiers {dropped}")
     c = Table(title="predicted, same cost model")
@@ -560,7 +584,7 @@ def solve(
             spec,
             w,
             prof.name,
-            [budget_bytes],
+            budgets,
             chosen.tiers,
             chosen.prediction,
             chosen.name,

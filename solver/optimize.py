@@ -326,7 +326,12 @@ def _program(
             ]
     embd, head = cm.by_layer[None]
     embd_options = _global_options(cm, embd, grouped, logits, op_offload, 0)
-    head_options = _global_options(cm, head, grouped, logits, op_offload, devices[-1])
+    head_options = [
+        o
+        for d in devices
+        for o in _global_options(cm, head, grouped, logits, op_offload, d)
+        if d == 0 or o.uses_gpu  # the CPU head once
+    ]
     # residual hops between layers where devices follow the placement; under llama.cpp, ubatches
     # of 32 tokens and more run every layer on the GPU and hop once, from the CPU's embedding
     hop_var = hop_const = 0.0
@@ -393,6 +398,7 @@ def _program(
         n_hops = sum(
             _walk_hops(m, xs, a, b, n_layer, f"s{i}") for i, (xs, a, b) in enumerate(segments)
         )
+        starts = {0: emb_on, 1: junction}
     else:
         # (8) several GPUs: each holds a contiguous range of layers, in device order
         if len(budgets) > 1:
@@ -401,17 +407,9 @@ def _program(
                 for d in devices:
                     here = sum(x for x, o in zip(X[key], class_options[key]) if o.device == d)
                     m.Add(here == ranges[key][d])
-        # (5) hops: a walk per device's range; leaving a range on its GPU costs one hop, after
-        # which the next range may start on its GPU or on the CPU
-        n_hops, start = 0, emb_on
-        for d in devices:
-            end = head_on if d == devices[-1] else m.NewBoolVar(f"end{d}")
-            mine = [xo for xo in layer_counts if xo[1].device == d]
-            n_hops += _walk_hops(m, mine, start, end, n_layer, f"d{d}")
-            if d != devices[-1]:
-                n_hops += end
-                start = m.NewBoolVar(f"start{d + 1}")
-                m.Add(start <= end)
+        n_hops, starts = _device_walk(
+            m, layer_counts, list(zip(H, head_options)), emb_on, n_layer, devices
+        )
 
     m.Minimize(
         sum(coef(o.seconds) * x for x, o in counts) + coef(hop_var) * n_hops + coef(hop_const)
@@ -438,7 +436,8 @@ def _program(
         key: [o for x, o in zip(X[key], opts) for _ in range(solver.Value(x))]
         for key, opts in class_options.items()
     }
-    per_layer = _arrange(classes, taken, e_opt.first_on, n_layer, llama)
+    begin = {r: bool(v if isinstance(v, int) else solver.Value(v)) for r, v in starts.items()}
+    per_layer = _arrange(classes, taken, begin, n_layer, llama)
     groups = {embd.name: e_opt.locs[0], head.name: h_opt.locs[0]}
     kv = {}
     for il, o in enumerate(per_layer):
@@ -472,6 +471,49 @@ def _ranges(m, classes: dict[tuple, list[int]], n_layer: int, parts: int, name: 
     return out
 
 
+def _device_walk(m, layer_counts, head_counts, emb_on, n_layer: int, devices):
+    """(5) The fewest residual hops through the device ranges in order: entering a non-empty
+    range costs a hop unless the stream is already where its first layer starts (the CPU, or
+    this GPU after the embedding), a walk inside each range (`_walk_hops`), and a last hop to
+    the head unless it is where the stream ends. An empty range passes the location on."""
+    n_hops, starts = 0, {}
+    cpu_at = 1 - emb_on  # where the stream is: the CPU, or (gpu_at) a GPU
+    gpu_at = {0: emb_on}
+    for d in devices:
+        mine = [xo for xo in layer_counts if xo[1].device == d]
+        size = sum(x for x, _ in mine)
+        busy, start, end = (m.NewBoolVar(f"{v}{d}") for v in ("nonempty", "start", "end"))
+        starts[d] = start
+        m.Add(size >= 1).OnlyEnforceIf(busy)
+        m.Add(size == 0).OnlyEnforceIf(busy.Not())
+        stay_cpu, stay_gpu, enter = (m.NewBoolVar(f"{v}{d}") for v in ("scpu", "sgpu", "enter"))
+        m.Add(stay_cpu <= cpu_at)
+        m.Add(stay_cpu <= 1 - start)
+        m.Add(stay_gpu <= gpu_at.get(d, 0))
+        m.Add(stay_gpu <= start)
+        m.Add(enter >= busy - stay_cpu - stay_gpu)
+        n_hops += enter + _walk_hops(m, mine, start, end, n_layer, f"d{d}")
+        now_cpu = m.NewBoolVar(f"cpu_after{d}")
+        m.Add(now_cpu == 1 - end).OnlyEnforceIf(busy)
+        m.Add(now_cpu == cpu_at).OnlyEnforceIf(busy.Not())
+        now_gpu = {}
+        for g in devices:
+            v = m.NewBoolVar(f"gpu{g}_after{d}")
+            m.Add(v == (end if g == d else 0)).OnlyEnforceIf(busy)
+            m.Add(v == gpu_at.get(g, 0)).OnlyEnforceIf(busy.Not())
+            now_gpu[g] = v
+        cpu_at, gpu_at = now_cpu, now_gpu
+    matches = []
+    for y, o in head_counts:
+        z = m.NewBoolVar(f"head_in_place_{len(matches)}")
+        m.Add(z <= y)
+        m.Add(z <= (gpu_at[o.device] if o.last_on else cpu_at))
+        matches.append(z)
+    head_hop = m.NewBoolVar("head_hop")
+    m.Add(head_hop >= 1 - sum(matches))
+    return n_hops + head_hop, starts
+
+
 def _walk_hops(m, layer_counts, start, end, n_layer: int, name: str):
     """(5) The fewest residual hops for layers that can be ordered freely, walking from device
     `start` to `end` (1: the GPU): each GPU->CPU layer (gc) or CPU->GPU layer (cg) crosses once,
@@ -502,15 +544,15 @@ def _walk_hops(m, layer_counts, start, end, n_layer: int, name: str):
 def _arrange(
     classes: dict[tuple, list[int]],
     taken: dict[tuple, list[Option]],
-    on: bool,
+    begin: dict[int, bool],
     n_layer: int,
     llama: bool,
 ) -> list[Option]:
     """Give each layer one of its class's chosen options: the layers split into ranges in order
     (llama.cpp: those with KV on the CPU, then on the GPU; ours: by device), and within a range,
-    walking the layers in order, the option that stays where the residual stream is, else one
-    that crosses — as few hops as the program counted (exactly that few when one class holds
-    every layer)."""
+    from where the program's walk enters it (`begin`: on its GPU or not), walking the layers in
+    order, the option that stays where the residual stream is, else one that crosses — as few
+    hops as the program counted (exactly that few when one class holds every layer)."""
     key_of = {il: key for key, layers in classes.items() for il in layers}
     part = (lambda o: int(o.kv.on_gpu)) if llama else (lambda o: o.device)  # noqa: E731
     left = {key: list(opts) for key, opts in taken.items()}
@@ -521,6 +563,8 @@ def _arrange(
     at = [r for r in sorted(sizes) for _ in range(sizes[r])]  # the range of each position
     out = []
     for il in range(n_layer):
+        if il == 0 or at[il] != at[il - 1]:
+            on = begin[at[il]]
         pool = [o for o in left[key_of[il]] if part(o) == at[il]]
         o = min(pool, key=lambda o: (o.first_on != on, o.last_on != on))
         left[key_of[il]].remove(o)

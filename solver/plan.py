@@ -120,17 +120,21 @@ def plan_json(
             for name in g.tensors:  # a tied head is token_embd used a second time
                 tied_head = g.kind == "output" and name == "token_embd.weight"
                 tensors[name + ("@output" if tied_head else "")] = str(place.groups[g.name])
-        usage = device_usage(spec, groups, place, t, w, target)
+        devices = range(len(budgets))
         terms = prediction.per_tier.get(t, {})
         out_tiers[str(t)] = {
             "tensors": tensors,
             "kv": {str(il): str(loc) for il, loc in sorted(place.kv.items())},
-            "memory": {"0": usage.as_dict()},
+            "memory": {
+                str(d): device_usage(spec, groups, place, t, w, target, d).as_dict()
+                for d in devices
+            },
             "memory_map": {
-                "0": [
+                str(d): [
                     [r.name, r.offset_bytes, r.nbytes]
-                    for r in memory_map(spec, groups, tiers, t, w, budgets[0])
+                    for r in memory_map(spec, groups, tiers, t, w, budgets[d], d)
                 ]
+                for d in devices
             }
             if target == "refengine"
             else {},

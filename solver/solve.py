@@ -12,11 +12,11 @@ from refengine.spec import ModelSpec
 
 from .cost import PINNED, Loc, Prediction, TierPlacement, Workload, evaluate
 from .groups import ATTN_SIDE, tensor_groups
-from .memory import compute_nbytes
+from .memory import compute_nbytes, kv_layer_nbytes
 from .optimize import best_start, optimize
 from .profile import HardwareProfile
 from .strategies import STRATEGIES, Problem
-from .usage import device_usage
+from .usage import device_usage, kv_shape
 
 SHIPPED_PROFILES = Path(__file__).resolve().parents[1] / "examples" / "profiles"
 PREFILL_MIN_TOKENS = 512  # the smallest prefill tier (PSHARD.md's 512 * 2^k)
@@ -49,15 +49,20 @@ def solve(
     profile: HardwareProfile,
     w: Workload,
     tiers: list[int],
-    budget_bytes: int,
+    budget_bytes: int | list[int],
     objective: str = "e2e",
     strategy: str | None = None,
     time_limit_seconds: float = SOLVER_SECONDS,
     target: str = "refengine",
 ) -> tuple[Outcome, list[Outcome], dict]:
-    """(chosen plan, every named strategy's plan, solver facts). Target llamacpp: the best
-    static placement llama.cpp's flags can express, warm-started from its --fit placement."""
-    p = Problem(spec, profile, w, tuple(tiers), budget_bytes, target)
+    """(chosen plan, every named strategy's plan, solver facts). `budget_bytes`: one per GPU
+    (the named strategies use the first). Target llamacpp: the best static placement llama.cpp's
+    flags can express, warm-started from its --fit placement."""
+    budgets = [budget_bytes] if isinstance(budget_bytes, int) else list(budget_bytes)
+    budget_bytes, more = budgets[0], tuple(budgets[1:])
+    if more and target == "llamacpp":
+        raise UserError("--target llamacpp plans for one GPU in this version; give one budget")
+    p = Problem(spec, profile, w, tuple(tiers), budget_bytes, target, more)
     baselines = []
     for name, make in STRATEGIES.items():
         runs_on = "llamacpp" if name == "fit" else "refengine"
@@ -68,7 +73,7 @@ def solve(
             raise UserError(f"unknown strategy {strategy!r} (known: {', '.join(STRATEGIES)})")
         return next(b for b in baselines if b.name == strategy), baselines, {}
     all_pinned = _all_pinned(spec, tiers)
-    if target == "refengine" and all(_fits(p, all_pinned[t], t) for t in tiers):
+    if target == "refengine" and not more and all(_fits(p, all_pinned[t], t) for t in tiers):
         return (
             Outcome("not-needed", all_pinned, evaluate(all_pinned, spec, profile, w), "refengine"),
             baselines,
@@ -79,7 +84,8 @@ def solve(
     # prefill tier is a candidate, each optimized with an equal share of the time limit.
     candidates = []
     for top in [t for t in tiers if t >= PREFILL_MIN_TOKENS] or [max(tiers)]:
-        sub = Problem(spec, profile, w, tuple(t for t in tiers if t <= top), budget_bytes, target)
+        below = tuple(t for t in tiers if t <= top)
+        sub = Problem(spec, profile, w, below, budget_bytes, target, more)
         if target == "llamacpp":
             name, start = "fit", STRATEGIES["fit"](sub)
             seconds = evaluate(start, spec, profile, w, target).objective(objective)
@@ -125,10 +131,24 @@ def minimum_budget_bytes(spec: ModelSpec, w: Workload, tier: int) -> int:
     return compute_nbytes(spec, tier, w.n_ctx, w.flash_attn, 0)
 
 
-def viable_tiers(spec: ModelSpec, w: Workload, tiers: list[int], budget_bytes: int) -> list[int]:
-    """The tiers whose workspace fits the budget at all (pshard marks the others not_viable; a
+def viable_tiers(
+    spec: ModelSpec, w: Workload, tiers: list[int], budget_bytes: int | list[int]
+) -> list[int]:
+    """The tiers whose workspace fits some device's budget (pshard marks the others not_viable; a
     prompt then runs in ubatches of the largest viable tier)."""
-    return [t for t in tiers if minimum_budget_bytes(spec, w, t) <= budget_bytes]
+    budgets = [budget_bytes] if isinstance(budget_bytes, int) else budget_bytes
+    return [t for t in tiers if minimum_budget_bytes(spec, w, t) <= max(budgets)]
+
+
+def excluded_devices(spec: ModelSpec, w: Workload, tier: int, budgets: list[int]) -> dict:
+    """Devices too small for one layer, its KV and a workspace (seed 004), with what they lack."""
+    groups = tensor_groups(spec)
+    kv = kv_shape(w, tier)
+    need = minimum_budget_bytes(spec, w, tier) + min(
+        sum(g.nbytes for g in groups if g.layer == il) + kv_layer_nbytes(spec, il, kv)
+        for il in range(spec.hparams.n_layer)
+    )
+    return {d: need - b for d, b in enumerate(budgets) if b < need}
 
 
 def summarize(spec: ModelSpec, place: TierPlacement) -> str:

@@ -92,3 +92,43 @@ def test_strictly_better_than_every_named_strategy_somewhere():
 def test_a_budget_below_any_placement_is_a_user_error():
     with pytest.raises(UserError, match="no placement fits"):
         optimize(problem(SPEC, 0.01), time_limit_seconds=1)
+
+
+def two_gpus():
+    from dataclasses import replace
+
+    small = replace(PROFILE.gpus[0], name="small GPU")
+    return replace(PROFILE, gpus=(PROFILE.gpus[0], small))
+
+
+@pytest.mark.parametrize("second_gib", [0.3, 0.005])
+def test_two_gpus_each_within_its_budget_and_never_worse_than_one(second_gib):
+    prof = two_gpus()
+    w = Workload(n_ctx=4096, prompt_tokens=3000, gen_tokens=100)
+    one = Problem(SPEC, prof, w, (1, 512), int(0.25 * GIB))  # the model is 0.32 GiB
+    two = Problem(SPEC, prof, w, (1, 512), int(0.25 * GIB), more_budgets=(int(second_gib * GIB),))
+    a = optimize(one, time_limit_seconds=3)
+    b = optimize(two, time_limit_seconds=3)
+    assert b.objective_seconds <= a.objective_seconds * (1 + 1e-6)
+    for t, place in b.tiers.items():
+        for d, budget in enumerate(two.budgets):
+            assert (
+                device_usage(SPEC, tensor_groups(SPEC), place, t, w, "refengine", d).total <= budget
+            )
+        # layer split: each GPU holds one contiguous range of layers
+        homes = [
+            next((loc.device for g in tensor_groups(SPEC) if g.layer == il
+                  for loc in [place.groups[g.name]] if loc.on_gpu), None)
+            for il in range(SPEC.hparams.n_layer)
+        ]  # fmt: skip
+        seen = [d for d in homes if d is not None]
+        assert seen == sorted(seen)
+    for program, evaluated in b.program_check.values():
+        assert program == pytest.approx(evaluated, rel=1e-6, abs=1e-5)
+    if second_gib == 0.005:  # too small for any group, KV or workspace: holds nothing
+        assert all(
+            device_usage(SPEC, tensor_groups(SPEC), place, t, w, "refengine", 1).total == 0
+            for t, place in b.tiers.items()
+        )
+    else:
+        assert b.objective_seconds < a.objective_seconds

@@ -127,3 +127,21 @@ def test_plans_are_identical_on_rerun_but_for_timing(tmp_path):
     a, b = run("a.json"), run("b.json")
     assert a == b
     assert a["fingerprint"]["threads"] == 64  # the profile's CPU threads, resolved
+
+
+def test_several_gpus_plan_per_device_and_name_what_is_short(tmp_path):
+    out = tmp_path / "plan.json"
+    common = ["--profile", "rtx4090-rtx3060-epyc-7742", "--ctx", "8192", "--tiers", "1,512"]
+    r = solve("llama3-8b", *common, "--budget", "3GiB,2GiB", "--time-limit", "2", "-o", out)
+    assert r.returncode == 0, r.stderr
+    plan = json.loads(out.read_text())
+    for tier in plan["tiers"].values():
+        assert set(tier["memory"]) == {"0", "1"}
+        assert tier["memory"]["0"]["total"] <= 3 * 2**30
+        assert tier["memory"]["1"]["total"] <= 2 * 2**30
+    r = solve("llama3-8b", *common[:4], "--tiers", "512", "--budget", "10,20")
+    assert r.returncode == 2 and r.stderr.count("\n") == 1
+    assert "device 0: workspace of tier 512" in r.stderr and "short by" in r.stderr
+    assert "device 1" in r.stderr
+    r = solve("llama3-8b", "--profile", "rtx4090-epyc-7742", "--budget", "10GiB,10GiB")
+    assert r.returncode == 2 and "describes 1 GPU" in r.stderr

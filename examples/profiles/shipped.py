@@ -10,6 +10,7 @@ seeds' measurements was run, and are not to be tuned to fit them (issue 8). Figu
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 from solver.profile import ANY_TYPE, CPUProfile, Figure, GPUProfile, HardwareProfile, RateTable
@@ -229,7 +230,40 @@ def h100() -> HardwareProfile:
     return HardwareProfile("h100", (gpu,), cpu, "the lent GPU machine; " + notes)
 
 
-SHIPPED = {"rtx5080-xeon-w5-3425": rtx5080_xeon, "rtx4090-epyc-7742": rtx4090_epyc, "h100": h100}
+def rtx4090_rtx3060_epyc() -> HardwareProfile:
+    """Two GPUs of different sizes (seed 004's case: 24 GB cards beside small ones) on the EPYC
+    host: the RTX 4090 above, and an RTX 3060 12 GB. For multi-GPU planning examples; added after
+    the seed comparison, which does not use it."""
+    big = rtx4090_epyc()
+    bw = 360.0
+    small = replace(
+        big.gpus[0],
+        name="NVIDIA GeForce RTX 3060 12 GB",
+        memory_bytes=Figure(12 * GIB, "datasheet: 12 GB GDDR6"),
+        hbm_gbps=Figure(bw, "datasheet: 360 GB/s, 192-bit GDDR6 at 15 Gbps"),
+        matvec_gbps=_const("GB/s", 0.75 * bw, "derived: 75% of 360 GB/s, as for the RTX 4090"),
+        matmul_tflops=_const(
+            "TFLOP/s",
+            16.7,
+            "derived: RTX 4090's llama.cpp pp512 rate (108 TFLOP/s) x INT8 dense TOPS ratio "
+            "101.9 / 660.6 (NVIDIA Ampere and Ada whitepapers)",
+            key=512,
+        ),
+    )
+    return HardwareProfile(
+        "rtx4090-rtx3060-epyc-7742",
+        (big.gpus[0], small),
+        big.cpu,
+        "two GPUs of different sizes on the EPYC 7742 host; datasheets, derived rates",
+    )
+
+
+SHIPPED = {
+    "rtx5080-xeon-w5-3425": rtx5080_xeon,
+    "rtx4090-epyc-7742": rtx4090_epyc,
+    "rtx4090-rtx3060-epyc-7742": rtx4090_rtx3060_epyc,
+    "h100": h100,
+}
 
 if __name__ == "__main__":
     for name, make in SHIPPED.items():
