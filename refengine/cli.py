@@ -641,7 +641,13 @@ def export(plan_path: Path, fmt: str, output: Path | None) -> None:
                 "with --target llamacpp to export llama.cpp flags"
             )
         args = llamacpp_args(
-            spec, tiers[min(tiers)], w.n_ctx, w.kv_type, w.flash_attn, n_ubatch=max(tiers)
+            spec,
+            tiers[min(tiers)],
+            w.n_ctx,
+            w.kv_type,
+            w.flash_attn,
+            n_ubatch=max(tiers),
+            n_devices=len(fp["budget_bytes"]),
         )
         click.echo(command_line(str(spec.path or d["model"]["name"]), args))
         return
@@ -649,6 +655,8 @@ def export(plan_path: Path, fmt: str, output: Path | None) -> None:
         t: (place, d["prediction"]["tps"], d["tiers"][str(t)]["memory"]["0"]["total"])
         for t, place in tiers.items()
     }
+    if len(fp["budget_bytes"]) > 1:
+        raise UserError("the pshard registry export writes one-GPU plans; solve for one GPU")
     text = registry_text(spec, w, fp["threads"], fp["budget_bytes"][0], per_tier, d["strategy"])
     if output is None:
         if spec.path is None:

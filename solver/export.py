@@ -21,14 +21,20 @@ from refengine.spec import ModelSpec, layer_of
 from .cost import CPU, TierPlacement
 from .groups import tensor_groups
 
-GPU_BUFT, CPU_BUFT = "CUDA0", "CPU"
+CPU_BUFT = "CPU"
+
+
+def gpu_buft(device: int) -> str:
+    return f"CUDA{device}"
 
 
 def tensor_devices(spec: ModelSpec, place: TierPlacement) -> dict[str, str]:
-    """GGUF tensor -> CUDA0 or CPU under a placement (a tied head is `token_embd.weight@output`)."""
+    """GGUF tensor -> CUDA<i> or CPU under a placement (a tied head is
+    `token_embd.weight@output`)."""
     out = {}
     for g in tensor_groups(spec):
-        dev = CPU_BUFT if place.groups[g.name].kind == CPU else GPU_BUFT
+        loc = place.groups[g.name]
+        dev = CPU_BUFT if loc.kind == CPU else gpu_buft(loc.device)
         for name in g.tensors:
             tied = g.kind == "output" and name == "token_embd.weight"
             out[name + ("@output" if tied else "")] = dev
@@ -42,6 +48,7 @@ def llamacpp_args(
     kv_type: str,
     flash_attn: bool,
     n_ubatch: int = 512,
+    n_devices: int = 1,
 ) -> list[str]:
     n = spec.hparams.n_layer
     gpu_kv = sorted(il for il, loc in place.kv.items() if loc.kind != CPU)
@@ -56,9 +63,22 @@ def llamacpp_args(
             "llama.cpp keeps a layer's KV with the layer and offloads the last "
             "layers: KV on the GPU must be a suffix of the layers"
         )
+    kv_devices = [place.kv[il].device for il in gpu_kv]
+    if kv_devices != sorted(kv_devices):
+        raise UserError(
+            "llama.cpp splits the offloaded layers across GPUs in device order (-ts): each "
+            "GPU's layers must follow the previous GPU's"
+        )
     want = tensor_devices(spec, place)
-    ngl = len(gpu_kv) + 1 if (gpu_kv or want["output_norm.weight"] == GPU_BUFT) else 0
-    default = llamacpp_defaults(spec, ngl)
+    ngl = len(gpu_kv) + 1 if (gpu_kv or want["output_norm.weight"] != CPU_BUFT) else 0
+    # -ts: repeating layers per device, and the output layer (index n_layer, after them) on
+    # the device holding output_norm when it can follow the layers, else on the last GPU used
+    ts = [kv_devices.count(d) for d in range(n_devices)]
+    head = place.groups["output"]
+    last_used = max(kv_devices, default=0)
+    if ngl:
+        ts[head.device if head.on_gpu and head.device >= last_used else last_used] += 1
+    default = llamacpp_defaults(spec, ngl, ts)
     by_pattern: dict[tuple[str, str], list[int]] = defaultdict(list)
     singles = []
     for name, dev in want.items():
@@ -77,6 +97,7 @@ def llamacpp_args(
     tied_head = want.get("token_embd.weight@output")
     if tied_head is not None and tied_head != default["token_embd.weight@output"]:
         raise UserError("a tied output head cannot be placed apart from llama.cpp's output layer")
+    split = ["-ts", ",".join(map(str, ts))] if n_devices > 1 else []
     args = [
         "-fit",
         "off",
@@ -84,6 +105,7 @@ def llamacpp_args(
         str(n_ctx),
         "-ngl",
         str(ngl),
+        *split,
         "-sm",
         "layer",
         "-ub",
@@ -95,28 +117,37 @@ def llamacpp_args(
         "-ctv",
         kv_type,
         "-dev",
-        GPU_BUFT,
+        ",".join(gpu_buft(d) for d in range(n_devices)),
     ]
     if ot:
         args += ["-ot", ",".join(ot)]
     return args
 
 
-def llamacpp_defaults(spec: ModelSpec, ngl: int) -> dict[str, str]:
-    """Where llama.cpp puts each tensor given only `-ngl`."""
+def llamacpp_defaults(spec: ModelSpec, ngl: int, ts: list[int] | None = None) -> dict[str, str]:
+    """Where llama.cpp puts each tensor given only `-ngl` and integer `-ts` counts: the last
+    ngl - 1 repeating layers and the output layer (index n_layer) offloaded, GPU layer offset k
+    on the first device whose cumulative count exceeds k."""
     n = spec.hparams.n_layer
+    ts = ts or [ngl]
     first_gpu_layer = n - (ngl - 1) if ngl >= 1 else n + 1
+    cumulative = [sum(ts[: d + 1]) for d in range(len(ts))]
+
+    def device_of(il: int) -> str:
+        if ngl < 1 or il < first_gpu_layer:
+            return CPU_BUFT
+        k = il - first_gpu_layer
+        return gpu_buft(next(d for d, c in enumerate(cumulative) if c > k))
+
     out = {}
     for t in spec.tensors:
         il = t.layer
         if t.name == "token_embd.weight":
             out[t.name] = CPU_BUFT  # the input embedding always stays on the CPU
-        elif il is None:  # output_norm, output
-            out[t.name] = GPU_BUFT if ngl >= 1 else CPU_BUFT
-        else:
-            out[t.name] = GPU_BUFT if il >= first_gpu_layer else CPU_BUFT
+        else:  # output_norm and output are layer n_layer
+            out[t.name] = device_of(n if il is None else il)
     if spec.tied_output:
-        out["token_embd.weight@output"] = GPU_BUFT if ngl >= 1 else CPU_BUFT
+        out["token_embd.weight@output"] = device_of(n)
     return out
 
 
@@ -124,7 +155,8 @@ def apply_llamacpp_args(spec: ModelSpec, args: list[str]) -> dict[str, str]:
     """llama.cpp's rules applied to flags: `-ngl` first, then each `-ot` pattern searched (not
     matched) against the full tensor name in order, the first match winning."""
     ngl = int(args[args.index("-ngl") + 1])
-    devices = llamacpp_defaults(spec, ngl)
+    ts = [int(x) for x in args[args.index("-ts") + 1].split(",")] if "-ts" in args else None
+    devices = llamacpp_defaults(spec, ngl, ts)
     rules = []
     if "-ot" in args:
         for item in args[args.index("-ot") + 1].split(","):

@@ -323,14 +323,17 @@ def _program(
                 o
                 for d in devices
                 for o in _layer_options(cm, il, grouped, kv_nbytes, op_offload, d)
+                if d == 0 or not llama or o.kv.on_gpu  # llama.cpp: CPU-KV layers use GPU 0
             ]
     embd, head = cm.by_layer[None]
     embd_options = _global_options(cm, embd, grouped, logits, op_offload, 0)
+    tied = p.spec.by_name.get("output.weight") is None
+    head_devices = [devices[-1]] if llama and tied else list(devices)  # (7)
     head_options = [
         o
-        for d in devices
+        for d in head_devices
         for o in _global_options(cm, head, grouped, logits, op_offload, d)
-        if d == 0 or o.uses_gpu  # the CPU head once
+        if d == head_devices[0] or o.uses_gpu  # the CPU head once
     ]
     # residual hops between layers where devices follow the placement; under llama.cpp, ubatches
     # of 32 tokens and more run every layer on the GPU and hop once, from the CPU's embedding
@@ -358,8 +361,8 @@ def _program(
             used = m.NewBoolVar(f"u{name}[{i}]")
             m.Add(x <= n * used)
             m.AddImplication(used, busy if o.busy else busy.Not())  # (2)
-            if o.unit_nbytes:
-                m.Add(rings[o.device] >= o.unit_nbytes * used)  # (3)
+            if o.unit_nbytes:  # (3) llama.cpp's op-offload copies go to the first GPU
+                m.Add(rings[0 if llama else o.device] >= o.unit_nbytes * used)
             if o.uses_gpu:
                 m.AddImplication(used, holds[o.device])
             counts.append((x, o))
@@ -378,38 +381,32 @@ def _program(
         m.Add(pinned + slots * rings[d] + base * holds[d] <= budgets[d])
     if not llama:
         m.Add(sum(holds) >= 1)  # our runtime runs on a GPU
+    elif op_offload:
+        m.Add(holds[0] == 1)  # llama.cpp computes offloaded ubatches on the first GPU
 
     emb_on = sum(x for x, o in zip(E, embd_options) if o.first_on)
     head_on = sum(x for x, o in zip(H, head_options) if o.last_on)
+    # (6) ranges of layers in order, each on one GPU (which its walk's "GPU" means): ours, one
+    # per device; llama.cpp's, the layers whose KV stays on the CPU (-ngl offloads the last ones,
+    # their weights placeable on the first GPU by -ot), then one per device (-ts)
     if llama:
-        # (6) llama.cpp offloads the last K layers with their KV (-ngl): GPU KV is a suffix, so
-        # each class has as many GPU-KV layers as it has among the last K
-        ranges = _ranges(m, classes, n_layer, 2, "k")
-        for key in classes:
-            gpu_kv = sum(x for x, o in zip(X[key], class_options[key]) if o.kv.on_gpu)
-            m.Add(gpu_kv == ranges[key][1])
-        if p.spec.by_name.get("output.weight") is None:  # (7) a tied head is the output layer's
-            m.Add(n_layer * head_on >= sum(ranges[key][1] for key in classes))
-        junction = m.NewBoolVar("junction")
-        segments = [
-            ([xo for xo in layer_counts if not xo[1].kv.on_gpu], emb_on, junction),
-            ([xo for xo in layer_counts if xo[1].kv.on_gpu], junction, head_on),
-        ]
-        n_hops = sum(
-            _walk_hops(m, xs, a, b, n_layer, f"s{i}") for i, (xs, a, b) in enumerate(segments)
-        )
-        starts = {0: emb_on, 1: junction}
+        part = lambda o: 0 if not o.kv.on_gpu else o.device + 1  # noqa: E731
+        gpu_of = [0, *devices]
     else:
-        # (8) several GPUs: each holds a contiguous range of layers, in device order
-        if len(budgets) > 1:
-            ranges = _ranges(m, classes, n_layer, len(budgets), "b")
-            for key in classes:
-                for d in devices:
-                    here = sum(x for x, o in zip(X[key], class_options[key]) if o.device == d)
-                    m.Add(here == ranges[key][d])
-        n_hops, starts = _device_walk(
-            m, layer_counts, list(zip(H, head_options)), emb_on, n_layer, devices
-        )
+        part = lambda o: o.device  # noqa: E731
+        gpu_of = list(devices)
+    if len(gpu_of) > 1:
+        ranges = _ranges(m, classes, n_layer, len(gpu_of), "r")
+        for key in classes:
+            for r in range(len(gpu_of)):
+                here = sum(x for x, o in zip(X[key], class_options[key]) if part(o) == r)
+                m.Add(here == ranges[key][r])
+        if llama and tied:  # (7) a tied head sits with the output layer once any layer is offloaded
+            m.Add(n_layer * head_on >= n_layer - sum(ranges[key][0] for key in classes))
+    by_range = [[xo for xo in layer_counts if part(xo[1]) == r] for r in range(len(gpu_of))]
+    n_hops, starts = _device_walk(
+        m, list(zip(gpu_of, by_range)), list(zip(H, head_options)), emb_on, n_layer
+    )
 
     m.Minimize(
         sum(coef(o.seconds) * x for x, o in counts) + coef(hop_var) * n_hops + coef(hop_const)
@@ -471,7 +468,7 @@ def _ranges(m, classes: dict[tuple, list[int]], n_layer: int, parts: int, name: 
     return out
 
 
-def _device_walk(m, layer_counts, head_counts, emb_on, n_layer: int, devices):
+def _device_walk(m, ranges, head_counts, emb_on, n_layer: int):
     """(5) The fewest residual hops through the device ranges in order: entering a non-empty
     range costs a hop unless the stream is already where its first layer starts (the CPU, or
     this GPU after the embedding), a walk inside each range (`_walk_hops`), and a last hop to
@@ -479,26 +476,26 @@ def _device_walk(m, layer_counts, head_counts, emb_on, n_layer: int, devices):
     n_hops, starts = 0, {}
     cpu_at = 1 - emb_on  # where the stream is: the CPU, or (gpu_at) a GPU
     gpu_at = {0: emb_on}
-    for d in devices:
-        mine = [xo for xo in layer_counts if xo[1].device == d]
+    gpus = sorted({g for g, _ in ranges})
+    for r, (d, mine) in enumerate(ranges):
         size = sum(x for x, _ in mine)
-        busy, start, end = (m.NewBoolVar(f"{v}{d}") for v in ("nonempty", "start", "end"))
-        starts[d] = start
+        busy, start, end = (m.NewBoolVar(f"{v}{r}") for v in ("nonempty", "start", "end"))
+        starts[r] = start
         m.Add(size >= 1).OnlyEnforceIf(busy)
         m.Add(size == 0).OnlyEnforceIf(busy.Not())
-        stay_cpu, stay_gpu, enter = (m.NewBoolVar(f"{v}{d}") for v in ("scpu", "sgpu", "enter"))
+        stay_cpu, stay_gpu, enter = (m.NewBoolVar(f"{v}{r}") for v in ("scpu", "sgpu", "enter"))
         m.Add(stay_cpu <= cpu_at)
         m.Add(stay_cpu <= 1 - start)
         m.Add(stay_gpu <= gpu_at.get(d, 0))
         m.Add(stay_gpu <= start)
         m.Add(enter >= busy - stay_cpu - stay_gpu)
-        n_hops += enter + _walk_hops(m, mine, start, end, n_layer, f"d{d}")
-        now_cpu = m.NewBoolVar(f"cpu_after{d}")
+        n_hops += enter + _walk_hops(m, mine, start, end, n_layer, f"r{r}")
+        now_cpu = m.NewBoolVar(f"cpu_after{r}")
         m.Add(now_cpu == 1 - end).OnlyEnforceIf(busy)
         m.Add(now_cpu == cpu_at).OnlyEnforceIf(busy.Not())
         now_gpu = {}
-        for g in devices:
-            v = m.NewBoolVar(f"gpu{g}_after{d}")
+        for g in gpus:
+            v = m.NewBoolVar(f"gpu{g}_after{r}")
             m.Add(v == (end if g == d else 0)).OnlyEnforceIf(busy)
             m.Add(v == gpu_at.get(g, 0)).OnlyEnforceIf(busy.Not())
             now_gpu[g] = v
@@ -554,7 +551,10 @@ def _arrange(
     order, the option that stays where the residual stream is, else one that crosses — as few
     hops as the program counted (exactly that few when one class holds every layer)."""
     key_of = {il: key for key, layers in classes.items() for il in layers}
-    part = (lambda o: int(o.kv.on_gpu)) if llama else (lambda o: o.device)  # noqa: E731
+    if llama:
+        part = lambda o: 0 if not o.kv.on_gpu else o.device + 1  # noqa: E731
+    else:
+        part = lambda o: o.device  # noqa: E731
     left = {key: list(opts) for key, opts in taken.items()}
     sizes: dict[int, int] = {}
     for opts in taken.values():

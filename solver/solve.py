@@ -60,8 +60,6 @@ def solve(
     flags can express, warm-started from its --fit placement."""
     budgets = [budget_bytes] if isinstance(budget_bytes, int) else list(budget_bytes)
     budget_bytes, more = budgets[0], tuple(budgets[1:])
-    if more and target == "llamacpp":
-        raise UserError("--target llamacpp plans for one GPU in this version; give one budget")
     p = Problem(spec, profile, w, tuple(tiers), budget_bytes, target, more)
     baselines = []
     for name, make in STRATEGIES.items():

@@ -72,6 +72,25 @@ def test_optimized_llamacpp_plans_export_and_never_lose_to_fit(model, budget_gib
         assert program == pytest.approx(evaluated, rel=1e-6, abs=1e-5)
 
 
+@pytest.mark.parametrize("model", sorted(MODELS))
+def test_two_gpu_llamacpp_plans_export_with_tensor_split_counts(model):
+    from dataclasses import replace
+
+    spec = spec_from_hparams(MODELS[model])
+    prof = replace(PROFILE, gpus=(PROFILE.gpus[0], replace(PROFILE.gpus[0], name="second")))
+    w = Workload(n_ctx=8192, prompt_tokens=4000, gen_tokens=200)
+    p = Problem(spec, prof, w, (1, 512), int(1.5 * GIB), "llamacpp", (int(1.0 * GIB),))
+    sol = optimize(p, hint=STRATEGIES["fit"](p), time_limit_seconds=2)
+    place = sol.tiers[512]
+    args = llamacpp_args(spec, place, 8192, "f16", True, n_devices=2)
+    assert "-ts" in args and args[args.index("-dev") + 1] == "CUDA0,CUDA1"
+    ts = [int(x) for x in args[args.index("-ts") + 1].split(",")]
+    assert sum(ts) == int(args[args.index("-ngl") + 1])
+    assert apply_llamacpp_args(spec, args) == tensor_devices(spec, place)
+    for d, budget in enumerate(p.budgets):
+        assert device_usage(spec, tensor_groups(spec), place, 512, w, "llamacpp", d).total <= budget
+
+
 def test_a_hand_made_mixed_placement_round_trips():
     spec = spec_from_hparams(MODELS["dense"])
     groups = tensor_groups(spec)
