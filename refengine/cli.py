@@ -467,6 +467,7 @@ def solve(
     from solver.solve import viable_tiers
     from solver.usage import device_usage
     from solver.groups import tensor_groups
+    from solver.tensor_split import tensor_split_nbytes
 
     spec = _spec_or_preset(_solve_model(model, arch, params, qtype))
     prof = load_profile(profile_name)
@@ -536,7 +537,7 @@ def solve(
     mem = Table(title="device memory, GiB")
     for col in ("tier", "GPU", "weights", "scratch", "KV", "workspace", "total", "budget"):
         mem.add_column(col)
-    for tier, place in sorted(chosen.tiers.items()):
+    for tier, place in sorted(chosen.tiers.items()) if chosen.split_mode == "layer" else ():
         terms = chosen.prediction.per_tier.get(tier, {})
         first = terms[min(terms)] if terms else None
         t.add_row(
@@ -552,8 +553,15 @@ def solve(
                 str(d),
                 *(f"{x / 2**30:.2f}" for x in (u.weights, u.scratch, u.kv, u.compute, u.total, b)),
             )
-    con.print(t)
-    con.print(mem)
+    if chosen.split_mode == "layer":
+        con.print(t)
+        con.print(mem)
+    else:
+        need = tensor_split_nbytes(spec, w, max(chosen.tiers), len(budgets))
+        con.print(
+            f"plan: tensor split (-sm tensor), every matrix and all KV split over "
+            f"{len(budgets)} GPUs: {need / 2**30:.2f} GiB on each"
+        )
     for d, lack in sorted(excluded.items()):
         con.print(
             f"GPU {d} excluded: {lack / 2**20:.0f} MiB short of one layer, its KV and a workspace"
@@ -591,6 +599,7 @@ def solve(
             chosen.target,
             facts,
             facts.get("not_needed", False),
+            chosen.split_mode,
         )
         out = _open_for_writing(output)
         with out:
@@ -616,7 +625,7 @@ def solve(
 def export(plan_path: Path, fmt: str, output: Path | None) -> None:
     """Print a plan as a llama.cpp command, or write it as a pshard registry."""
     from solver.cost import Workload
-    from solver.export import command_line, llamacpp_args
+    from solver.export import command_line, llamacpp_args, tensor_split_args
     from solver.plan import load_plan, placements_from_json
     from solver.registry import registry_text
 
@@ -633,6 +642,11 @@ def export(plan_path: Path, fmt: str, output: Path | None) -> None:
         flash_attn=fp["flash_attn"],
         threads=fp["threads"],
     )
+    if d.get("split_mode") == "tensor":
+        if fmt != "llamacpp":
+            raise UserError("a tensor-split plan exports as llama.cpp flags only")
+        click.echo(command_line(str(spec.path or d["model"]["name"]), tensor_split_args(d, spec)))
+        return
     tiers = placements_from_json(d, spec)
     if fmt == "llamacpp":
         if d["target"] != "llamacpp":

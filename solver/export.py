@@ -124,6 +124,18 @@ def llamacpp_args(
     return args
 
 
+def tensor_split_args(plan: dict, spec: ModelSpec) -> list[str]:
+    """Flags for a tensor-split plan: every layer offloaded, each matrix split evenly (llama.cpp
+    ignores -ts under -sm tensor), flash attention on (it requires it)."""
+    fp = plan["fingerprint"]
+    return [
+        "-fit", "off", "-c", str(fp["n_ctx"]), "-ngl", str(spec.hparams.n_layer + 1),
+        "-sm", "tensor", "-ub", str(max(fp["tiers"])), "-fa", "on",
+        "-ctk", fp["kv_type"], "-ctv", fp["kv_type"],
+        "-dev", ",".join(gpu_buft(d) for d in range(len(fp["budget_bytes"]))),
+    ]  # fmt: skip
+
+
 def llamacpp_defaults(spec: ModelSpec, ngl: int, ts: list[int] | None = None) -> dict[str, str]:
     """Where llama.cpp puts each tensor given only `-ngl` and integer `-ts` counts: the last
     ngl - 1 repeating layers and the output layer (index n_layer) offloaded, GPU layer offset k

@@ -20,6 +20,7 @@ from refengine.spec import ModelSpec
 from .cost import PINNED, Loc, Prediction, TierPlacement, Workload
 from .groups import Group, tensor_groups
 from .memory import kv_layer_nbytes
+from .tensor_split import tensor_split_nbytes
 from .usage import PREFETCH_DEPTH, device_usage, kv_shape
 
 SCHEMA = "refengine.plan"
@@ -110,11 +111,22 @@ def plan_json(
     target: str,
     solver: dict | None = None,
     not_needed: bool = False,
+    split_mode: str = "layer",
 ) -> dict:
     groups = tensor_groups(spec)
     fp = fingerprint(spec, w, profile_name, budgets, sorted(tiers))
     out_tiers = {}
-    for t, place in sorted(tiers.items()):
+    if split_mode == "tensor":  # every matrix and all KV split evenly across the GPUs
+        for t in sorted(tiers):
+            need = tensor_split_nbytes(spec, w, t, len(budgets))
+            out_tiers[str(t)] = {
+                "tensors": {
+                    n: "cpu" if n == "token_embd.weight" else "split" for n in spec.by_name
+                },
+                "kv": {str(il): "split" for il in range(spec.hparams.n_layer)},
+                "memory": {str(d): {"total": need} for d in range(len(budgets))},
+            }
+    for t, place in sorted(tiers.items()) if split_mode == "layer" else ():
         tensors = {}
         for g in groups:
             for name in g.tensors:  # a tied head is token_embd used a second time
@@ -154,6 +166,7 @@ def plan_json(
         "schema": SCHEMA,
         "version": VERSION,
         "target": target,
+        "split_mode": split_mode,
         "strategy": strategy,
         "not_needed": not_needed,
         "model": {"name": spec.name, "path": str(spec.path)},

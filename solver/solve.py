@@ -3,7 +3,7 @@ comparison with every named strategy out."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from refengine.defaults import SOLVER_SECONDS
@@ -16,6 +16,7 @@ from .memory import compute_nbytes, kv_layer_nbytes
 from .optimize import best_start, optimize
 from .profile import HardwareProfile
 from .strategies import STRATEGIES, Problem
+from .tensor_split import evaluate_tensor_split, short_devices
 from .usage import device_usage, kv_shape
 
 SHIPPED_PROFILES = Path(__file__).resolve().parents[1] / "examples" / "profiles"
@@ -42,6 +43,7 @@ class Outcome:
     tiers: dict[int, TierPlacement]
     prediction: Prediction
     target: str
+    split_mode: str = "layer"  # or "tensor" (llama.cpp -sm tensor; tiers then say nothing)
 
 
 def solve(
@@ -97,6 +99,12 @@ def solve(
             best = (sol, name, top)
     sol, start_name, top = best
     chosen = Outcome("optimal", sol.tiers, evaluate(sol.tiers, spec, profile, w, target), target)
+    if target == "llamacpp" and more:  # llama.cpp can also split every matrix across the GPUs
+        split = _tensor_split(spec, profile, w, tiers, budgets)
+        if split is not None:
+            baselines.append(split)
+            if split.prediction.objective(objective) < chosen.prediction.objective(objective):
+                chosen = replace(split, name="optimal")
     facts = {
         "status": sol.status,
         "objective_seconds": sol.objective_seconds,
@@ -107,6 +115,14 @@ def solve(
         "prefill_ubatch": top,
     }
     return chosen, baselines, facts
+
+
+def _tensor_split(spec, profile, w, tiers, budgets) -> Outcome | None:
+    """llama.cpp's -sm tensor plan, when every GPU holds its share."""
+    if short_devices(spec, w, max(tiers), budgets):
+        return None
+    prediction = evaluate_tensor_split(spec, profile, w, tiers, len(budgets))
+    return Outcome("tensor-split", _all_pinned(spec, tiers), prediction, "llamacpp", "tensor")
 
 
 def _all_pinned(spec: ModelSpec, tiers: list[int]) -> dict[int, TierPlacement]:
