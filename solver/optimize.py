@@ -7,7 +7,8 @@ layer (uploaded before it, new cells back after: pshard's scheme) or on the CPU,
 tier's CPU either idle or busy (copies are slower while the CPU computes). Each option is priced
 once by the cost model itself: seconds_o = sum_s w_s * CostModel.layer_terms(...).total, summed
 over the tier's shapes (depths vectorized), so the program's objective *is* `evaluate` of its
-solution up to rounding to 100 ns (a test checks it). Layers whose groups have the same shapes,
+solution, up to rounding to 100 ns and to hop variables the search may leave above what the
+arrangement needs, within the gap limit (`agrees`; the tests check it). Layers whose groups have the same shapes,
 types and KV share their options; options dominated in (pinned bytes, streamed unit, seconds) by
 another with the same busy flag and end devices are dropped. The embedding and the output head
 form one more choice, g.
@@ -22,7 +23,7 @@ Variables, per tier (c: a class of identical layers, m_c of them):
 Constraints:
   (1) sum_o n[c,o] = m_c for each class; sum_g y[g] = 1; n[c,o] <= m_c * u[c,o].
   (2) u[c,o] => busy for options priced with the CPU busy (all that use the CPU are),
-      u[c,o] => not busy for the others; the same for y.
+      u[c,o] => not busy for the others, the same for y; busy <= the options using the CPU.
   (3) ring >= unit_o * u[c,o], and the same for the globals.
   (4) memory: sum pinned_o * n[c,o] + sum pinned_g * y[g] + PREFETCH_DEPTH * ring + workspace(t)
       <= budget - reserve (pinned_g counts the logits buffer when the head is on the GPU).
@@ -84,7 +85,6 @@ from .usage import PREFETCH_DEPTH, kv_shape
 
 TIME_UNIT = 1e7  # CP-SAT wants integers: 100 ns
 RELATIVE_GAP = 1e-3  # proving the last 0.1% is not worth the seconds
-LOCS = (Loc(PINNED), Loc(STREAMED), Loc(CPU))
 
 
 @dataclass(frozen=True)
@@ -178,6 +178,15 @@ def optimize(
     return Solution(out, value, min(bound, value), status, time.perf_counter() - start, check)
 
 
+def agrees(program_seconds: float, evaluated_seconds: float) -> bool:
+    """Whether a program's objective is what evaluate says of its placement: each option's
+    seconds are evaluate's own (rounded to 100 ns); the hop variables may sit above the hops the
+    arrangement needs by as much as the gap limit lets the search stop early."""
+    return (
+        evaluated_seconds - 1e-5 <= program_seconds <= evaluated_seconds * (1 + RELATIVE_GAP) + 1e-5
+    )
+
+
 def _tier_seconds(cm: CostModel, place: TierPlacement, shapes: list[Shape]) -> float:
     """What evaluate charges a tier's placement for these shapes."""
     return float(
@@ -201,13 +210,16 @@ def _by_token_count(shapes: list[Shape]) -> list[tuple[int, int, np.ndarray, np.
 
 def _pareto(options: list[Option]) -> list[Option]:
     """Drop options another beats or equals in pinned bytes, streamed unit and seconds, among
-    those with the same busy flag and end devices."""
+    those with the same busy flag, end devices, device and KV side (which decide the range a layer
+    sits in)."""
     kept: list[Option] = []
     for o in sorted(options, key=lambda o: (o.pinned_nbytes, o.unit_nbytes, o.seconds)):
         if not any(
             k.busy == o.busy
             and k.first_on == o.first_on
             and k.last_on == o.last_on
+            and k.device == o.device
+            and (k.kv is None or k.kv.on_gpu == o.kv.on_gpu)
             and k.pinned_nbytes <= o.pinned_nbytes
             and k.unit_nbytes <= o.unit_nbytes
             and k.seconds <= o.seconds
@@ -354,10 +366,16 @@ def _program(
     holds = [m.NewBoolVar(f"holds{d}") for d in devices]
     counts: list[tuple[object, Option]] = []  # (how many layers take it, option)
 
-    def choose(options: list[Option], n: int, name: str) -> list:
+    cpu_users = []  # counts of options that compute on the CPU (the embedding's gather aside)
+
+    def choose(options: list[Option], n: int, name: str, makes_busy: bool = True) -> list:
         xs = [m.NewIntVar(0, n, f"{name}[{i}]") for i in range(len(options))]
         m.Add(sum(xs) == n)  # (1)
         for i, (x, o) in enumerate(zip(xs, options)):
+            if makes_busy and (
+                any(loc.kind == CPU for loc in o.locs) or (o.kv is not None and o.kv.kind == CPU)
+            ):
+                cpu_users.append(x)
             used = m.NewBoolVar(f"u{name}[{i}]")
             m.Add(x <= n * used)
             m.AddImplication(used, busy if o.busy else busy.Not())  # (2)
@@ -373,8 +391,9 @@ def _program(
         for k, (key, opts) in enumerate(class_options.items())
     }
     layer_counts = list(counts)
-    E = choose(embd_options, 1, "e")
+    E = choose(embd_options, 1, "e", makes_busy=False)
     H = choose(head_options, 1, "h")
+    m.Add(busy <= sum(cpu_users))  # (2) busy exactly when something computes on the CPU
     slots = 1 if llama else PREFETCH_DEPTH
     for d in devices:  # (4) a device computing anything holds a workspace
         pinned = sum(o.pinned_nbytes * x for x, o in counts if o.device == d)

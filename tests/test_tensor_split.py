@@ -12,7 +12,12 @@ from solver.groups import EMBD, tensor_groups
 from solver.memory import compute_nbytes, kv_layer_nbytes
 from solver.plan import plan_json
 from solver.solve import solve
-from solver.tensor_split import evaluate_tensor_split, short_devices, tensor_split_nbytes, ubatch_terms
+from solver.tensor_split import (
+    evaluate_tensor_split,
+    short_devices,
+    tensor_split_nbytes,
+    ubatch_terms,
+)
 from solver.usage import kv_shape
 
 from .test_cost import DENSE, W, toy_profile
