@@ -439,6 +439,22 @@ def request_shapes(cm: CostModel, tiers: list[int]) -> tuple[list[Shape], int, i
     return shapes, last_prefill, dt
 
 
+def shape_terms(cm: CostModel, tiers: dict[int, TierPlacement], shapes: list[Shape]) -> list[Terms]:
+    """Each shape's ubatch terms; shapes differing only in depth are priced in one vectorized
+    call (attention is the only term that depends on depth)."""
+    groups: dict[tuple[int, int, int], list[int]] = {}
+    for i, s in enumerate(shapes):
+        groups.setdefault((s.tier, s.tokens, s.sequences), []).append(i)
+    out: list[Terms | None] = [None] * len(shapes)
+    for (tier, tokens, sequences), idx in groups.items():
+        depths = np.array([shapes[i].depth for i in idx], float)
+        t = cm.ubatch_terms(tiers[tier], tokens, depths, sequences)
+        for j, i in enumerate(idx):
+            pick = lambda v: float(np.broadcast_to(v, depths.shape)[j])  # noqa: E731
+            out[i] = Terms(pick(t.gpu), pick(t.copy), pick(t.cpu), pick(t.latency), pick(t.total))
+    return out
+
+
 def evaluate(
     tiers: dict[int, TierPlacement],
     spec: ModelSpec,
@@ -452,8 +468,7 @@ def evaluate(
     shapes, last_prefill, dt = request_shapes(cm, sorted(tiers))
     per_tier: dict[int, dict[int, Terms]] = {}
     ttft = decode = 0.0
-    for s in shapes:
-        t = cm.ubatch_terms(tiers[s.tier], s.tokens, s.depth, s.sequences)
+    for s, t in zip(shapes, shape_terms(cm, tiers, shapes)):
         per_tier.setdefault(s.tier, {})[s.depth] = t
         if s.part == "prefill":
             ttft += s.weight * t.total

@@ -77,6 +77,7 @@ from .cost import (
     TierPlacement,
     evaluate,
     request_shapes,
+    shape_terms,
 )
 from .groups import EMBD, Group
 from .memory import compute_nbytes, kv_layer_nbytes
@@ -189,12 +190,8 @@ def agrees(program_seconds: float, evaluated_seconds: float) -> bool:
 
 def _tier_seconds(cm: CostModel, place: TierPlacement, shapes: list[Shape]) -> float:
     """What evaluate charges a tier's placement for these shapes."""
-    return float(
-        sum(
-            sh.weight * cm.ubatch_terms(place, sh.tokens, sh.depth, sh.sequences).total
-            for sh in shapes
-        )
-    )
+    terms = shape_terms(cm, {sh.tier: place for sh in shapes}, shapes)
+    return float(sum(sh.weight * t.total for sh, t in zip(shapes, terms)))
 
 
 def _by_token_count(shapes: list[Shape]) -> list[tuple[int, int, np.ndarray, np.ndarray]]:
@@ -620,16 +617,25 @@ def _add_hint(m, cm: CostModel, hint: TierPlacement, classes, class_options, X, 
                 m.AddHint(x, int(i == j))
 
 
-def best_start(p: Problem, objective: str = "e2e") -> tuple[str, dict[int, TierPlacement], float]:
-    """(name, plan, seconds) of the best warm start under `evaluate`: the named strategies that
-    run on our runtime, and `stream_rest`."""
-    candidates = {n: f for n, f in STRATEGIES.items() if n != "fit"}
-    candidates["stream-rest"] = stream_rest
+def warm_starts(p: Problem) -> dict[str, dict[int, TierPlacement]]:
+    """The plans the optimizer may start from: the named strategies that run on our runtime, and
+    `stream_rest` (each tier's placement depends on that tier alone)."""
+    makers = {n: f for n, f in STRATEGIES.items() if n != "fit"}
+    makers["stream-rest"] = stream_rest
+    return {name: make(p) for name, make in makers.items()}
+
+
+def best_start(
+    p: Problem, objective: str = "e2e", plans: dict[str, dict[int, TierPlacement]] | None = None
+) -> tuple[str, dict[int, TierPlacement], float]:
+    """(name, plan, seconds) of the best warm start under `evaluate`, among `plans` restricted to
+    p's tiers (default: `warm_starts(p)`)."""
+    plans = warm_starts(p) if plans is None else plans
     scored = []
-    for name, make in candidates.items():
-        plan = make(p)
+    for name, plan in plans.items():
+        mine = {t: plan[t] for t in p.tiers}
         scored.append(
-            (evaluate(plan, p.spec, p.profile, p.workload).objective(objective), name, plan)
+            (evaluate(mine, p.spec, p.profile, p.workload).objective(objective), name, mine)
         )
     seconds, name, plan = min(scored, key=lambda x: x[0])
     return name, plan, seconds

@@ -13,7 +13,7 @@ from refengine.spec import ModelSpec
 from .cost import PINNED, Loc, Prediction, TierPlacement, Workload, evaluate
 from .groups import ATTN_SIDE, tensor_groups
 from .memory import compute_nbytes, kv_layer_nbytes
-from .optimize import best_start, optimize
+from .optimize import best_start, optimize, warm_starts
 from .profile import HardwareProfile
 from .strategies import STRATEGIES, Problem
 from .tensor_split import evaluate_tensor_split, short_devices
@@ -63,10 +63,13 @@ def solve(
     budgets = [budget_bytes] if isinstance(budget_bytes, int) else list(budget_bytes)
     budget_bytes, more = budgets[0], tuple(budgets[1:])
     p = Problem(spec, profile, w, tuple(tiers), budget_bytes, target, more)
+    ours = warm_starts(Problem(spec, profile, w, tuple(tiers), budget_bytes))
     baselines = []
     for name, make in STRATEGIES.items():
         runs_on = "llamacpp" if name == "fit" else "refengine"
-        plan = make(Problem(spec, profile, w, tuple(tiers), budget_bytes, runs_on))
+        plan = ours.get(name) or make(
+            Problem(spec, profile, w, tuple(tiers), budget_bytes, runs_on)
+        )
         baselines.append(Outcome(name, plan, evaluate(plan, spec, profile, w, runs_on), runs_on))
     if strategy is not None:
         if strategy not in STRATEGIES:
@@ -90,7 +93,7 @@ def solve(
             name, start = "fit", STRATEGIES["fit"](sub)
             seconds = evaluate(start, spec, profile, w, target).objective(objective)
         else:
-            name, start, seconds = best_start(sub, objective)
+            name, start, seconds = best_start(sub, objective, ours)
         candidates.append((seconds, top, sub, name, start))
     best = None
     for _, top, sub, name, start in sorted(candidates, key=lambda c: c[0]):
