@@ -509,12 +509,12 @@ def solve(
         need = minimum_budget_bytes(spec, w, min(tier_list))
         if len(budgets) == 1:
             raise UserError(
-                f"a budget of {budget_bytes / 2**20:.0f} MiB is below the minimum of "
-                f"{need / 2**20:.0f} MiB any placement needs here; raise --budget"
+                f"a budget of {_mib(budget_bytes)} is below the minimum of "
+                f"{_mib(need)} any placement needs here; raise --budget"
             )
         short = ", ".join(
-            f"device {d}: workspace of tier {min(tier_list)} needs {need / 2**20:.0f} MiB, "
-            f"budget {b / 2**20:.0f} MiB, short by {(need - b) / 2**20:.0f} MiB"
+            f"device {d}: workspace of tier {min(tier_list)} needs {_mib(need)}, "
+            f"budget {_mib(b)}, short by {_mib(need - b)}"
             for d, b in enumerate(budgets)
         )
         raise UserError(f"no device can compute at all ({short}); raise a --budget")
@@ -563,9 +563,7 @@ def solve(
             f"{len(budgets)} GPUs: {need / 2**30:.2f} GiB on each"
         )
     for d, lack in sorted(excluded.items()):
-        con.print(
-            f"GPU {d} excluded: {lack / 2**20:.0f} MiB short of one layer, its KV and a workspace"
-        )
+        con.print(f"GPU {d} excluded: {_mib(lack)} short of one layer, its KV and a workspace")
     if dropped:
         con.print(f"not viable (their workspace alone exceeds the budget): tiers {dropped}")
     c = Table(title="predicted, same cost model")
@@ -679,6 +677,12 @@ def export(plan_path: Path, fmt: str, output: Path | None) -> None:
     with _open_for_writing(output) as f:
         f.write(text.encode())
     click.echo(f"wrote {output}")
+
+
+def _mib(nbytes: int) -> str:
+    """Whole MiB, or two decimals below 10 MiB (a decode tier's workspace is a fraction of one)."""
+    mib = nbytes / 2**20
+    return f"{mib:.0f} MiB" if mib >= 10 else f"{mib:.2f} MiB"
 
 
 def _spec_or_preset(model: str) -> ModelSpec:
