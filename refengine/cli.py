@@ -462,7 +462,7 @@ def solve(
     from solver import budget as B
     from solver.cost import Workload
     from solver.plan import plan_json
-    from solver.solve import excluded_devices, load_profile, minimum_budget_bytes
+    from solver.solve import load_profile, minimum_budget_bytes
     from solver.solve import solve as run_solve, summarize
     from solver.solve import viable_tiers
     from solver.usage import device_usage
@@ -518,7 +518,6 @@ def solve(
             for d, b in enumerate(budgets)
         )
         raise UserError(f"no device can compute at all ({short}); raise a --budget")
-    excluded = excluded_devices(spec, w, max(viable), budgets) if len(budgets) > 1 else {}
     dropped = sorted(set(tier_list) - set(viable))
     tier_list = viable
     chosen, baselines, facts = run_solve(
@@ -562,7 +561,7 @@ def solve(
             f"plan: tensor split (-sm tensor), every matrix and all KV split over "
             f"{len(budgets)} GPUs: {need / 2**30:.2f} GiB on each"
         )
-    for d, lack in sorted(excluded.items()):
+    for d, lack in sorted(facts.get("excluded", {}).items()):
         con.print(f"GPU {d} excluded: {_mib(lack)} short of one layer, its KV and a workspace")
     if dropped:
         con.print(f"not viable (their workspace alone exceeds the budget): tiers {dropped}")

@@ -8,7 +8,7 @@ From src/llama-quant.cpp (`llama_tensor_get_type_impl`, no user overrides, no im
 - ffn_down and ffn_down_exps: Q6_K in the layers `use_more_bits` picks;
 - every other matrix Q4_K, norms F32.
 A matrix whose rows are not whole blocks falls back as llama.cpp's `tensor_type_fallback` does
-(Q4_K -> Q5_0, Q5_K -> Q5_1, Q6_K -> Q8_0), then to Q8_0 and F32.
+(Q4_K -> Q5_0, Q5_K -> Q5_1, Q6_K -> Q8_0), then to F16.
 """
 
 from __future__ import annotations
@@ -56,7 +56,7 @@ def mixed_type(mix: str, name: str, layer: int | None, hp: HParams, arch: str, t
 
 def fit_rows(t: Q, n_in: int) -> Q:
     """`t`, or what llama.cpp falls back to when rows of n_in values are not whole blocks."""
-    for candidate in (t, _FALLBACK.get(t, t), Q.Q8_0, Q.F32):
+    for candidate in (t, _FALLBACK.get(t, t), Q.F16):
         if n_in % qtype(candidate).block_elems == 0:
             return candidate
-    raise AssertionError("F32 takes any row length")
+    raise AssertionError("F16 takes any row length")

@@ -23,7 +23,8 @@ Formulas (every rate from the HardwareProfile; M = tokens in the ubatch, the tie
    (n_head / n_head_kv times).
 5. Every change of device along the ops (embedding -> each layer's attention side -> attention ->
    FFN matrices -> next layer ... -> head) is a hop: sync + copy latency + activation bytes over
-   PCIe (residual rows between layers, the wider FFN rows inside one).
+   PCIe (residual rows between layers, the wider FFN rows inside one); GPU to GPU is two (through
+   the host).
 6. Launches: ~8 element-wise kernels per layer plus one per GPU matrix, at the host launch cost, or
    at the per-kernel graph cost for single-token decode (captured as a CUDA graph).
    Under pshard's runtime (target "pshard") copies run at most at PSHARD_PAGEABLE_H2D_GBPS.
@@ -68,6 +69,13 @@ GGML_CPU_ATTENTION_EFFICIENCY = 0.42
 PSHARD_PAGEABLE_H2D_GBPS = 8.5
 ELEMENTWISE_KERNELS_PER_LAYER = 8
 OBJECTIVES = ("e2e", "tps", "ttft")
+
+
+def hops_between(a: int, b: int) -> int:
+    """Copies that move activations from device a to device b (Loc.where): none on the same
+    device, one between the CPU and a GPU, two between GPUs (down to the host and up again:
+    client GPUs have no peer link)."""
+    return 0 if a == b else 2 if a >= 0 and b >= 0 else 1
 
 
 @dataclass(frozen=True)
@@ -330,10 +338,10 @@ class CostModel:
         # device sequence: attention side, attention, FFN matrices (in file order)
         runs_on = [self.effective(g, place.groups[g.name], tokens).where for g in groups]
         seq = [runs_on[0], kv.where, runs_on[0]] + runs_on[1:]
-        hops = sum(a != b for a, b in zip(seq, seq[1:]))
+        hops = sum(hops_between(a, b) for a, b in zip(seq, seq[1:]))
         t.latency += hops * self.hop_seconds(tokens, self.hop_width)
-        if prev != seq[0]:  # the residual stream arrives from another device
-            t.latency += self.hop_seconds(tokens, hp.n_embd)
+        # the residual stream arrives from another device
+        t.latency += hops_between(prev, seq[0]) * self.hop_seconds(tokens, hp.n_embd)
         if gpu_mats or kv.on_gpu:
             t.latency += self.launch_seconds(ELEMENTWISE_KERNELS_PER_LAYER + gpu_mats, tokens)
         inner = np.maximum(t.gpu, t.copy) if self.overlap else t.gpu + t.copy
@@ -351,8 +359,10 @@ class CostModel:
                 t.copy = self.copy_seconds(g.nbytes, loc.device, cpu_busy)
         else:
             t.cpu = self.cpu_seconds(g, tokens)
-        if g.kind == HEAD and loc.where != prev:  # from the last layer to the head
-            t.latency = self.hop_seconds(tokens, self.spec.hparams.n_embd)
+        if g.kind == HEAD:  # from the last layer to the head
+            t.latency = hops_between(prev, loc.where) * self.hop_seconds(
+                tokens, self.spec.hparams.n_embd
+            )
         t.total = (max(t.gpu, t.copy) if self.overlap else t.gpu + t.copy) + t.cpu + t.latency
         return t
 
@@ -397,18 +407,18 @@ class CostModel:
 
 
 def switch_seconds(cm: CostModel, a: TierPlacement, b: TierPlacement) -> float:
-    """Re-pinning the groups that b pins and a did not, plus the KV b pins and a did not."""
-    moved = sum(
-        g.nbytes
-        for g in cm.groups
-        if b.groups[g.name].kind == PINNED and a.groups[g.name].kind != PINNED
-    )
-    kv_moved = sum(
-        cm.cell_nbytes * cm.w.prompt_tokens * cm.w.users
-        for il, loc in b.kv.items()
-        if loc.kind == PINNED and a.kv[il].kind != PINNED
-    )
-    return (moved + kv_moved) / (cm.profile.gpus[0].h2d_gbps.value * 1e9)
+    """Re-pinning what b pins where a did not (another GPU counts), and b's pinned KV likewise,
+    each over its destination GPU's PCIe."""
+    moved: dict[int, float] = {}
+    for g in cm.groups:
+        to = b.groups[g.name]
+        if to.kind == PINNED and a.groups[g.name] != to:
+            moved[to.device] = moved.get(to.device, 0.0) + g.nbytes
+    for il, to in b.kv.items():
+        if to.kind == PINNED and a.kv[il] != to:
+            kv = cm.cell_nbytes * cm.w.prompt_tokens * cm.w.users
+            moved[to.device] = moved.get(to.device, 0.0) + kv
+    return sum(n / (cm.profile.gpus[d].h2d_gbps.value * 1e9) for d, n in moved.items())
 
 
 @dataclass(frozen=True)

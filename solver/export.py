@@ -3,8 +3,10 @@ inverse — llama.cpp's own placement rules applied to flags — that the tests 
 
 Flags (LLAMACPP.md): `-fit off` (else --fit would move things), an explicit `-c`, `-ngl K` (the
 output layer plus the last K-1 repeating layers go to the GPU, and a layer's KV follows it),
-`-sm layer`, `-ub 512`, `-fa`, `-ctk/-ctv`, `-dev CUDA0`, and anchored `-ot` patterns, first match
-wins, for every tensor whose plan location differs from what `-ngl` gives it. llama.cpp cannot
+integer `-ts` counts over several GPUs, `-sm layer`, `-b`/`-ub` (the plan's largest ubatch),
+`-fa`, `-ctk/-ctv`, `-dev CUDA0[,CUDA1...]`, and anchored `-ot` patterns, first match wins, for
+every tensor whose plan location differs from what `-ngl`/`-ts` give it; or, for a tensor-split
+plan, `-sm tensor`. llama.cpp cannot
 express streamed execution, per-tier plans, or a KV placement other than its layer's: a plan
 needing those is refused with the reason.
 """
@@ -18,6 +20,7 @@ from collections import defaultdict
 from refengine.errors import UserError
 from refengine.spec import ModelSpec, layer_of
 
+from .budget import DEFAULT_N_BATCH
 from .cost import CPU, TierPlacement
 from .groups import tensor_groups
 
@@ -108,6 +111,8 @@ def llamacpp_args(
         *split,
         "-sm",
         "layer",
+        "-b",  # llama.cpp caps -ub at -b (2048 unless given)
+        str(max(n_ubatch, DEFAULT_N_BATCH)),
         "-ub",
         str(n_ubatch),
         "-fa",
@@ -130,7 +135,8 @@ def tensor_split_args(plan: dict, spec: ModelSpec) -> list[str]:
     fp = plan["fingerprint"]
     return [
         "-fit", "off", "-c", str(fp["n_ctx"]), "-ngl", str(spec.hparams.n_layer + 1),
-        "-sm", "tensor", "-ub", str(max(fp["tiers"])), "-fa", "on",
+        "-sm", "tensor", "-b", str(max(max(fp["tiers"]), DEFAULT_N_BATCH)),
+        "-ub", str(max(fp["tiers"])), "-fa", "on",
         "-ctk", fp["kv_type"], "-ctv", fp["kv_type"],
         "-dev", ",".join(gpu_buft(d) for d in range(len(fp["budget_bytes"]))),
     ]  # fmt: skip

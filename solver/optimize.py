@@ -1,48 +1,69 @@
-"""The placement program (OR-Tools CP-SAT), for one GPU: a multiple-choice knapsack per tier.
+"""The placement program (OR-Tools CP-SAT): a multiple-choice knapsack per tier, over one or
+several GPUs, for our runtime or (one static placement) for llama.cpp.
 
-Data: layers l, tiers t and the request's ubatch shapes s (a tier, token count, depth and weight
-w_s, from cost.request_shapes). A layer's *options* are every way to place it in a tier: each of
-its groups (solver.groups) pinned, streamed or on the CPU, and its KV pinned, streamed with the
-layer (uploaded before it, new cells back after: pshard's scheme) or on the CPU, priced for the
-tier's CPU either idle or busy (copies are slower while the CPU computes). Each option is priced
-once by the cost model itself: seconds_o = sum_s w_s * CostModel.layer_terms(...).total, summed
-over the tier's shapes (depths vectorized), so the program's objective *is* `evaluate` of its
-solution, up to rounding to 100 ns and to hop variables the search may leave above what the
-arrangement needs, within the gap limit (`agrees`; the tests check it). Layers whose groups have the same shapes,
-types and KV share their options; options dominated in (pinned bytes, streamed unit, seconds) by
-another with the same busy flag and end devices are dropped. The embedding and the output head
-form one more choice, g.
+Data: layers l, tiers t, GPUs d and the request's ubatch shapes s (a tier, token count, depth
+and weight w_s, from cost.request_shapes). A layer's *options* are every way to place it in a
+tier on one GPU d: each of its groups (solver.groups) pinned on d, streamed to d or on the CPU,
+and its KV pinned on d, streamed with the layer (pshard's scheme) or on the CPU — llama.cpp:
+pinned or CPU only —, priced for the tier's CPU either idle or busy (copies are slower while the
+CPU computes). Each option is priced once by the cost model itself: seconds_o = sum_s w_s *
+CostModel.layer_terms(...).total over the tier's shapes (depths vectorized), so the program's
+objective *is* `evaluate` of its solution, up to rounding to 100 ns and to hop variables the
+search may leave above what the arrangement needs, within the gap limit (`agrees`; the tests
+check it). Layers whose groups have the same shapes, types and KV share their options; options
+dominated in (pinned bytes, extra unit, seconds) by another with the same busy flag, end devices,
+GPU and KV side are dropped. The embedding (first GPU or CPU) and the head (any GPU or CPU) are
+two more choices.
 
 Variables, per tier (c: a class of identical layers, m_c of them):
   n[c,o] in 0..m_c    how many of class c's layers take option o; u[c,o] in {0,1}: any do
-  y[g] in {0,1}       the globals take option g
+  e[g], h[g] in {0,1} the embedding's and the head's option
   busy in {0,1}       the tier computes something on the CPU
-  ring >= 0           bytes of the largest streamed unit (one slot of the scratch ring)
-  imb >= 0, e_dev in {0,1}   residual-stream hops between layers (5)
+  ring[d] >= 0        bytes of d's largest streamed unit (our ring slot), or on the first GPU
+                      llama.cpp's largest CPU-held weight (op-offload copies it there)
+  holds[d] in {0,1}   GPU d computes anything (then it holds a workspace)
+  range boundaries, per-range walk variables (5), (6), (9)
 
 Constraints:
-  (1) sum_o n[c,o] = m_c for each class; sum_g y[g] = 1; n[c,o] <= m_c * u[c,o].
-  (2) u[c,o] => busy for options priced with the CPU busy (all that use the CPU are),
-      u[c,o] => not busy for the others, the same for y; busy <= the options using the CPU.
-  (3) ring >= unit_o * u[c,o], and the same for the globals.
-  (4) memory: sum pinned_o * n[c,o] + sum pinned_g * y[g] + PREFETCH_DEPTH * ring + workspace(t)
-      <= budget - reserve (pinned_g counts the logits buffer when the head is on the GPU).
-  (5) hops: the layers are arranged (`_arrange`) as a walk over the two devices from the
-      embedding's to the head's; a GPU->CPU layer (count gc) or CPU->GPU layer (cg) crosses once,
-      so imb >= |emb_on - head_on - gc + cg| hops are needed, and two more for a device that some
-      layer stays on but the walk never visits: e_dev >= needs_dev - visits_dev, with
-      needs_dev * L >= (layers staying on dev) and visits_dev <= (walk ends on dev) + gc + cg + imb.
-      Exact when one class holds every layer; with interleaved classes (Gemma-3's sliding-window
-      layers) a lower bound, and evaluate charges what the arrangement really needs.
+  (1) sum_o n[c,o] = m_c for each class; one embedding and one head option; n <= m_c * u.
+  (2) u => busy for options priced with the CPU busy (all that use the CPU are), u => not busy
+      for the others; busy <= the options using the CPU.
+  (3) ring[d] >= unit_o * u[c,o]; u[c,o] => holds[d] for options that use GPU d.
+  (4) memory, per GPU: pinned bytes of its options (weights, KV, the head's logits) +
+      slots * ring[d] + workspace(t) * holds[d] <= budget[d] - reserve[d] (slots: our
+      PREFETCH_DEPTH, llama.cpp 1); our runtime uses some GPU; llama.cpp's first GPU holds a
+      workspace when it offloads.
+  (5) hops, layer by layer in ranges (`_device_walk`): entering a non-empty range costs a hop
+      unless the stream already is where its first layer starts, two from another GPU; inside a
+      range the layers order freely, a walk between the CPU and its GPU (`_walk_hops`): each
+      GPU->CPU layer (gc) or CPU->GPU layer (cg) crosses once, so |start - end - gc + cg| hops
+      make up the imbalance, and a side some layer stays on but the walk never visits costs two
+      more; then a hop to the head unless it is where the stream ends (two from another GPU).
+  (6) ranges (`_ranges`, one-hot boundaries): ours, one per GPU in order; llama.cpp's, the
+      layers whose KV stays on the CPU (on the first GPU's options), then one per GPU (-ngl,
+      -ts): each class has in each range as many layers as it has there.
+  (7) llama.cpp: a tied head sits with the output layer (on the last GPU) once a layer is
+      offloaded.
+  (8) llama.cpp on several GPUs: a later GPU's layer starts and ends on it (its attention side
+      and last FFN matrix are not CPU-held), so the stream's devices at 32 tokens and more are
+      known from the ranges.
+  (9) llama.cpp, 32 tokens and more: every layer runs on a GPU (op-offload), so one hop from
+      the embedding, two per further GPU used, two more when the head's GPU (the first one for
+      a CPU-held head) is not the last layer's.
+  The layers are then arranged (`_arrange`) range by range, taking where the stream is the layer
+  that stays, else one that crosses, else one that stays on the other side (`walk_rank`): the
+  fewest hops for one class of layers (a test checks it against a search over orders); with
+  interleaved classes (Gemma-3's sliding-window layers) the count is a lower bound, and evaluate
+  charges what the arrangement needs.
 Objective (e2e by default; ttft or tps keep only the prefill or decode shapes):
-  minimize sum seconds_o * n[c,o] + sum seconds_g * y[g] + hop_seconds * (imb + 2 sum e_dev).
+  minimize sum seconds_o * n[c,o] + the globals' seconds + hop seconds * hops.
 Tiers share no variable, so each tier is its own program, each with an equal share of the
 (deterministic) time limit; the plan-switch cost between the last prefill tier and the decode tier
 (re-pinned bytes / h2d) is then added as evaluate charges it. Tiers the request does not use get a
 shape of their own (a full ubatch at half the context, weight 0.5), so they are planned too.
 Deterministic: one worker, a fixed seed, a deterministic time limit and a relative gap limit
-(RELATIVE_GAP); warm-started from the best named strategy or from `stream_rest`, whichever
-evaluates better; never worse than that start.
+(RELATIVE_GAP); warm-started from the best named strategy or from `stream_rest` (llama.cpp:
+from --fit), whichever evaluates better; never worse than that start.
 
 CP-SAT, not a MIP, by measurement (qwen3moe-30b-a3b shape, 16K context, 15 GiB on the RTX 5080
 profile, warm start at 22.38 s end to end): SCIP through pywraplp, single-threaded, 10 s: 22.38 s
@@ -268,7 +289,7 @@ def _layer_options(cm: CostModel, il: int, shapes, kv_nbytes: int, op_offload: b
 
 
 def _global_options(cm: CostModel, g: Group, shapes, logits_nbytes: int, op_offload: bool, device):
-    """The embedding's options on the first GPU, or the head's on the last (its hop from the last
+    """The embedding's or the head's options using GPU `device` (the head's hop from the last
     layer is the program's)."""
     options = []
     if g.kind == EMBD:  # a row gather: never streamed (and llama.cpp keeps it on the CPU)
@@ -332,7 +353,11 @@ def _program(
                 o
                 for d in devices
                 for o in _layer_options(cm, il, grouped, kv_nbytes, op_offload, d)
-                if d == 0 or not llama or o.kv.on_gpu  # llama.cpp: CPU-KV layers use GPU 0
+                if not llama
+                or d == 0  # llama.cpp: the CPU-KV layers use the first GPU
+                # a later GPU's layer starts and ends there, also when it computes CPU-held
+                # weights on the first GPU (ubatches of 32 tokens and more)
+                or (o.kv.on_gpu and o.locs[0].on_gpu and o.locs[-1].on_gpu)
             ]
     embd, head = cm.by_layer[None]
     embd_options = _global_options(cm, embd, grouped, logits, op_offload, 0)
@@ -420,12 +445,27 @@ def _program(
         if llama and tied:  # (7) a tied head sits with the output layer once any layer is offloaded
             m.Add(n_layer * head_on >= n_layer - sum(ranges[key][0] for key in classes))
     by_range = [[xo for xo in layer_counts if part(xo[1]) == r] for r in range(len(gpu_of))]
-    n_hops, starts = _device_walk(
+    n_hops, starts, nonempty = _device_walk(
         m, list(zip(gpu_of, by_range)), list(zip(H, head_options)), emb_on, n_layer
     )
+    big_hops = 0  # (9) llama.cpp at 32 tokens and more: GPU to GPU at each new device, and to
+    # the head's (a CPU-held head computes on the first GPU); from the embedding: hop_const
+    if llama and len(devices) > 1:
+        used = [m.NewBoolVar(f"used{d}") for d in devices]
+        for d in devices:
+            m.AddMaxEquality(used[d], [nonempty[r] for r, g in enumerate(gpu_of) if g == d])
+        last = m.NewIntVar(0, devices[-1], "last_gpu")
+        m.AddMaxEquality(last, [g * nonempty[r] for r, g in enumerate(gpu_of)])
+        head_gpu = sum(o.device * y for y, o in zip(H, head_options) if o.last_on)
+        apart = m.NewBoolVar("head_apart")
+        m.Add(len(devices) * apart >= head_gpu - last)
+        m.Add(len(devices) * apart >= last - head_gpu)
+        big_hops = 2 * (sum(used) - 1) + 2 * apart
 
     m.Minimize(
-        sum(coef(o.seconds) * x for x, o in counts) + coef(hop_var) * n_hops + coef(hop_const)
+        sum(coef(o.seconds) * x for x, o in counts)
+        + coef(hop_var) * n_hops
+        + coef(hop_const) * (1 + big_hops)
     )
     if hint is not None:
         _add_hint(
@@ -489,7 +529,7 @@ def _device_walk(m, ranges, head_counts, emb_on, n_layer: int):
     range costs a hop unless the stream is already where its first layer starts (the CPU, or
     this GPU after the embedding), a walk inside each range (`_walk_hops`), and a last hop to
     the head unless it is where the stream ends. An empty range passes the location on."""
-    n_hops, starts = 0, {}
+    n_hops, starts, nonempty = 0, {}, {}
     cpu_at = 1 - emb_on  # where the stream is: the CPU, or (gpu_at) a GPU
     gpu_at = {0: emb_on}
     gpus = sorted({g for g, _ in ranges})
@@ -497,6 +537,7 @@ def _device_walk(m, ranges, head_counts, emb_on, n_layer: int):
         size = sum(x for x, _ in mine)
         busy, start, end = (m.NewBoolVar(f"{v}{r}") for v in ("nonempty", "start", "end"))
         starts[r] = start
+        nonempty[r] = busy
         m.Add(size >= 1).OnlyEnforceIf(busy)
         m.Add(size == 0).OnlyEnforceIf(busy.Not())
         stay_cpu, stay_gpu, enter = (m.NewBoolVar(f"{v}{r}") for v in ("scpu", "sgpu", "enter"))
@@ -505,7 +546,10 @@ def _device_walk(m, ranges, head_counts, emb_on, n_layer: int):
         m.Add(stay_gpu <= gpu_at.get(d, 0))
         m.Add(stay_gpu <= start)
         m.Add(enter >= busy - stay_cpu - stay_gpu)
-        n_hops += enter + _walk_hops(m, mine, start, end, n_layer, f"r{r}")
+        # from another GPU onto this one: two hops (through the host)
+        twice = m.NewBoolVar(f"twice{r}")
+        m.Add(twice >= busy + start + (1 - cpu_at) - gpu_at.get(d, 0) - 2)
+        n_hops += enter + twice + _walk_hops(m, mine, start, end, n_layer, f"r{r}")
         now_cpu = m.NewBoolVar(f"cpu_after{r}")
         m.Add(now_cpu == 1 - end).OnlyEnforceIf(busy)
         m.Add(now_cpu == cpu_at).OnlyEnforceIf(busy.Not())
@@ -524,7 +568,12 @@ def _device_walk(m, ranges, head_counts, emb_on, n_layer: int):
         matches.append(z)
     head_hop = m.NewBoolVar("head_hop")
     m.Add(head_hop >= 1 - sum(matches))
-    return n_hops + head_hop, starts
+    for i, (y, o) in enumerate(head_counts):
+        if o.last_on:  # onto the head's GPU from another: the second hop
+            twice = m.NewBoolVar(f"head_twice{i}")
+            m.Add(twice >= y + (1 - cpu_at) - gpu_at[o.device] - 1)
+            n_hops += twice
+    return n_hops + head_hop, starts, nonempty
 
 
 def _walk_hops(m, layer_counts, start, end, n_layer: int, name: str):
@@ -582,11 +631,20 @@ def _arrange(
         if il == 0 or at[il] != at[il - 1]:
             on = begin[at[il]]
         pool = [o for o in left[key_of[il]] if part(o) == at[il]]
-        o = min(pool, key=lambda o: (o.first_on != on, o.last_on != on))
+        o = min(pool, key=lambda o: walk_rank(o.first_on, o.last_on, on))
         left[key_of[il]].remove(o)
         out.append(o)
         on = o.last_on
     return out
+
+
+def walk_rank(first_on: bool, last_on: bool, on: bool) -> int:
+    """Which layer to take next where the residual stream is `on` (the GPU or not), for the
+    fewest hops: one that stays here, else one that crosses over, else (a hop is due) one that
+    stays over there, and last one that crosses back."""
+    if first_on == on:
+        return 0 if last_on == on else 1
+    return 2 if last_on != on else 3
 
 
 def _add_hint(m, cm: CostModel, hint: TierPlacement, classes, class_options, X, embd, head, busy):

@@ -61,7 +61,10 @@ def solve(
     (the named strategies use the first). Target llamacpp: the best static placement llama.cpp's
     flags can express, warm-started from its --fit placement."""
     budgets = [budget_bytes] if isinstance(budget_bytes, int) else list(budget_bytes)
-    budget_bytes, more = budgets[0], tuple(budgets[1:])
+    # seed 004: a GPU too small for one layer, its KV and a workspace takes no part
+    excluded = excluded_devices(spec, w, max(tiers), budgets) if len(budgets) > 1 else {}
+    usable = [0 if d in excluded else b for d, b in enumerate(budgets)]
+    budget_bytes, more = usable[0], tuple(usable[1:])
     p = Problem(spec, profile, w, tuple(tiers), budget_bytes, target, more)
     ours = warm_starts(Problem(spec, profile, w, tuple(tiers), budget_bytes))
     baselines = []
@@ -95,15 +98,27 @@ def solve(
         else:
             name, start, seconds = best_start(sub, objective, ours)
         candidates.append((seconds, top, sub, name, start))
-    best = None
+    best, refusals = None, []
     for _, top, sub, name, start in sorted(candidates, key=lambda c: c[0]):
-        sol = optimize(sub, objective, time_limit_seconds / len(candidates), hint=start)
+        try:
+            sol = optimize(sub, objective, time_limit_seconds / len(candidates), hint=start)
+        except UserError as e:  # this prefill ubatch does not fit; a smaller one may
+            refusals.append(str(e))
+            continue
         if best is None or sol.objective_seconds < best[0].objective_seconds:
             best = (sol, name, top)
+    if best is None:
+        need = "its workspace" + (
+            " and room to copy its largest CPU-held weight" if target == "llamacpp" else ""
+        )
+        raise UserError(
+            f"no placement fits ({'; '.join(refusals)}): the first GPU needs {need}; "
+            "raise --budget or lower --tiers"
+        )
     sol, start_name, top = best
     chosen = Outcome("optimal", sol.tiers, evaluate(sol.tiers, spec, profile, w, target), target)
     if target == "llamacpp" and more:  # llama.cpp can also split every matrix across the GPUs
-        split = _tensor_split(spec, profile, w, tiers, budgets)
+        split = _tensor_split(spec, profile, w, tiers, usable)
         if split is not None:
             baselines.append(split)
             if split.prediction.objective(objective) < chosen.prediction.objective(objective):
@@ -116,13 +131,17 @@ def solve(
         "wall_seconds": sol.wall_seconds,
         "warm_start": start_name,
         "prefill_ubatch": top,
+        "excluded": excluded,
     }
+    if chosen.split_mode == "tensor":  # the program's figures are the layer split's
+        facts = {"split_mode": "tensor", "excluded": excluded, "prefill_ubatch": max(tiers)}
     return chosen, baselines, facts
 
 
 def _tensor_split(spec, profile, w, tiers, budgets) -> Outcome | None:
-    """llama.cpp's -sm tensor plan, when every GPU holds its share."""
-    if short_devices(spec, w, max(tiers), budgets):
+    """llama.cpp's -sm tensor plan, when flash attention is on (it needs it) and every GPU holds
+    its share."""
+    if not w.flash_attn or short_devices(spec, w, max(tiers), budgets):
         return None
     prediction = evaluate_tensor_split(spec, profile, w, tiers, len(budgets))
     return Outcome("tensor-split", _all_pinned(spec, tiers), prediction, "llamacpp", "tensor")

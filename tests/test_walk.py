@@ -52,3 +52,22 @@ def test_walk_hops_are_the_fewest_any_order_needs(counts, start, end):
     solver = cp_model.CpSolver()
     assert solver.Solve(m) == cp_model.OPTIMAL
     assert solver.Value(hops) == fewest_hops(counts, start, end)
+
+
+def test_taking_layers_by_walk_rank_needs_the_fewest_hops():
+    from itertools import product
+
+    from solver.optimize import walk_rank
+
+    for counts in product(range(3), repeat=4):
+        for start, end in product((False, True), repeat=2):
+            left, at, hops = list(counts), start, 0
+            while any(left):
+                i = min(
+                    (i for i in range(4) if left[i]),
+                    key=lambda i: walk_rank(TYPES[i].first_on, TYPES[i].last_on, at),
+                )
+                hops += TYPES[i].first_on != at
+                at, left[i] = TYPES[i].last_on, left[i] - 1
+            hops += at != end
+            assert hops == fewest_hops(counts, start, end), (counts, start, end)
