@@ -509,12 +509,12 @@ def solve(
         need = minimum_budget_bytes(spec, w, min(tier_list))
         if len(budgets) == 1:
             raise UserError(
-                f"a budget of {_mib(budget_bytes)} is below the minimum of "
-                f"{_mib(need)} any placement needs here; raise --budget"
+                f"a budget of {_mib_text(budget_bytes)} is below the minimum of "
+                f"{_mib_text(need)} any placement needs here; raise --budget"
             )
         short = ", ".join(
-            f"device {d}: workspace of tier {min(tier_list)} needs {_mib(need)}, "
-            f"budget {_mib(b)}, short by {_mib(need - b)}"
+            f"device {d}: workspace of tier {min(tier_list)} needs {_mib_text(need)}, "
+            f"budget {_mib_text(b)}, short by {_mib_text(need - b)}"
             for d, b in enumerate(budgets)
         )
         raise UserError(f"no device can compute at all ({short}); raise a --budget")
@@ -562,7 +562,7 @@ def solve(
             f"{len(budgets)} GPUs: {need / 2**30:.2f} GiB on each"
         )
     for d, lack in sorted(facts.get("excluded", {}).items()):
-        con.print(f"GPU {d} excluded: {_mib(lack)} short of one layer, its KV and a workspace")
+        con.print(f"GPU {d} excluded: {_mib_text(lack)} short of one layer, its KV and a workspace")
     if dropped:
         con.print(f"not viable (their workspace alone exceeds the budget): tiers {dropped}")
     c = Table(title="predicted, same cost model")
@@ -678,7 +678,7 @@ def export(plan_path: Path, fmt: str, output: Path | None) -> None:
     click.echo(f"wrote {output}")
 
 
-def _mib(nbytes: int) -> str:
+def _mib_text(nbytes: int) -> str:
     """Whole MiB, or two decimals below 10 MiB (a decode tier's workspace is a fraction of one)."""
     mib = nbytes / 2**20
     return f"{mib:.0f} MiB" if mib >= 10 else f"{mib:.2f} MiB"
