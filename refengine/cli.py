@@ -668,7 +668,9 @@ def export(plan_path: Path, fmt: str, output: Path | None) -> None:
     }
     if len(fp["budget_bytes"]) > 1:
         raise UserError("the pshard registry export writes one-GPU plans; solve for one GPU")
-    text = registry_text(spec, w, fp["threads"], fp["budget_bytes"][0], per_tier, d["strategy"])
+    text = registry_text(
+        spec, w, fp["threads"], fp["budget_bytes"][0], per_tier, d["strategy"], d["not_needed"]
+    )
     if output is None:
         if spec.path is None:
             raise UserError("a spec-only plan has no model file to write next to; pass -o FILE")

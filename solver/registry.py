@@ -45,6 +45,28 @@ def _id(loc, layer: int | None) -> int:
     return 1 + (layer or 0) % 2  # streamed: lane by layer parity
 
 
+# pshard's partial boundary layers (PSHARD.md): what stays pinned of layer n_pinned
+OVERFLOWS = (  # in pshard's order, which also breaks ties (MOE keeps what ATTN does without
+    # shared experts)
+    ("ATTN", lambda base: base == "attn"),  # the whole FFN moved
+    ("UP", lambda base: base == "attn" or base.startswith("ffn_up")),  # gate and down moved
+    ("GATE", lambda base: base == "attn" or base.startswith(("ffn_up", "ffn_gate"))),  # down
+    ("MOE", lambda base: not base.endswith("_exps")),  # all but the expert stacks
+)
+
+
+def overflow(spec: ModelSpec, place: TierPlacement, layer: int) -> str:
+    """The name of the partial layer `layer` as pshard writes it, or NONE."""
+    mine = [g for g in tensor_groups(spec) if g.layer == layer]
+    pinned = {g.name.split(".", 2)[2] for g in mine if place.groups[g.name].kind == PINNED}
+    bases = {g.name.split(".", 2)[2] for g in mine}
+    for name, keeps in OVERFLOWS:
+        want = {b for b in bases if keeps(b)}
+        if want and want != bases and pinned == want:
+            return name
+    return "NONE"
+
+
 def tier_lines(
     spec: ModelSpec, place: TierPlacement, strategy: str, tps: float, vram_bytes: int
 ) -> list[str]:
@@ -54,6 +76,7 @@ def tier_lines(
         all(place.groups[g.name].kind == PINNED for g in groups if g.layer == il) for il in range(n)
     ]
     n_pinned = next((il for il in range(n) if not full[il]), n)
+    over = overflow(spec, place, n_pinned) if n_pinned < n else "NONE"
     n_attn = sum(1 for g in groups if g.kind == ATTN_SIDE and place.groups[g.name].kind == PINNED)
     entries = []
     for g in groups:
@@ -64,7 +87,7 @@ def tier_lines(
             entries.append(f"^{re.escape(name)}$={HOST_BUFT}:{_id(loc, g.layer)}")
     return [
         f"strategy={PSHARD_NAMES.get(strategy, strategy.upper())} n_pinned={n_pinned} "
-        f"n_attn_pinned={n_attn} overflow=NONE tps={tps:.2f} vram={vram_bytes / 2**20:.1f} "
+        f"n_attn_pinned={n_attn} overflow={over} tps={tps:.2f} vram={vram_bytes / 2**20:.1f} "
         f"output_on_gpu={int(place.groups['output'].kind != CPU)} pin_from_back=0",
         "ot=" + ",".join(entries),
     ]
@@ -77,8 +100,10 @@ def registry_text(
     budget_bytes: int,
     tiers: dict[int, tuple[TierPlacement, float, int]],
     strategy: str,
+    not_needed: bool = False,
 ) -> str:
-    """`tiers`: tier -> (placement, predicted tps, vram bytes)."""
+    """`tiers`: tier -> (placement, predicted tps, vram bytes). A plan that is not needed (the
+    model fits) is written as pshard's disabled variant at cache_ubatch 512 with its VRAM."""
     fp = fingerprint(fingerprint_values(spec, w, n_threads))
     kv = int(qtype(w.kv_type.upper()).ggml)
     lines = [
@@ -86,8 +111,13 @@ def registry_text(
         f"[fingerprint=0x{fp:016x}]",
         f"# n_ctx={w.n_ctx} n_seq_max={w.users} n_threads={n_threads} "
         f"fa={'on' if w.flash_attn else 'off'} type_k={kv} type_v={kv} strategy=auto",
-        f"[variant budget={budget_bytes // 2**20} cache_ubatch={max(tiers)}]",
     ]
+    if not_needed:
+        vram = max(v for _, _, v in tiers.values())
+        lines.append(f"[variant budget={budget_bytes // 2**20} cache_ubatch=512]")
+        lines.append(f"pshard_disabled=1 baseline_vram={vram / 2**20:.1f}")
+        return "\n".join(lines) + "\n"
+    lines.append(f"[variant budget={budget_bytes // 2**20} cache_ubatch={max(tiers)}]")
     for i, (t, (place, tps, vram)) in enumerate(sorted(tiers.items())):
         lines.append(f"[tier {i} bs={t}]")
         lines += tier_lines(spec, place, strategy, tps, vram)
@@ -107,6 +137,8 @@ def parse_registry(text: str) -> dict:
         elif m := re.fullmatch(r"\[tier (\d+) bs=(\d+)\]", line):
             tier = int(m.group(2))
             out["tiers"][tier] = {}
+        elif m := re.fullmatch(r"pshard_disabled=1 baseline_vram=([0-9.]+)", line):
+            out["disabled"], out["baseline_vram_mib"] = True, float(m.group(1))
         elif line.startswith("strategy="):
             out["tiers"][tier].update(dict(kv.split("=", 1) for kv in line.split()))
         elif line.startswith("ot="):

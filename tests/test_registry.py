@@ -1,7 +1,7 @@
 import re
 
 from refengine.synthetic import SyntheticConfig, spec_from_hparams
-from solver.cost import PINNED, STREAMED, Loc, Workload
+from solver.cost import PINNED, STREAMED, Loc, TierPlacement, Workload
 from solver.groups import tensor_groups
 from solver.registry import fingerprint, parse_registry, registry_text
 from solver.strategies import STRATEGIES, Problem
@@ -62,3 +62,28 @@ def test_registry_parses_back_to_the_plan():
             for il in range(12)
             if all(place.groups[g.name] == Loc(PINNED) for g in groups if g.layer == il)
         )
+
+
+def test_partial_boundary_layers_and_disabled_variants_are_written_as_pshard_does():
+    spec = spec_from_hparams(
+        SyntheticConfig("llama", n_layer=4, n_embd=256, n_ff=1024, n_head=4, n_head_kv=2)
+    )
+    w = Workload(n_ctx=1024, prompt_tokens=500, gen_tokens=10)
+    groups = tensor_groups(spec)
+    for keep, want in (
+        ({"attn"}, "ATTN"),
+        ({"attn", "ffn_up"}, "UP"),
+        ({"attn", "ffn_up", "ffn_gate"}, "GATE"),
+        ({"attn", "ffn_gate"}, "NONE"),  # not a partial layer pshard writes
+    ):
+        locs = {g.name: Loc(PINNED) if (g.layer or 0) < 1 else Loc(STREAMED) for g in groups}
+        for g in groups:
+            if g.layer == 1 and g.name.split(".", 2)[2] in keep:
+                locs[g.name] = Loc(PINNED)
+        place = TierPlacement(locs, {il: Loc(PINNED) for il in range(4)})
+        reg = parse_registry(registry_text(spec, w, 8, 1 << 30, {512: (place, 1.0, 1)}, "x"))
+        assert reg["tiers"][512]["overflow"] == want and reg["tiers"][512]["n_pinned"] == "1"
+    text = registry_text(spec, w, 8, 1 << 30, {512: (place, 1.0, 300 << 20)}, "x", True)
+    reg = parse_registry(text)
+    assert reg["disabled"] and reg["baseline_vram_mib"] == 300.0 and reg["cache_ubatch"] == 512
+    assert not reg["tiers"]
