@@ -1,10 +1,28 @@
+import os
 import subprocess
 import sys
 
 import pytest
 from gguf import GGUFWriter
 
+from cudarun.driver import gpu_present
 from refengine.synthetic import SyntheticConfig, write_synthetic
+
+# Without a GPU the Numba CUDA kernels run on the simulator (tiny shapes); with one, on it. This
+# must be decided before anything imports numba.cuda.
+GPU = gpu_present()
+if not GPU:
+    os.environ.setdefault("NUMBA_ENABLE_CUDASIM", "1")
+
+
+def pytest_collection_modifyitems(config, items):
+    if GPU:
+        return
+    skip = pytest.mark.skip(reason="no NVIDIA GPU here (the simulator runs the kernel tests)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
 
 SMALL = {
     "llama": SyntheticConfig(

@@ -1,0 +1,110 @@
+"""Matrix x activations for 1..MAX_TOKENS tokens (decode and small batches), reading the weight's
+GGUF blocks directly: the weight is read once for all tokens.
+
+GPU: one thread block per output row; its threads stride over the row's quantization blocks, each
+keeping MAX_TOKENS partial sums, then reduce them through shared memory (no warp shuffles, so the
+same kernel runs on the simulator). CPU: one row per prange iteration, the same block reader.
+Both compute out[t, r] = sum_c x[t, c] * W[r, c] in fp32.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+
+import numpy as np
+
+from .. import compat  # noqa: F401  (before numba.cuda)
+from ..blocks import LAYOUTS
+
+# module level, not inside the factories: the simulator swaps this global for its fake module
+from numba import cuda, float32  # noqa: E402
+
+MAX_TOKENS = 16
+THREADS = 32
+
+
+@lru_cache(maxsize=None)
+def gpu_kernel(qtype):
+    value, per_block, block_nbytes = LAYOUTS[qtype]
+
+    @cuda.jit
+    def matvec(raw, x, out, n_cols, n_tokens):
+        row = cuda.blockIdx.x
+        tid = cuda.threadIdx.x
+        partial = cuda.shared.array((THREADS, MAX_TOKENS), float32)
+        acc = cuda.local.array(MAX_TOKENS, float32)
+        for t in range(MAX_TOKENS):
+            acc[t] = 0.0
+        blocks = n_cols // per_block
+        row_base = row * blocks * block_nbytes
+        for b in range(tid, blocks, THREADS):
+            base = row_base + b * block_nbytes
+            for j in range(per_block):
+                v = value(raw, base, j)
+                col = b * per_block + j
+                for t in range(n_tokens):
+                    acc[t] += v * x[t, col]
+        for t in range(MAX_TOKENS):
+            partial[tid, t] = acc[t]
+        cuda.syncthreads()
+        step = THREADS // 2
+        while step > 0:
+            if tid < step:
+                for t in range(n_tokens):
+                    partial[tid, t] += partial[tid + step, t]
+            cuda.syncthreads()
+            step //= 2
+        if tid < n_tokens:
+            out[tid, row] = partial[0, tid]
+
+    return matvec
+
+
+def matvec_gpu(raw, x, out, qtype, shape: tuple[int, int], stream=0) -> None:
+    """out [T, n_rows] (device) = x [T, n_cols] (device) times the weight in `raw` (device)."""
+    n_rows, n_cols = shape
+    n_tokens = x.shape[0]
+    assert n_tokens <= MAX_TOKENS and n_cols % LAYOUTS[qtype][1] == 0
+    gpu_kernel(qtype)[n_rows, THREADS, stream](raw, x, out, n_cols, n_tokens)
+
+
+@lru_cache(maxsize=None)
+def cpu_kernel(qtype):
+    from numba import njit, prange
+
+    value, per_block, block_nbytes = LAYOUTS[qtype]
+
+    @njit(parallel=True, cache=False)
+    def matvec(raw, x, out, n_rows, n_cols):
+        n_tokens = x.shape[0]
+        blocks = n_cols // per_block
+        for row in prange(n_rows):
+            acc = np.zeros(n_tokens, np.float32)
+            row_base = row * blocks * block_nbytes
+            for b in range(blocks):
+                base = row_base + b * block_nbytes
+                for j in range(per_block):
+                    v = np.float32(value(raw, base, j))
+                    col = b * per_block + j
+                    for t in range(n_tokens):
+                        acc[t] += v * x[t, col]
+            for t in range(n_tokens):
+                out[t, row] = acc[t]
+
+    return matvec
+
+
+def matvec_cpu(raw: np.ndarray, x: np.ndarray, qtype, shape: tuple[int, int], threads: int = 0):
+    """x [T, n_cols] times the weight -> [T, n_rows], on `threads` CPU threads (0: all)."""
+    import numba
+
+    n_rows, n_cols = shape
+    out = np.empty((x.shape[0], n_rows), np.float32)
+    previous = numba.get_num_threads()
+    if threads:
+        numba.set_num_threads(threads)
+    try:
+        cpu_kernel(qtype)(raw, np.ascontiguousarray(x, np.float32), out, n_rows, n_cols)
+    finally:
+        numba.set_num_threads(previous)
+    return out

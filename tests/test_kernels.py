@@ -1,0 +1,113 @@
+"""Kernels against the reference operations on fresh random inputs, outputs poisoned with NaN so
+an unwritten element fails (CONTRACTS.md tolerances: normwise max|a-b|/max|b| < 1e-3 in fp32).
+Without a GPU the CUDA kernels run on the Numba simulator at tiny shapes; `gpu` tests run the
+driver layer and real shapes on a GPU."""
+
+import numpy as np
+import pytest
+
+from cudarun import driver
+from cudarun.blocks import LAYOUTS
+from cudarun.kernels.matvec import MAX_TOKENS, matvec_cpu, matvec_gpu
+from refengine.errors import UserError
+from refengine.quants import quantize
+from refengine.reference import matmul_q
+
+from .conftest import GPU
+
+TYPES = sorted(LAYOUTS, key=lambda t: t.name)
+
+
+def normwise(a, b):
+    return float(np.max(np.abs(a - b)) / np.max(np.abs(b)))
+
+
+def weights(rng, qtype, n_rows, n_cols):
+    return quantize(rng.standard_normal((n_rows, n_cols)).astype(np.float32), qtype).reshape(-1)
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+def test_block_readers_match_ggml_dequantization(qtype):
+    from refengine.quants import dequantize
+
+    rng = np.random.default_rng(int(qtype))
+    value, per_block, nbytes = LAYOUTS[qtype]
+    raw = weights(rng, qtype, 2, 64)
+    got = [value(raw, (i // per_block) * nbytes, i % per_block) for i in range(128)]
+    np.testing.assert_array_equal(np.float32(got), dequantize(raw, qtype, (2, 64)).reshape(-1))
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("tokens", [1, 3])
+def test_gpu_matvec(qtype, tokens):
+    from numba import cuda
+
+    rng = np.random.default_rng(100 + int(qtype) + tokens)
+    n_rows, n_cols = 4, 64
+    raw = weights(rng, qtype, n_rows, n_cols)
+    x = rng.standard_normal((tokens, n_cols)).astype(np.float32)
+    out = cuda.to_device(np.full((tokens, n_rows), np.nan, np.float32))
+    matvec_gpu(cuda.to_device(raw), cuda.to_device(x), out, qtype, (n_rows, n_cols))
+    assert normwise(out.copy_to_host(), matmul_q(x, raw, qtype, (n_rows, n_cols))) < 1e-3
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+def test_cpu_matvec(qtype):
+    rng = np.random.default_rng(200 + int(qtype))
+    raw = weights(rng, qtype, 48, 256)
+    x = rng.standard_normal((MAX_TOKENS, 256)).astype(np.float32)
+    got = matvec_cpu(raw, x, qtype, (48, 256), threads=2)
+    assert normwise(got, matmul_q(x, raw, qtype, (48, 256))) < 1e-3
+
+
+@pytest.mark.skipif(GPU, reason="this machine has a GPU")
+def test_without_a_gpu_the_driver_says_so_in_one_line():
+    with pytest.raises(UserError, match="no NVIDIA GPU"):
+        driver.init()
+
+
+@pytest.mark.gpu
+def test_arena_views_pinned_copies_events_and_graphs():
+
+    driver.init()
+    free, total = driver.mem_info()
+    assert 0 < free <= total
+    arena = driver.DeviceBuffer.alloc(1 << 20)
+    host = driver.PinnedHostBuffer(1 << 16)
+    host.array[:] = np.arange(1 << 16, dtype=np.uint32).astype(np.uint8)
+    back = driver.PinnedHostBuffer(1 << 16)
+    copy, compute = driver.Stream(), driver.Stream()
+    start, done = driver.Event(), driver.Event()
+    start.record(copy)
+    view = arena.view(4096, 1 << 16)  # a region carved out of the arena
+    driver.copy_htod(view, host, 1 << 16, copy)
+    done.record(copy)
+    compute.wait(done)
+    driver.copy_dtoh(back, view, 1 << 16, compute)
+    compute.synchronize()
+    assert np.array_equal(back.array, host.array) and done.elapsed_seconds(start) >= 0
+    # a Numba kernel on our stream, reading a view, captured into a graph and replayed
+    rng = np.random.default_rng(7)
+    qtype = TYPES[0]
+    raw = weights(rng, qtype, 64, 256)
+    x = rng.standard_normal((1, 256)).astype(np.float32)
+    w_buf, x_buf, o_buf = (
+        arena.view(o, n) for o, n in ((0, raw.nbytes), (1 << 19, x.nbytes), (3 << 18, 256))
+    )
+    w_dev, x_dev = w_buf.array(raw.shape, np.uint8), x_buf.array(x.shape, np.float32)
+    out = o_buf.array((1, 64), np.float32)
+    w_dev.copy_to_device(raw)
+    x_dev.copy_to_device(x)
+    out.copy_to_device(np.full((1, 64), np.nan, np.float32))
+    matvec_gpu(w_dev, x_dev, out, qtype, (64, 256), compute.numba_stream())  # compile first
+    compute.synchronize()
+    compute.begin_capture()
+    matvec_gpu(w_dev, x_dev, out, qtype, (64, 256), compute.numba_stream())
+    graph = compute.end_capture()
+    out.copy_to_device(np.full((1, 64), np.nan, np.float32))
+    graph.launch(compute)
+    compute.synchronize()
+    assert normwise(out.copy_to_host(), matmul_q(x, raw, qtype, (64, 256))) < 1e-3
+    for b in (host, back):
+        b.free()
+    arena.free()
