@@ -9,6 +9,11 @@ Layouts (ggml-common.h; d, m: fp16 scale and minimum):
 - Q4_1, 20 B / 32: d, m, qs[16] -> d * nibble + m
 - Q5_0, 22 B / 32: d, qh (u32), qs[16] -> d * ((nibble | bit j of qh << 4) - 16)
 - Q5_1, 24 B / 32: d, m, qh, qs[16] -> d * (nibble | bit j of qh << 4) + m
+- Q4_K, 144 B / 256: d, dmin, scales[12] (6-bit scale and min per 32), qs[128] (4 chunks of 64
+  values: low nibbles, then high) -> d * sc * q - dmin * m
+- Q5_K, 176 B / 256: as Q4_K with qh[32] before qs: bit (j // 32) of qh[j % 32] is q's 5th bit
+- Q6_K, 210 B / 256: ql[128], qh[64], int8 scales[16] per 16, d last -> d * sc * (q - 32)
+- F32, F16, BF16: one value per "block"
 """
 
 from __future__ import annotations
@@ -73,11 +78,86 @@ def q5_1(raw, base, j):
     return half(raw, base) * q + half(raw, base + 2)
 
 
+@register_jitable
+def f32_bits(bits):
+    """The float32 with these 32 bits (as an exact float)."""
+    sign = -1.0 if bits & 0x80000000 else 1.0
+    exp = (bits >> 23) & 0xFF
+    frac = bits & 0x7FFFFF
+    if exp == 0:
+        return sign * frac * 2.0**-149
+    if exp == 255:
+        return sign * math.inf if frac == 0 else math.nan
+    return sign * (1.0 + frac / 8388608.0) * 2.0 ** (exp - 127)
+
+
+@register_jitable
+def f32(raw, base, j):
+    o = base
+    bits = int(raw[o]) | (int(raw[o + 1]) << 8) | (int(raw[o + 2]) << 16) | (int(raw[o + 3]) << 24)
+    return f32_bits(bits)
+
+
+@register_jitable
+def f16(raw, base, j):
+    return half(raw, base)
+
+
+@register_jitable
+def bf16(raw, base, j):
+    return f32_bits((int(raw[base]) << 16) | (int(raw[base + 1]) << 24))
+
+
+@register_jitable
+def scale_min_k4(raw, scales, sub):
+    """ggml's get_scale_min_k4: the 6-bit scale and minimum of sub-block `sub` (0..7)."""
+    if sub < 4:
+        return int(raw[scales + sub]) & 63, int(raw[scales + sub + 4]) & 63
+    lo, hi = int(raw[scales + sub + 4]), int(raw[scales + sub - 4])
+    top = int(raw[scales + sub])
+    return (lo & 0xF) | ((hi >> 6) << 4), (lo >> 4) | ((top >> 6) << 4)
+
+
+@register_jitable
+def q4_k(raw, base, j):
+    sc, mn = scale_min_k4(raw, base + 4, j >> 5)
+    chunk, k = j >> 6, j & 63
+    q = (int(raw[base + 16 + chunk * 32 + (k & 31)]) >> (4 * (k >> 5))) & 15
+    return half(raw, base) * sc * q - half(raw, base + 2) * mn
+
+
+@register_jitable
+def q5_k(raw, base, j):
+    sub = j >> 5
+    sc, mn = scale_min_k4(raw, base + 4, sub)
+    chunk, k = j >> 6, j & 63
+    q = (int(raw[base + 48 + chunk * 32 + (k & 31)]) >> (4 * (k >> 5))) & 15
+    q |= ((int(raw[base + 16 + (j & 31)]) >> sub) & 1) << 4
+    return half(raw, base) * sc * q - half(raw, base + 2) * mn
+
+
+@register_jitable
+def q6_k(raw, base, j):
+    n, r = j >> 7, j & 127
+    quarter, lane = r >> 5, r & 31
+    low = int(raw[base + 64 * n + lane + 32 * (quarter & 1)]) >> (4 * (quarter >> 1)) & 15
+    high = (int(raw[base + 128 + 32 * n + lane]) >> (2 * quarter)) & 3
+    sc = int(raw[base + 192 + 8 * n + (lane >> 4) + 2 * quarter])
+    sc = sc - 256 if sc > 127 else sc
+    return half(raw, base + 208) * sc * ((low | (high << 4)) - 32)
+
+
 # type -> (value function, values per block, bytes per block)
 LAYOUTS = {
+    Q.F32: (f32, 1, 4),
+    Q.F16: (f16, 1, 2),
+    Q.BF16: (bf16, 1, 2),
     Q.Q8_0: (q8_0, 32, 34),
     Q.Q4_0: (q4_0, 32, 18),
     Q.Q4_1: (q4_1, 32, 20),
     Q.Q5_0: (q5_0, 32, 22),
     Q.Q5_1: (q5_1, 32, 24),
+    Q.Q4_K: (q4_k, 256, 144),
+    Q.Q5_K: (q5_k, 256, 176),
+    Q.Q6_K: (q6_k, 256, 210),
 }

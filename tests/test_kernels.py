@@ -5,6 +5,7 @@ driver layer and real shapes on a GPU."""
 
 import numpy as np
 import pytest
+from gguf import GGMLQuantizationType as Q
 
 from cudarun import driver
 from cudarun.blocks import LAYOUTS
@@ -12,6 +13,7 @@ from cudarun.kernels.matvec import MAX_TOKENS, matvec_cpu, matvec_gpu
 from refengine.errors import UserError
 from refengine.quants import quantize
 from refengine.reference import matmul_q
+from refengine.synthetic import random_kquant_blocks
 
 from .conftest import GPU
 
@@ -23,7 +25,16 @@ def normwise(a, b):
 
 
 def weights(rng, qtype, n_rows, n_cols):
+    """Random blocks of `qtype` (gguf-py cannot quantize the K-quants: random valid blocks)."""
+    if qtype in (Q.Q4_K, Q.Q5_K, Q.Q6_K):
+        return random_kquant_blocks(rng, (n_rows, n_cols), qtype, 1.0).reshape(-1)
     return quantize(rng.standard_normal((n_rows, n_cols)).astype(np.float32), qtype).reshape(-1)
+
+
+def cols(qtype, at_least):
+    """A row length of whole blocks."""
+    per_block = LAYOUTS[qtype][1]
+    return max(at_least, per_block)
 
 
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
@@ -32,9 +43,10 @@ def test_block_readers_match_ggml_dequantization(qtype):
 
     rng = np.random.default_rng(int(qtype))
     value, per_block, nbytes = LAYOUTS[qtype]
-    raw = weights(rng, qtype, 2, 64)
-    got = [value(raw, (i // per_block) * nbytes, i % per_block) for i in range(128)]
-    np.testing.assert_array_equal(np.float32(got), dequantize(raw, qtype, (2, 64)).reshape(-1))
+    n = cols(qtype, 64)
+    raw = weights(rng, qtype, 2, n)
+    got = [value(raw, (i // per_block) * nbytes, i % per_block) for i in range(2 * n)]
+    np.testing.assert_array_equal(np.float32(got), dequantize(raw, qtype, (2, n)).reshape(-1))
 
 
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
@@ -43,7 +55,7 @@ def test_gpu_matvec(qtype, tokens):
     from numba import cuda
 
     rng = np.random.default_rng(100 + int(qtype) + tokens)
-    n_rows, n_cols = 4, 64
+    n_rows, n_cols = 4, cols(qtype, 64)
     raw = weights(rng, qtype, n_rows, n_cols)
     x = rng.standard_normal((tokens, n_cols)).astype(np.float32)
     out = cuda.to_device(np.full((tokens, n_rows), np.nan, np.float32))
@@ -54,10 +66,10 @@ def test_gpu_matvec(qtype, tokens):
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
 def test_cpu_matvec(qtype):
     rng = np.random.default_rng(200 + int(qtype))
-    raw = weights(rng, qtype, 48, 256)
-    x = rng.standard_normal((MAX_TOKENS, 256)).astype(np.float32)
-    got = matvec_cpu(raw, x, qtype, (48, 256), threads=2)
-    assert normwise(got, matmul_q(x, raw, qtype, (48, 256))) < 1e-3
+    raw = weights(rng, qtype, 48, 512)
+    x = rng.standard_normal((MAX_TOKENS, 512)).astype(np.float32)
+    got = matvec_cpu(raw, x, qtype, (48, 512), threads=2)
+    assert normwise(got, matmul_q(x, raw, qtype, (48, 512))) < 1e-3
 
 
 @pytest.mark.skipif(GPU, reason="this machine has a GPU")
