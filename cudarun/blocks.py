@@ -161,3 +161,114 @@ LAYOUTS = {
     Q.Q5_K: (q5_k, 256, 176),
     Q.Q6_K: (q6_k, 256, 210),
 }
+
+
+# -- whole blocks: the scales read once, then the values (what the kernels call) ---------------
+
+
+@register_jitable
+def decode_q8_0(raw, base, out):
+    d = half(raw, base)
+    for j in range(32):
+        q = int(raw[base + 2 + j])
+        out[j] = d * (q - 256 if q > 127 else q)
+
+
+@register_jitable
+def decode_q4_0(raw, base, out):
+    d = half(raw, base)
+    for k in range(16):
+        b = int(raw[base + 2 + k])
+        out[k] = d * ((b & 15) - 8)
+        out[k + 16] = d * ((b >> 4) - 8)
+
+
+@register_jitable
+def decode_q4_1(raw, base, out):
+    d, m = half(raw, base), half(raw, base + 2)
+    for k in range(16):
+        b = int(raw[base + 4 + k])
+        out[k] = d * (b & 15) + m
+        out[k + 16] = d * (b >> 4) + m
+
+
+@register_jitable
+def decode_q5_0(raw, base, out):
+    d = half(raw, base)
+    for j in range(32):
+        out[j] = d * ((nibble(raw, base + 6, j) | (high_bit(raw, base + 2, j) << 4)) - 16)
+
+
+@register_jitable
+def decode_q5_1(raw, base, out):
+    d, m = half(raw, base), half(raw, base + 2)
+    for j in range(32):
+        out[j] = d * (nibble(raw, base + 8, j) | (high_bit(raw, base + 4, j) << 4)) + m
+
+
+@register_jitable
+def decode_q4_k(raw, base, out):
+    d, dmin = half(raw, base), half(raw, base + 2)
+    for sub in range(8):
+        sc, mn = scale_min_k4(raw, base + 4, sub)
+        a, b = d * sc, dmin * mn
+        qs = base + 16 + (sub >> 1) * 32
+        shift = 4 * (sub & 1)
+        for k in range(32):
+            out[sub * 32 + k] = a * ((int(raw[qs + k]) >> shift) & 15) - b
+
+
+@register_jitable
+def decode_q5_k(raw, base, out):
+    d, dmin = half(raw, base), half(raw, base + 2)
+    for sub in range(8):
+        sc, mn = scale_min_k4(raw, base + 4, sub)
+        a, b = d * sc, dmin * mn
+        qs = base + 48 + (sub >> 1) * 32
+        shift = 4 * (sub & 1)
+        for k in range(32):
+            q = ((int(raw[qs + k]) >> shift) & 15) | (((int(raw[base + 16 + k]) >> sub) & 1) << 4)
+            out[sub * 32 + k] = a * q - b
+
+
+@register_jitable
+def decode_q6_k(raw, base, out):
+    d = half(raw, base + 208)
+    for n in range(2):
+        for quarter in range(4):
+            for lane in range(32):
+                low = int(raw[base + 64 * n + lane + 32 * (quarter & 1)]) >> (4 * (quarter >> 1))
+                high = (int(raw[base + 128 + 32 * n + lane]) >> (2 * quarter)) & 3
+                sc = int(raw[base + 192 + 8 * n + (lane >> 4) + 2 * quarter])
+                sc = sc - 256 if sc > 127 else sc
+                out[128 * n + 32 * quarter + lane] = d * sc * (((low & 15) | (high << 4)) - 32)
+
+
+@register_jitable
+def decode_f32(raw, base, out):
+    out[0] = f32(raw, base, 0)
+
+
+@register_jitable
+def decode_f16(raw, base, out):
+    out[0] = half(raw, base)
+
+
+@register_jitable
+def decode_bf16(raw, base, out):
+    out[0] = bf16(raw, base, 0)
+
+
+DECODERS = {
+    Q.F32: decode_f32,
+    Q.F16: decode_f16,
+    Q.BF16: decode_bf16,
+    Q.Q8_0: decode_q8_0,
+    Q.Q4_0: decode_q4_0,
+    Q.Q4_1: decode_q4_1,
+    Q.Q5_0: decode_q5_0,
+    Q.Q5_1: decode_q5_1,
+    Q.Q4_K: decode_q4_k,
+    Q.Q5_K: decode_q5_k,
+    Q.Q6_K: decode_q6_k,
+}

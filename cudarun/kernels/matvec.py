@@ -1,9 +1,10 @@
 """Matrix x activations for 1..MAX_TOKENS tokens (decode and small batches), reading the weight's
 GGUF blocks directly: the weight is read once for all tokens.
 
-GPU: one thread block per output row; its threads stride over the row's quantization blocks, each
-keeping MAX_TOKENS partial sums, then reduce them through shared memory (no warp shuffles, so the
-same kernel runs on the simulator). CPU: one row per prange iteration, the same block reader.
+GPU: one thread block per output row; its threads stride over the row's quantization blocks,
+decoding each once (`blocks.DECODERS`: scales read once per block) and keeping MAX_TOKENS partial
+sums, then reduce them through shared memory (no warp shuffles, so the same kernel runs on the
+simulator). CPU: one row per prange iteration, the same block decoders.
 Both compute out[t, r] = sum_c x[t, c] * W[r, c] in fp32.
 """
 
@@ -14,7 +15,7 @@ from functools import lru_cache
 import numpy as np
 
 from .. import compat  # noqa: F401  (before numba.cuda)
-from ..blocks import LAYOUTS
+from ..blocks import DECODERS, LAYOUTS
 
 # module level, not inside the factories: the simulator swaps this global for its fake module
 from numba import cuda, float32  # noqa: E402
@@ -25,7 +26,8 @@ THREADS = 32
 
 @lru_cache(maxsize=None)
 def gpu_kernel(qtype):
-    value, per_block, block_nbytes = LAYOUTS[qtype]
+    _, per_block, block_nbytes = LAYOUTS[qtype]
+    decode = DECODERS[qtype]
 
     @cuda.jit
     def matvec(raw, x, out, n_cols, n_tokens):
@@ -33,17 +35,19 @@ def gpu_kernel(qtype):
         tid = cuda.threadIdx.x
         partial = cuda.shared.array((THREADS, MAX_TOKENS), float32)
         acc = cuda.local.array(MAX_TOKENS, float32)
+        vals = cuda.local.array(per_block, float32)
         for t in range(MAX_TOKENS):
             acc[t] = 0.0
         blocks = n_cols // per_block
         row_base = row * blocks * block_nbytes
         for b in range(tid, blocks, THREADS):
-            base = row_base + b * block_nbytes
-            for j in range(per_block):
-                v = value(raw, base, j)
-                col = b * per_block + j
-                for t in range(n_tokens):
-                    acc[t] += v * x[t, col]
+            decode(raw, row_base + b * block_nbytes, vals)
+            col = b * per_block
+            for t in range(n_tokens):
+                s = float32(0.0)
+                for j in range(per_block):
+                    s += vals[j] * x[t, col + j]
+                acc[t] += s
         for t in range(MAX_TOKENS):
             partial[tid, t] = acc[t]
         cuda.syncthreads()
@@ -72,22 +76,25 @@ def matvec_gpu(raw, x, out, qtype, shape: tuple[int, int], stream=0) -> None:
 def cpu_kernel(qtype):
     from numba import njit, prange
 
-    value, per_block, block_nbytes = LAYOUTS[qtype]
+    _, per_block, block_nbytes = LAYOUTS[qtype]
+    decode = DECODERS[qtype]
 
-    @njit(parallel=True, cache=False)
+    @njit(parallel=True, fastmath=True)
     def matvec(raw, x, out, n_rows, n_cols):
         n_tokens = x.shape[0]
         blocks = n_cols // per_block
         for row in prange(n_rows):
+            vals = np.empty(per_block, np.float32)
             acc = np.zeros(n_tokens, np.float32)
             row_base = row * blocks * block_nbytes
             for b in range(blocks):
-                base = row_base + b * block_nbytes
-                for j in range(per_block):
-                    v = np.float32(value(raw, base, j))
-                    col = b * per_block + j
-                    for t in range(n_tokens):
-                        acc[t] += v * x[t, col]
+                decode(raw, row_base + b * block_nbytes, vals)
+                col = b * per_block
+                for t in range(n_tokens):
+                    s = np.float32(0.0)
+                    for j in range(per_block):
+                        s += vals[j] * x[t, col + j]
+                    acc[t] += s
             for t in range(n_tokens):
                 out[t, row] = acc[t]
 
