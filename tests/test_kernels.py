@@ -123,3 +123,74 @@ def test_arena_views_pinned_copies_events_and_graphs():
     for b in (host, back):
         b.free()
     arena.free()
+
+
+def poisoned(shape):
+    from numba import cuda
+
+    return cuda.to_device(np.full(shape, np.nan, np.float32))
+
+
+@pytest.mark.parametrize("with_weight", [True, False])
+def test_rms_norm(with_weight):
+    from numba import cuda
+
+    from cudarun.kernels.elementwise import launch_rows, rms_norm
+    from refengine.reference import rms_norm as ref
+
+    rng = np.random.default_rng(11)
+    x = rng.standard_normal((3, 96)).astype(np.float32)
+    w = rng.standard_normal(96).astype(np.float32)
+    out = poisoned(x.shape)
+    launch_rows(rms_norm, 3, cuda.to_device(x), cuda.to_device(w), out, 1e-6, with_weight)
+    assert normwise(out.copy_to_host(), ref(x, w if with_weight else None, 1e-6)) < 1e-3
+
+
+@pytest.mark.parametrize("style", ["norm", "neox"])
+def test_rope_with_a_per_layer_base_and_pass_through_dims(style):
+    from numba import cuda
+
+    from cudarun.kernels.elementwise import THREADS, rope
+    from refengine.reference import rope as ref
+
+    rng = np.random.default_rng(12)
+    x = rng.standard_normal((3, 2, 48)).astype(np.float32)
+    pos = np.array([0, 7, 300], np.float32)
+    out = poisoned(x.shape)
+    rope[(3, 2), THREADS](
+        cuda.to_device(x), cuda.to_device(pos), out, 32, 1e4, 1.0, style == "neox"
+    )
+    assert normwise(out.copy_to_host(), ref(x, pos, 32, 1e4, style)) < 1e-3
+
+
+@pytest.mark.parametrize("act", ["silu", "gelu"])
+def test_gating_and_residual_add(act):
+    from numba import cuda
+
+    from cudarun.kernels.elementwise import add, gated, launch_rows
+    from refengine.reference import gated as ref
+
+    rng = np.random.default_rng(13)
+    g, u = (rng.standard_normal((2, 80)).astype(np.float32) for _ in range(2))
+    out = poisoned(g.shape)
+    launch_rows(gated, 2, cuda.to_device(g), cuda.to_device(u), out, act == "gelu")
+    assert normwise(out.copy_to_host(), ref(act, g, u)) < 1e-3
+    out = poisoned(g.shape)
+    launch_rows(add, 2, cuda.to_device(g), cuda.to_device(u), out)
+    assert normwise(out.copy_to_host(), g + u) < 1e-6
+
+
+@pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q8_0, Q.F16], ids=lambda t: t.name)
+def test_embedding_rows_from_a_quantized_table(qtype):
+    from numba import cuda
+
+    from cudarun.kernels.elementwise import get_rows_kernel, launch_rows
+    from refengine.reference import get_rows
+
+    rng = np.random.default_rng(14)
+    n_cols = cols(qtype, 64)
+    raw = weights(rng, qtype, 6, n_cols)
+    ids = np.array([5, 0, 5, 2], np.int64)
+    out = poisoned((4, n_cols))
+    launch_rows(get_rows_kernel(qtype), 4, cuda.to_device(raw), cuda.to_device(ids), out, n_cols)
+    assert normwise(out.copy_to_host(), get_rows(raw, qtype, (6, n_cols), ids)) < 1e-6
