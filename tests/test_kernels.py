@@ -194,3 +194,27 @@ def test_embedding_rows_from_a_quantized_table(qtype):
     out = poisoned((4, n_cols))
     launch_rows(get_rows_kernel(qtype), 4, cuda.to_device(raw), cuda.to_device(ids), out, n_cols)
     assert normwise(out.copy_to_host(), get_rows(raw, qtype, (6, n_cols), ids)) < 1e-6
+
+
+@pytest.mark.parametrize(
+    "tokens,keys,window",
+    [(1, 40, 0), (4, 40, 0), (4, 40, 6)],
+    ids=["decode", "prefill", "sliding-window"],
+)
+def test_attention_grouped_heads(tokens, keys, window):
+    from numba import cuda
+
+    from cudarun.kernels.attention import THREADS, attention
+    from refengine.reference import attention as ref
+
+    rng = np.random.default_rng(15)
+    q = rng.standard_normal((tokens, 4, 16)).astype(np.float32)
+    k = rng.standard_normal((keys, 2, 16)).astype(np.float16)  # an f16 cache
+    v = rng.standard_normal((keys, 2, 16)).astype(np.float16)
+    k_pos = np.arange(keys, dtype=np.int64)
+    q_pos = np.arange(keys - tokens, keys, dtype=np.int64)
+    out = poisoned((tokens, 4, 16))
+    dev = [cuda.to_device(a) for a in (q, k, v, q_pos, k_pos)]
+    attention[(tokens, 4), THREADS](*dev, out, 0.25, window)
+    want = ref(q, k, v, q_pos, k_pos, 0.25, window)
+    assert normwise(out.copy_to_host(), want) < 1e-3
