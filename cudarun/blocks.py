@@ -1,7 +1,8 @@
-"""GGUF block layouts, written once as plain functions that Numba compiles both for the GPU
-(`cuda.jit(device=True)`) and for the CPU (`njit`): `value(raw, base, j)` is the j-th value of the
-block that starts at byte `base` of the uint8 array `raw` (ggml's dequantize_row_* for one value);
-`register_jitable` makes each callable from njit and CUDA kernels alike.
+"""GGUF block layouts, each written once as a plain function that Numba compiles both for the GPU
+(`cuda.jit(device=True)`) and for the CPU (`njit`) — `register_jitable` makes it callable from
+either: `decode(raw, base, out)` writes the values of the block that starts at byte `base` of the
+uint8 array `raw` into out[0:values per block] (ggml's dequantize_row_* for one block), reading
+its scales once.
 
 Layouts (ggml-common.h; d, m: fp16 scale and minimum):
 - Q8_0, 34 B / 32: d, qs[32] int8 -> d * qs[j]
@@ -39,46 +40,6 @@ def half(raw, off):
 
 
 @register_jitable
-def nibble(raw, qs, j):
-    """The j-th 4-bit value of 32 packed in 16 bytes at `qs` (low nibbles first, then high)."""
-    return (int(raw[qs + (j & 15)]) >> (4 * (j >> 4))) & 15
-
-
-@register_jitable
-def high_bit(raw, qh, j):
-    """Bit j of the little-endian uint32 at `qh`."""
-    return (int(raw[qh + (j >> 3)]) >> (j & 7)) & 1
-
-
-@register_jitable
-def q8_0(raw, base, j):
-    q = int(raw[base + 2 + j])
-    return half(raw, base) * (q - 256 if q > 127 else q)
-
-
-@register_jitable
-def q4_0(raw, base, j):
-    return half(raw, base) * (nibble(raw, base + 2, j) - 8)
-
-
-@register_jitable
-def q4_1(raw, base, j):
-    return half(raw, base) * nibble(raw, base + 4, j) + half(raw, base + 2)
-
-
-@register_jitable
-def q5_0(raw, base, j):
-    q = nibble(raw, base + 6, j) | (high_bit(raw, base + 2, j) << 4)
-    return half(raw, base) * (q - 16)
-
-
-@register_jitable
-def q5_1(raw, base, j):
-    q = nibble(raw, base + 8, j) | (high_bit(raw, base + 4, j) << 4)
-    return half(raw, base) * q + half(raw, base + 2)
-
-
-@register_jitable
 def f32_bits(bits):
     """The float32 with these 32 bits (as an exact float)."""
     sign = -1.0 if bits & 0x80000000 else 1.0
@@ -92,20 +53,15 @@ def f32_bits(bits):
 
 
 @register_jitable
-def f32(raw, base, j):
-    o = base
-    bits = int(raw[o]) | (int(raw[o + 1]) << 8) | (int(raw[o + 2]) << 16) | (int(raw[o + 3]) << 24)
-    return f32_bits(bits)
+def nibble(raw, qs, j):
+    """The j-th 4-bit value of 32 packed in 16 bytes at `qs` (low nibbles first, then high)."""
+    return (int(raw[qs + (j & 15)]) >> (4 * (j >> 4))) & 15
 
 
 @register_jitable
-def f16(raw, base, j):
-    return half(raw, base)
-
-
-@register_jitable
-def bf16(raw, base, j):
-    return f32_bits((int(raw[base]) << 16) | (int(raw[base + 1]) << 24))
+def high_bit(raw, qh, j):
+    """Bit j of the little-endian uint32 at `qh`."""
+    return (int(raw[qh + (j >> 3)]) >> (j & 7)) & 1
 
 
 @register_jitable
@@ -119,51 +75,21 @@ def scale_min_k4(raw, scales, sub):
 
 
 @register_jitable
-def q4_k(raw, base, j):
-    sc, mn = scale_min_k4(raw, base + 4, j >> 5)
-    chunk, k = j >> 6, j & 63
-    q = (int(raw[base + 16 + chunk * 32 + (k & 31)]) >> (4 * (k >> 5))) & 15
-    return half(raw, base) * sc * q - half(raw, base + 2) * mn
+def decode_f32(raw, base, out):
+    bits = 0
+    for i in range(4):
+        bits |= int(raw[base + i]) << (8 * i)
+    out[0] = f32_bits(bits)
 
 
 @register_jitable
-def q5_k(raw, base, j):
-    sub = j >> 5
-    sc, mn = scale_min_k4(raw, base + 4, sub)
-    chunk, k = j >> 6, j & 63
-    q = (int(raw[base + 48 + chunk * 32 + (k & 31)]) >> (4 * (k >> 5))) & 15
-    q |= ((int(raw[base + 16 + (j & 31)]) >> sub) & 1) << 4
-    return half(raw, base) * sc * q - half(raw, base + 2) * mn
+def decode_f16(raw, base, out):
+    out[0] = half(raw, base)
 
 
 @register_jitable
-def q6_k(raw, base, j):
-    n, r = j >> 7, j & 127
-    quarter, lane = r >> 5, r & 31
-    low = int(raw[base + 64 * n + lane + 32 * (quarter & 1)]) >> (4 * (quarter >> 1)) & 15
-    high = (int(raw[base + 128 + 32 * n + lane]) >> (2 * quarter)) & 3
-    sc = int(raw[base + 192 + 8 * n + (lane >> 4) + 2 * quarter])
-    sc = sc - 256 if sc > 127 else sc
-    return half(raw, base + 208) * sc * ((low | (high << 4)) - 32)
-
-
-# type -> (value function, values per block, bytes per block)
-LAYOUTS = {
-    Q.F32: (f32, 1, 4),
-    Q.F16: (f16, 1, 2),
-    Q.BF16: (bf16, 1, 2),
-    Q.Q8_0: (q8_0, 32, 34),
-    Q.Q4_0: (q4_0, 32, 18),
-    Q.Q4_1: (q4_1, 32, 20),
-    Q.Q5_0: (q5_0, 32, 22),
-    Q.Q5_1: (q5_1, 32, 24),
-    Q.Q4_K: (q4_k, 256, 144),
-    Q.Q5_K: (q5_k, 256, 176),
-    Q.Q6_K: (q6_k, 256, 210),
-}
-
-
-# -- whole blocks: the scales read once, then the values (what the kernels call) ---------------
+def decode_bf16(raw, base, out):
+    out[0] = f32_bits((int(raw[base]) << 16) | (int(raw[base + 1]) << 24))
 
 
 @register_jitable
@@ -207,28 +133,30 @@ def decode_q5_1(raw, base, out):
 
 
 @register_jitable
-def decode_q4_k(raw, base, out):
+def decode_k4(raw, base, out, qh):
+    """Q4_K, or Q5_K when `qh` (the byte offset of its high bits in the block) is positive."""
     d, dmin = half(raw, base), half(raw, base + 2)
+    qs = base + 16 + (32 if qh > 0 else 0)
     for sub in range(8):
         sc, mn = scale_min_k4(raw, base + 4, sub)
         a, b = d * sc, dmin * mn
-        qs = base + 16 + (sub >> 1) * 32
+        chunk = qs + (sub >> 1) * 32
         shift = 4 * (sub & 1)
         for k in range(32):
-            out[sub * 32 + k] = a * ((int(raw[qs + k]) >> shift) & 15) - b
+            q = (int(raw[chunk + k]) >> shift) & 15
+            if qh > 0:
+                q |= ((int(raw[base + qh + k]) >> sub) & 1) << 4
+            out[sub * 32 + k] = a * q - b
+
+
+@register_jitable
+def decode_q4_k(raw, base, out):
+    decode_k4(raw, base, out, 0)
 
 
 @register_jitable
 def decode_q5_k(raw, base, out):
-    d, dmin = half(raw, base), half(raw, base + 2)
-    for sub in range(8):
-        sc, mn = scale_min_k4(raw, base + 4, sub)
-        a, b = d * sc, dmin * mn
-        qs = base + 48 + (sub >> 1) * 32
-        shift = 4 * (sub & 1)
-        for k in range(32):
-            q = ((int(raw[qs + k]) >> shift) & 15) | (((int(raw[base + 16 + k]) >> sub) & 1) << 4)
-            out[sub * 32 + k] = a * q - b
+    decode_k4(raw, base, out, 16)
 
 
 @register_jitable
@@ -244,31 +172,17 @@ def decode_q6_k(raw, base, out):
                 out[128 * n + 32 * quarter + lane] = d * sc * (((low & 15) | (high << 4)) - 32)
 
 
-@register_jitable
-def decode_f32(raw, base, out):
-    out[0] = f32(raw, base, 0)
-
-
-@register_jitable
-def decode_f16(raw, base, out):
-    out[0] = half(raw, base)
-
-
-@register_jitable
-def decode_bf16(raw, base, out):
-    out[0] = bf16(raw, base, 0)
-
-
-DECODERS = {
-    Q.F32: decode_f32,
-    Q.F16: decode_f16,
-    Q.BF16: decode_bf16,
-    Q.Q8_0: decode_q8_0,
-    Q.Q4_0: decode_q4_0,
-    Q.Q4_1: decode_q4_1,
-    Q.Q5_0: decode_q5_0,
-    Q.Q5_1: decode_q5_1,
-    Q.Q4_K: decode_q4_k,
-    Q.Q5_K: decode_q5_k,
-    Q.Q6_K: decode_q6_k,
+# type -> (block decoder, values per block, bytes per block)
+LAYOUTS = {
+    Q.F32: (decode_f32, 1, 4),
+    Q.F16: (decode_f16, 1, 2),
+    Q.BF16: (decode_bf16, 1, 2),
+    Q.Q8_0: (decode_q8_0, 32, 34),
+    Q.Q4_0: (decode_q4_0, 32, 18),
+    Q.Q4_1: (decode_q4_1, 32, 20),
+    Q.Q5_0: (decode_q5_0, 32, 22),
+    Q.Q5_1: (decode_q5_1, 32, 24),
+    Q.Q4_K: (decode_q4_k, 256, 144),
+    Q.Q5_K: (decode_q5_k, 256, 176),
+    Q.Q6_K: (decode_q6_k, 256, 210),
 }

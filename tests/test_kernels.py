@@ -38,15 +38,17 @@ def cols(qtype, at_least):
 
 
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
-def test_block_readers_match_ggml_dequantization(qtype):
+def test_block_decoders_match_ggml_dequantization(qtype):
     from refengine.quants import dequantize
 
     rng = np.random.default_rng(int(qtype))
-    value, per_block, nbytes = LAYOUTS[qtype]
+    decode, per_block, nbytes = LAYOUTS[qtype]
     n = cols(qtype, 64)
     raw = weights(rng, qtype, 2, n)
-    got = [value(raw, (i // per_block) * nbytes, i % per_block) for i in range(2 * n)]
-    np.testing.assert_array_equal(np.float32(got), dequantize(raw, qtype, (2, n)).reshape(-1))
+    got = np.full(2 * n, np.nan, np.float32)
+    for b in range(2 * n // per_block):
+        decode(raw, b * nbytes, got[b * per_block : (b + 1) * per_block])
+    np.testing.assert_array_equal(got, dequantize(raw, qtype, (2, n)).reshape(-1))
 
 
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)

@@ -1,6 +1,6 @@
 """Row-wise and element-wise CUDA kernels of the forward pass: RMSNorm (with or without a
 weight), RoPE (adjacent pairs or NeoX halves, per-layer base and scale), SiLU/GELU gating, the
-residual add, and the embedding row gather from a quantized table (`blocks.DECODERS`). Each
+residual add, and the embedding row gather from a quantized table (`blocks.LAYOUTS`). Each
 kernel writes every element of its output, in fp32."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import math
 from functools import lru_cache
 
 from .. import compat  # noqa: F401  (before numba.cuda)
-from ..blocks import DECODERS, LAYOUTS
+from ..blocks import LAYOUTS
 
 # module level: the simulator swaps this global for its fake module
 from numba import cuda, float32  # noqa: E402
@@ -79,8 +79,7 @@ def add(a, b, out):
 
 @lru_cache(maxsize=None)
 def get_rows_kernel(qtype):
-    _, per_block, block_nbytes = LAYOUTS[qtype]
-    decode = DECODERS[qtype]
+    decode, per_block, block_nbytes = LAYOUTS[qtype]
 
     @cuda.jit
     def get_rows(raw, ids, out, n_cols):

@@ -2,7 +2,7 @@
 GGUF blocks directly: the weight is read once for all tokens.
 
 GPU: one thread block per output row; its threads stride over the row's quantization blocks,
-decoding each once (`blocks.DECODERS`: scales read once per block) and keeping MAX_TOKENS partial
+decoding each once (`blocks.LAYOUTS`: scales read once per block) and keeping MAX_TOKENS partial
 sums, then reduce them through shared memory (no warp shuffles, so the same kernel runs on the
 simulator). CPU: one row per prange iteration, the same block decoders.
 Both compute out[t, r] = sum_c x[t, c] * W[r, c] in fp32.
@@ -15,7 +15,7 @@ from functools import lru_cache
 import numpy as np
 
 from .. import compat  # noqa: F401  (before numba.cuda)
-from ..blocks import DECODERS, LAYOUTS
+from ..blocks import LAYOUTS
 
 # module level, not inside the factories: the simulator swaps this global for its fake module
 from numba import cuda, float32  # noqa: E402
@@ -26,8 +26,7 @@ THREADS = 32
 
 @lru_cache(maxsize=None)
 def gpu_kernel(qtype):
-    _, per_block, block_nbytes = LAYOUTS[qtype]
-    decode = DECODERS[qtype]
+    decode, per_block, block_nbytes = LAYOUTS[qtype]
 
     @cuda.jit
     def matvec(raw, x, out, n_cols, n_tokens):
@@ -76,8 +75,7 @@ def matvec_gpu(raw, x, out, qtype, shape: tuple[int, int], stream=0) -> None:
 def cpu_kernel(qtype):
     from numba import njit, prange
 
-    _, per_block, block_nbytes = LAYOUTS[qtype]
-    decode = DECODERS[qtype]
+    decode, per_block, block_nbytes = LAYOUTS[qtype]
 
     @njit(parallel=True, fastmath=True)
     def matvec(raw, x, out, n_rows, n_cols):
