@@ -180,16 +180,17 @@ def optimize(
         unit_hint = hint.get(top) if hint else None
         limit = time_limit_seconds / len(units)
         placed, v, b, st = _program(p, cm, top, mine, limit, unit_hint)
+        hint_seconds = None if unit_hint is None else _tier_seconds(cm, unit_hint, mine)
         if placed is None:  # no solution within the time limit: the warm start stands
             if unit_hint is None:
                 raise UserError(
                     f"tier {top}: no placement found within the time limit; raise --time-limit"
                 )
-            placed, v, st = unit_hint, _tier_seconds(cm, unit_hint, mine), "FEASIBLE"
+            placed, v, st = unit_hint, hint_seconds, "FEASIBLE"
         seconds = _tier_seconds(cm, placed, mine)
         check[top] = (v, seconds)
-        if unit_hint is not None and _tier_seconds(cm, unit_hint, mine) < seconds:
-            placed, seconds = unit_hint, _tier_seconds(cm, unit_hint, mine)  # never worse
+        if hint_seconds is not None and hint_seconds < seconds:
+            placed, seconds = unit_hint, hint_seconds  # never worse than the warm start
             del check[top]
         out.update({t: placed for t in covered})
         if any(sh.part != "other" for sh in mine):  # bounds of the tiers the request pays for
