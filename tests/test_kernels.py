@@ -9,7 +9,8 @@ from gguf import GGMLQuantizationType as Q
 
 from cudarun import driver
 from cudarun.blocks import LAYOUTS
-from cudarun.kernels.matvec import MAX_TOKENS, matvec_cpu, matvec_gpu
+from cudarun.kernels import cpu
+from cudarun.kernels.matvec import matvec_gpu
 from refengine.errors import UserError
 from refengine.quants import quantize
 from refengine.reference import matmul_q
@@ -65,13 +66,37 @@ def test_gpu_matvec(qtype, tokens):
     assert normwise(out.copy_to_host(), matmul_q(x, raw, qtype, (n_rows, n_cols))) < 1e-3
 
 
+# CPU paths and their tolerances (CONTRACTS.md): int8 activations 1e-2, fp32 1e-3
+CPU_TOLERANCE = {"q8": 1e-2, "f32": 1e-3, "blas": 1e-3}
+
+
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
-def test_cpu_matvec(qtype):
-    rng = np.random.default_rng(200 + int(qtype))
-    raw = weights(rng, qtype, 48, 512)
-    x = rng.standard_normal((MAX_TOKENS, 512)).astype(np.float32)
-    got = matvec_cpu(raw, x, qtype, (48, 512), threads=2)
-    assert normwise(got, matmul_q(x, raw, qtype, (48, 512))) < 1e-3
+@pytest.mark.parametrize("tokens", [1, 3, cpu.BLAS_TOKENS + 1])
+def test_cpu_matmul(qtype, tokens):
+    rng = np.random.default_rng(200 + int(qtype) + tokens)
+    n_rows = cpu.PANEL_ROWS + 8  # two panels, the second partial
+    raw = weights(rng, qtype, n_rows, 512)
+    x = rng.standard_normal((tokens, 512)).astype(np.float32)
+    got = cpu.matmul(raw, x, qtype, (n_rows, 512), threads=2)
+    error = normwise(got, matmul_q(x, raw, qtype, (n_rows, 512)))
+    assert error < CPU_TOLERANCE[cpu.path(qtype, tokens)]
+
+
+@pytest.mark.parametrize("qtype", sorted(cpu.Q8_ROWS, key=lambda t: t.name), ids=lambda t: t.name)
+def test_cpu_exact_path_on_request(qtype):
+    rng = np.random.default_rng(300 + int(qtype))
+    raw = weights(rng, qtype, 16, 512)
+    x = rng.standard_normal((2, 512)).astype(np.float32)
+    got = cpu.matmul(raw, x, qtype, (16, 512), exact=True)
+    assert normwise(got, matmul_q(x, raw, qtype, (16, 512))) < 1e-3
+
+
+def test_q8_activations_round_trip():
+    x = np.random.default_rng(4).standard_normal((2, 512)).astype(np.float32) * 3
+    x8, xd, xs = cpu.quantize_activations(x)
+    back = x8.astype(np.float32) * np.repeat(xd, 32, axis=1)
+    assert np.abs(back - x).max() <= xd.max() / 2 + 1e-6  # rounding, no clipping
+    assert np.allclose(xs, back.reshape(2, -1, 32).sum(-1), rtol=1e-5, atol=1e-4)
 
 
 @pytest.mark.skipif(GPU, reason="this machine has a GPU")

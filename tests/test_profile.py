@@ -82,5 +82,5 @@ def test_profile_command_measures_the_cpu_and_keeps_the_gpu_side(tmp_path):
     base = HardwareProfile.load(PROFILES / "h100.json")
     assert prof.gpus == base.gpus
     assert prof.cpu.memory_gbps.value > 0.5
-    assert "provisional" in prof.cpu.matvec_gbps.rows["Q4_K"][prof.cpu.threads].source
+    assert "q8 path" in prof.cpu.matvec_gbps.rows["Q4_K"][prof.cpu.threads].source
     assert prof.cpu.matmul_gflops.at("Q8_0", 512) > 1.0

@@ -4,15 +4,13 @@ GGUF blocks directly: the weight is read once for all tokens.
 GPU: one thread block per output row; its threads stride over the row's quantization blocks,
 decoding each once (`blocks.LAYOUTS`: scales read once per block) and keeping MAX_TOKENS partial
 sums, then reduce them through shared memory (no warp shuffles, so the same kernel runs on the
-simulator). CPU: one row per prange iteration, the same block decoders.
-Both compute out[t, r] = sum_c x[t, c] * W[r, c] in fp32.
+simulator). It computes out[t, r] = sum_c x[t, c] * W[r, c] in fp32. (CPU: `kernels.cpu`.)
 """
 
 from __future__ import annotations
 
 from functools import lru_cache
 
-import numpy as np
 
 from .. import compat  # noqa: F401  (before numba.cuda)
 from ..blocks import LAYOUTS
@@ -69,47 +67,3 @@ def matvec_gpu(raw, x, out, qtype, shape: tuple[int, int], stream=0) -> None:
     n_tokens = x.shape[0]
     assert n_tokens <= MAX_TOKENS and n_cols % LAYOUTS[qtype][1] == 0
     gpu_kernel(qtype)[n_rows, THREADS, stream](raw, x, out, n_cols, n_tokens)
-
-
-@lru_cache(maxsize=None)
-def cpu_kernel(qtype):
-    from numba import njit, prange
-
-    decode, per_block, block_nbytes = LAYOUTS[qtype]
-
-    @njit(parallel=True, fastmath=True)
-    def matvec(raw, x, out, n_rows, n_cols):
-        n_tokens = x.shape[0]
-        blocks = n_cols // per_block
-        for row in prange(n_rows):
-            vals = np.empty(per_block, np.float32)
-            acc = np.zeros(n_tokens, np.float32)
-            row_base = row * blocks * block_nbytes
-            for b in range(blocks):
-                decode(raw, row_base + b * block_nbytes, vals)
-                col = b * per_block
-                for t in range(n_tokens):
-                    s = np.float32(0.0)
-                    for j in range(per_block):
-                        s += vals[j] * x[t, col + j]
-                    acc[t] += s
-            for t in range(n_tokens):
-                out[t, row] = acc[t]
-
-    return matvec
-
-
-def matvec_cpu(raw: np.ndarray, x: np.ndarray, qtype, shape: tuple[int, int], threads: int = 0):
-    """x [T, n_cols] times the weight -> [T, n_rows], on `threads` CPU threads (0: all)."""
-    import numba
-
-    n_rows, n_cols = shape
-    out = np.empty((x.shape[0], n_rows), np.float32)
-    previous = numba.get_num_threads()
-    if threads:
-        numba.set_num_threads(threads)
-    try:
-        cpu_kernel(qtype)(raw, np.ascontiguousarray(x, np.float32), out, n_rows, n_cols)
-    finally:
-        numba.set_num_threads(previous)
-    return out

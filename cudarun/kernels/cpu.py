@@ -1,0 +1,181 @@
+"""CPU kernels for the tensors a plan computes on the host: matrix x activations reading the GGUF
+blocks in place, on a chosen number of threads.
+
+Two paths, named by what they compute (CONTRACTS.md tolerances):
+- `q8` (every quantized type): the activations are quantized to int8 with a scale per 32 values
+  and each row's blocks are dotted in integers
+  (`simd.row_*`), as llama.cpp's CPU backend does; normwise error <= 1e-2. This is the fast path.
+- `f32` (F32, F16, BF16, and any type on request): the block decoders of `blocks.LAYOUTS`
+  dequantize each block into fp32 and accumulate in fp32; <= 1e-3.
+Large token counts (prefill of a CPU-placed tensor) dequantize a panel of rows to fp32 and hand it
+to the BLAS matrix product, which beats re-reading the blocks for each token.
+"""
+
+from __future__ import annotations
+
+from functools import lru_cache
+
+import numpy as np
+from gguf import GGMLQuantizationType as Q
+from numba import njit, prange
+
+from ..blocks import LAYOUTS
+from . import simd
+
+Q8_ROWS = {
+    Q.Q8_0: simd.row_q8_0,
+    Q.Q4_0: simd.row_q4_0,
+    Q.Q4_1: simd.row_q4_1,
+    Q.Q5_0: simd.row_q5_0,
+    Q.Q5_1: simd.row_q5_1,
+    Q.Q4_K: simd.row_q4_k,
+    Q.Q5_K: simd.row_q5_k,
+    Q.Q6_K: simd.row_q6_k,
+}
+# from this many tokens on, a dequantized panel and BLAS (measured on a two-core host: the
+# integer rows re-read each block per token)
+BLAS_TOKENS = 8
+PANEL_ROWS = 256
+
+
+def path(qtype, tokens: int = 1) -> str:
+    """Which path `matmul` takes: "q8", "f32" or "blas" (fp32 panels)."""
+    if tokens >= BLAS_TOKENS:
+        return "blas"
+    return "q8" if qtype in Q8_ROWS else "f32"
+
+
+@njit(cache=True)
+def quantize_activations(x):
+    """x [T, n] fp32 -> (x8 int8 [T, n], xd fp32 [T, n / 32] (scale: value = xd * x8),
+    xs fp32 [T, n / 32] (the quantized values' sum per 32, times their scale))."""
+    group = 32
+    n_tokens, n = x.shape
+    x8 = np.empty((n_tokens, n), np.int8)
+    xd = np.empty((n_tokens, n // group), np.float32)
+    xs = np.empty((n_tokens, n // 32), np.float32)
+    for t in range(n_tokens):
+        for g in range(n // group):
+            amax = np.float32(0.0)
+            for j in range(g * group, (g + 1) * group):
+                amax = max(amax, abs(x[t, j]))
+            d = amax / np.float32(127.0)
+            inv = np.float32(1.0) / d if d > 0 else np.float32(0.0)
+            xd[t, g] = d
+            for j in range(g * group, (g + 1) * group):
+                x8[t, j] = np.int8(round(x[t, j] * inv))
+        for b in range(n // 32):
+            s = 0
+            for j in range(32 * b, 32 * b + 32):
+                s += np.int32(x8[t, j])
+            xs[t, b] = np.float32(s) * xd[t, b]
+    return x8, xd, xs
+
+
+@lru_cache(maxsize=None)
+def _q8_kernel(qtype):
+    row = Q8_ROWS[qtype]
+    _, per_block, block_nbytes = LAYOUTS[qtype]
+
+    @njit(parallel=True)
+    def matvec(raw, x8, xd, xs, out, n_rows, n_cols):
+        blocks = n_cols // per_block
+        for r in prange(n_rows):
+            for t in range(x8.shape[0]):
+                out[t, r] = row(
+                    raw, r * blocks * block_nbytes, x8[t], 0, xd[t], 0, xs[t], 0, blocks
+                )
+
+    return matvec
+
+
+@lru_cache(maxsize=None)
+def _f32_kernel(qtype):
+    decode, per_block, block_nbytes = LAYOUTS[qtype]
+
+    @njit(parallel=True, fastmath=True)
+    def matvec(raw, x, out, n_rows, n_cols):
+        n_tokens = x.shape[0]
+        blocks = n_cols // per_block
+        for row in prange(n_rows):
+            vals = np.empty(per_block, np.float32)
+            acc = np.zeros(n_tokens, np.float32)
+            row_base = row * blocks * block_nbytes
+            for b in range(blocks):
+                decode(raw, row_base + b * block_nbytes, vals)
+                col = b * per_block
+                for t in range(n_tokens):
+                    s = np.float32(0.0)
+                    for j in range(per_block):
+                        s += vals[j] * x[t, col + j]
+                    acc[t] += s
+            for t in range(n_tokens):
+                out[t, row] = acc[t]
+
+    return matvec
+
+
+@lru_cache(maxsize=None)
+def _dequantize_kernel(qtype):
+    decode, per_block, block_nbytes = LAYOUTS[qtype]
+
+    @njit(parallel=True)
+    def dequantize(raw, first_row, out, n_cols):
+        blocks = n_cols // per_block
+        for r in prange(out.shape[0]):
+            base = (first_row + r) * blocks * block_nbytes
+            for b in range(blocks):
+                decode(raw, base + b * block_nbytes, out[r, b * per_block : (b + 1) * per_block])
+
+    return dequantize
+
+
+class threads_set:
+    """Run with `n` Numba threads (0: all), restoring the previous count after."""
+
+    def __init__(self, n: int):
+        self.n = n
+
+    def __enter__(self):
+        import numba
+
+        self.previous = numba.get_num_threads()
+        if self.n:
+            numba.set_num_threads(min(self.n, numba.config.NUMBA_NUM_THREADS))
+
+    def __exit__(self, *exc):
+        import numba
+
+        numba.set_num_threads(self.previous)
+
+
+def matmul(
+    raw: np.ndarray,
+    x: np.ndarray,
+    qtype,
+    shape: tuple[int, int],
+    threads: int = 0,
+    exact: bool = False,
+):
+    """x [T, n_cols] times the weight [n_rows, n_cols] held as GGUF blocks in `raw` (uint8) ->
+    [T, n_rows] fp32, on `threads` threads (0: all). `exact` forbids the q8 path."""
+    n_rows, n_cols = shape
+    qtype = Q(qtype)
+    x = np.ascontiguousarray(x, np.float32)
+    out = np.empty((x.shape[0], n_rows), np.float32)
+    kind = path(qtype, x.shape[0])
+    if kind == "q8" and exact:
+        kind = "f32"
+    with threads_set(threads):
+        if kind == "q8":
+            x8, xd, xs = quantize_activations(x)
+            _q8_kernel(qtype)(raw, x8, xd, xs, out, n_rows, n_cols)
+        elif kind == "f32":
+            _f32_kernel(qtype)(raw, x, out, n_rows, n_cols)
+        else:
+            panel = np.empty((min(PANEL_ROWS, n_rows), n_cols), np.float32)
+            for first in range(0, n_rows, PANEL_ROWS):
+                rows = min(PANEL_ROWS, n_rows - first)
+                _dequantize_kernel(qtype)(raw, first, panel[:rows], n_cols)
+                np.matmul(x, panel[:rows].T, out=out[:, first : first + rows])
+    return out

@@ -1,0 +1,322 @@
+"""Row dot products for the CPU kernels, written as LLVM IR through Numba intrinsics.
+
+Numba's auto-vectorizer turns a scalar loop over 4-bit or 8-bit quants into float conversions and
+FMAs, 8 values per instruction: on a two-core host that decoded Q4_K at a quarter of llama.cpp's
+rate. These intrinsics do what ggml's CPU kernels do, with activations quantized to int8 (the
+"q8" path; CONTRACTS.md tolerance for int8 activation dot products): unsigned-by-signed byte
+products summed in pairs (`pmaddubsw` on x86), pairs of those summed with the sub-block scales
+(`pmaddwd`), the block sums kept in a float vector and reduced once per row. The IR is generic
+(no target intrinsics): LLVM picks the instructions the host has.
+
+Each intrinsic returns one row's dot product with one token's quantized activations:
+`x8` int8 values, `xd` their float32 scale per 32 values, `xs` the sum per 32 of the quantized
+values times their scale (the weight's minimums and offsets multiply it: using the quantized sum
+makes a block's result the exact dot of its dequantized weights with the dequantized activations,
+whose error does not grow with the weights' mean). llama.cpp groups K-quant activations by 256;
+groups of 32 cost a float multiply per sub-block and halve the error on Gaussian inputs. Offsets are in
+elements of the array passed; weight offsets are bytes of the GGUF tensor.
+"""
+
+from __future__ import annotations
+
+from llvmlite import ir
+from numba import types
+from numba.core import cgutils
+from numba.extending import intrinsic
+
+I8, I16, I32 = ir.IntType(8), ir.IntType(16), ir.IntType(32)
+F32 = ir.FloatType()
+FAST = ("fast",)
+
+
+def vec(ty, n):
+    return ir.VectorType(ty, n)
+
+
+def splat(ty, n, value):
+    return ir.Constant(vec(ty, n), [value] * n)
+
+
+class Arrays:
+    """Typed pointers to the data of the intrinsic's array arguments."""
+
+    def __init__(self, context, builder, sig, args):
+        self.builder = builder
+        self.data = {}
+        for i, (ty, value) in enumerate(zip(sig.args, args)):
+            if isinstance(ty, types.Array):
+                self.data[i] = context.make_array(ty)(context, builder, value).data
+
+    def load(self, arg, offset, elem, count=0):
+        """`count` elements of `elem` (a scalar if 0) at element `offset` of array argument `arg`;
+        the element type of a load may differ from the array's (offset is in the array's)."""
+        b = self.builder
+        ptr = b.gep(self.data[arg], [offset])
+        ty = elem if count == 0 else vec(elem, count)
+        return b.load(b.bitcast(ptr, ty.as_pointer()), align=1)
+
+
+def _shuffle(b, v, idx):
+    return b.shuffle_vector(v, v, ir.Constant(vec(I32, len(idx)), list(idx)))
+
+
+def _halves(b, v):
+    n = v.type.count // 2
+    return _shuffle(b, v, range(n)), _shuffle(b, v, range(n, 2 * n))
+
+
+def _pairs(b, v):
+    n = v.type.count // 2
+    return _shuffle(b, v, range(0, 2 * n, 2)), _shuffle(b, v, range(1, 2 * n, 2))
+
+
+def _host_has(feature: str) -> bool:
+    import llvmlite.binding as llvm
+
+    try:
+        return bool(llvm.get_host_cpu_features().get(feature, False))
+    except RuntimeError:  # no feature list on this host: the generic IR
+        return False
+
+
+# LLVM does not recognize pmaddubsw in the generic form below when the IR is already vectorized,
+# so on x86 with AVX2 the instruction is named; elsewhere the generic form is correct, slower.
+AVX2 = _host_has("avx2")
+
+
+def _x86(b, name, ret, *args):
+    fn = b.module.globals.get(name) or ir.Function(
+        b.module, ir.FunctionType(ret, [a.type for a in args]), name
+    )
+    return b.call(fn, list(args))
+
+
+def maddubs(b, u8, s8):
+    """<2n x i8> unsigned u, signed s -> <n x i16>: u[2i] s[2i] + u[2i+1] s[2i+1], saturated
+    (pmaddubsw; our operands never reach the saturation)."""
+    n = u8.type.count // 2
+    if AVX2 and n == 16:
+        return _x86(b, "llvm.x86.avx2.pmadd.ub.sw", vec(I16, 16), u8, s8)
+    (ue, uo), (se, so) = _pairs(b, u8), _pairs(b, s8)
+    wide = vec(I32, n)
+    total = b.add(
+        b.mul(b.zext(ue, wide), b.sext(se, wide)), b.mul(b.zext(uo, wide), b.sext(so, wide))
+    )
+    lo, hi = splat(I32, n, -32768), splat(I32, n, 32767)
+    total = b.select(b.icmp_signed("<", total, lo), lo, total)
+    total = b.select(b.icmp_signed(">", total, hi), hi, total)
+    return b.trunc(total, vec(I16, n))
+
+
+def madd(b, x16, y16):
+    """<2n x i16> -> <n x i32>: x[2i] y[2i] + x[2i+1] y[2i+1] (pmaddwd)."""
+    n = x16.type.count // 2
+    if AVX2 and n == 8:
+        return _x86(b, "llvm.x86.avx2.pmadd.wd", vec(I32, 8), x16, y16)
+    if AVX2 and n == 16:  # two instructions
+        (x0, x1), (y0, y1) = _halves(b, x16), _halves(b, y16)
+        lo, hi = madd(b, x0, y0), madd(b, x1, y1)
+        return b.shuffle_vector(lo, hi, ir.Constant(vec(I32, 16), list(range(16))))
+    (xe, xo), (ye, yo) = _pairs(b, x16), _pairs(b, y16)
+    wide = vec(I32, n)
+    return b.add(
+        b.mul(b.sext(xe, wide), b.sext(ye, wide)), b.mul(b.sext(xo, wide), b.sext(yo, wide))
+    )
+
+
+def sum8(b, v16):
+    """<16 x i32> -> <8 x i32> by adding its halves."""
+    lo, hi = _halves(b, v16)
+    return b.add(lo, hi)
+
+
+def reduce_fadd(b, v):
+    mod = b.module
+    name = f"llvm.vector.reduce.fadd.v{v.type.count}f32"
+    fn = mod.globals.get(name) or ir.Function(mod, ir.FunctionType(F32, [F32, v.type]), name)
+    return b.call(fn, [ir.Constant(F32, 0.0), v], fastmath=FAST)
+
+
+def half_at(arrays, arg, offset):
+    return arrays.builder.fpext(arrays.load(arg, offset, ir.HalfType()), F32)
+
+
+def broadcast(b, scalar, n):
+    one = b.insert_element(ir.Constant(vec(scalar.type, n), None), scalar, ir.Constant(I32, 0))
+    return _shuffle(b, one, [0] * n)
+
+
+def _const(value, like):
+    return ir.Constant(like.type, value)
+
+
+def _at(b, base, value):
+    return b.add(base, _const(value, base))
+
+
+def _row_intrinsic(name, block, nbytes, per_block):
+    """An intrinsic `name(w, w_offset, x8, x_offset, xd, xd_offset, xs, xs_offset, n_blocks)`:
+    the dot product of the n_blocks blocks of w from byte w_offset with the q8 activations from
+    element x_offset (xd, xs from theirs: one per 32 values). `block(b, arr, base, x_at, xd_at,
+    xs_at)` returns one block's contribution: (<8 x float> partial sums, float offset or None)."""
+
+    def impl(typingctx, w, w_offset, x8, x_offset, xd, xd_offset, xs, xs_offset, n_blocks):
+        sig = types.float32(w, w_offset, x8, x_offset, xd, xd_offset, xs, xs_offset, n_blocks)
+
+        def codegen(context, b, sig, args):
+            arr = Arrays(context, b, sig, args)
+            w_off, x_off, xd_off, xs_off, nb = args[1], args[3], args[5], args[7], args[8]
+            acc = cgutils.alloca_once_value(b, ir.Constant(vec(F32, 8), [0.0] * 8))
+            offsets = cgutils.alloca_once_value(b, ir.Constant(F32, 0.0))
+            with cgutils.for_range(b, nb) as loop:
+                blk = loop.index
+                base = b.add(w_off, b.mul(blk, _const(nbytes, blk)))
+                x_at = b.add(x_off, b.mul(blk, _const(per_block, blk)))
+                groups = b.mul(blk, _const(per_block // 32, blk))
+                part, offset = block(
+                    b, arr, base, x_at, b.add(xd_off, groups), b.add(xs_off, groups)
+                )
+                b.store(b.fadd(b.load(acc), part, flags=FAST), acc)
+                if offset is not None:
+                    b.store(b.fadd(b.load(offsets), offset, flags=FAST), offsets)
+            return b.fadd(reduce_fadd(b, b.load(acc)), b.load(offsets), flags=FAST)
+
+        return sig, codegen
+
+    impl.__name__ = name
+    return intrinsic(impl)
+
+
+def scaled(b, isum, scale):
+    """float(<8 x i32> isum) * scale."""
+    return b.fmul(b.sitofp(isum, vec(F32, 8)), broadcast(b, scale, 8), flags=FAST)
+
+
+def _xd(b, arr, xd_at, group):
+    return arr.load(4, _at(b, xd_at, group), F32)
+
+
+def _nibbles32(b, arr, at):
+    """The 32 four-bit values packed in 16 bytes (low nibbles are values 0-15) as <32 x i8>."""
+    w16 = arr.load(0, at, I8, 16)
+    both = _shuffle(b, w16, list(range(16)) * 2)
+    return b.and_(b.lshr(both, ir.Constant(vec(I8, 32), [0] * 16 + [4] * 16)), splat(I8, 32, 15))
+
+
+def _fifth_bits(b, arr, at):
+    """Bit j of the uint32 at byte `at`, as <32 x i8> of 0 or 16 (the Q5_0/Q5_1 fifth bit)."""
+    word = broadcast(b, arr.load(0, at, I32), 32)
+    bits = b.and_(b.lshr(word, ir.Constant(vec(I32, 32), list(range(32)))), splat(I32, 32, 1))
+    return b.shl(b.trunc(bits, vec(I8, 32)), splat(I8, 32, 4))
+
+
+def _block_q8_0(b, arr, base, x_at, xd_at, xs_at):
+    w8 = arr.load(0, _at(b, base, 2), I8, 32)
+    x8 = arr.load(2, x_at, I8, 32)
+    isum = sum8(b, madd(b, b.sext(w8, vec(I16, 32)), b.sext(x8, vec(I16, 32))))
+    scale = b.fmul(half_at(arr, 0, base), _xd(b, arr, xd_at, 0), flags=FAST)
+    return scaled(b, isum, scale), None
+
+
+def _block_32(qs, qh, has_min, bias):
+    """Q4_0, Q4_1, Q5_0, Q5_1: unsigned q (nibble, plus a fifth bit from the uint32 at qh),
+    value d (q - bias) or d q + m; sum(x) comes from xs (the quantized activations' own sum)."""
+
+    def block(b, arr, base, x_at, xd_at, xs_at):
+        q = _nibbles32(b, arr, _at(b, base, qs))
+        if qh:
+            q = b.or_(q, _fifth_bits(b, arr, _at(b, base, qh)))
+        isum = madd(b, maddubs(b, q, arr.load(2, x_at, I8, 32)), splat(I16, 16, 1))
+        d = half_at(arr, 0, base)
+        xs = arr.load(6, xs_at, F32)
+        if has_min:
+            offset = b.fmul(half_at(arr, 0, _at(b, base, 2)), xs, flags=FAST)
+        else:
+            offset = b.fmul(b.fmul(d, ir.Constant(F32, -float(bias)), flags=FAST), xs, flags=FAST)
+        return scaled(b, isum, b.fmul(d, _xd(b, arr, xd_at, 0), flags=FAST)), offset
+
+    return block
+
+
+def k4_scales(b, arr, base):
+    """The 8 six-bit scales and 8 minimums of a Q4_K/Q5_K block (12 bytes at base + 4) as two
+    <8 x i8>: bytes 0-3 hold scales 0-3 and bytes 4-7 minimums 0-3 in their low 6 bits, whose top
+    2 bits are the high bits of scales/minimums 4-7; bytes 8-11 hold the low 4 bits of those
+    (low nibble: scale, high nibble: minimum)."""
+    a, m, c = (arr.load(0, _at(b, base, 4 + 4 * i), I32) for i in range(3))
+
+    def k(v):
+        return ir.Constant(I32, v)
+
+    low6, low4, two = k(0x3F3F3F3F), k(0x0F0F0F0F), k(0x03030303)
+    sc_hi = b.or_(b.and_(c, low4), b.shl(b.and_(b.lshr(a, k(6)), two), k(4)))
+    mn_hi = b.or_(b.and_(b.lshr(c, k(4)), low4), b.shl(b.and_(b.lshr(m, k(6)), two), k(4)))
+
+    def bytes8(lo, hi):
+        v = b.insert_element(ir.Constant(vec(I32, 2), None), lo, k(0))
+        return b.bitcast(b.insert_element(v, hi, k(1)), vec(I8, 8))
+
+    return bytes8(b.and_(a, low6), sc_hi), bytes8(b.and_(m, low6), mn_hi)
+
+
+def _block_k(qh):
+    """Q4_K (144 B) or Q5_K (176 B, qh: 32 bytes at 16 whose bit s is the fifth bit of sub-block
+    s): d, dmin, 12 bytes of scales, 128 bytes of nibbles in 4 chunks of 32 bytes (low nibbles
+    are sub-block 2c, high 2c+1); value d sc q - dmin m. Activations grouped by 256."""
+    qs = 48 if qh else 16
+
+    def block(b, arr, base, x_at, xd_at, xs_at):
+        scales, mins = k4_scales(b, arr, base)
+        sc16 = b.zext(scales, vec(I16, 8))
+        high = arr.load(0, _at(b, base, 16), I8, 32) if qh else None
+        part = ir.Constant(vec(F32, 8), [0.0] * 8)
+        for c in range(4):
+            w8 = arr.load(0, _at(b, base, qs + 32 * c), I8, 32)
+            for h, q in enumerate((b.and_(w8, splat(I8, 32, 15)), b.lshr(w8, splat(I8, 32, 4)))):
+                s = 2 * c + h
+                if qh:
+                    bit = b.and_(b.lshr(high, splat(I8, 32, s)), splat(I8, 32, 1))
+                    q = b.or_(q, b.shl(bit, splat(I8, 32, 4)))
+                pairs = maddubs(b, q, arr.load(2, _at(b, x_at, 32 * s), I8, 32))
+                isum = madd(b, pairs, _shuffle(b, sc16, [s] * 16))
+                part = b.fadd(part, scaled(b, isum, _xd(b, arr, xd_at, s)), flags=FAST)
+        xs = arr.load(6, xs_at, F32, 8)
+        mterm = reduce_fadd(b, b.fmul(b.uitofp(mins, vec(F32, 8)), xs, flags=FAST))
+        dmin = half_at(arr, 0, _at(b, base, 2))
+        d = broadcast(b, half_at(arr, 0, base), 8)
+        return b.fmul(part, d, flags=FAST), b.fneg(b.fmul(dmin, mterm, flags=FAST))
+
+    return block
+
+
+def _block_q6_k(b, arr, base, x_at, xd_at, xs_at):
+    """Q6_K (210 B / 256): ql[128], qh[64], int8 scales[16] (one per 16 values), d last; in each
+    half n of 128 values, quarter k, lane l: q = (ql[64n + l + 32 (k & 1)] >> 4 (k >> 1)) & 15
+    | ((qh[32n + l] >> 2k) & 3) << 4, value d sc[8n + l / 16 + 2k] (q - 32)."""
+    sc16 = b.sext(arr.load(0, _at(b, base, 192), I8, 16), vec(I16, 16))
+    part = ir.Constant(vec(F32, 8), [0.0] * 8)
+    bias = splat(I8, 32, 32)
+    for n in range(2):
+        high = arr.load(0, _at(b, base, 128 + 32 * n), I8, 32)
+        for k in range(4):
+            low = arr.load(0, _at(b, base, 64 * n + 32 * (k & 1)), I8, 32)
+            low = b.and_(b.lshr(low, splat(I8, 32, 4 * (k >> 1))), splat(I8, 32, 15))
+            hi2 = b.and_(b.lshr(high, splat(I8, 32, 2 * k)), splat(I8, 32, 3))
+            q = b.or_(low, b.shl(hi2, splat(I8, 32, 4)))
+            x8 = arr.load(2, _at(b, x_at, 128 * n + 32 * k), I8, 32)
+            pairs = b.sub(maddubs(b, q, x8), maddubs(b, bias, x8))  # (q - 32) x, in int16
+            s = 8 * n + 2 * k
+            isum = madd(b, pairs, _shuffle(b, sc16, [s] * 8 + [s + 1] * 8))
+            part = b.fadd(part, scaled(b, isum, _xd(b, arr, xd_at, 4 * n + k)), flags=FAST)
+    d = broadcast(b, half_at(arr, 0, _at(b, base, 208)), 8)
+    return b.fmul(part, d, flags=FAST), None
+
+
+row_q8_0 = _row_intrinsic("row_q8_0", _block_q8_0, 34, 32)
+row_q4_0 = _row_intrinsic("row_q4_0", _block_32(2, 0, False, 8), 18, 32)
+row_q4_1 = _row_intrinsic("row_q4_1", _block_32(4, 0, True, 0), 20, 32)
+row_q5_0 = _row_intrinsic("row_q5_0", _block_32(6, 2, False, 16), 22, 32)
+row_q5_1 = _row_intrinsic("row_q5_1", _block_32(8, 4, True, 0), 24, 32)
+row_q4_k = _row_intrinsic("row_q4_k", _block_k(False), 144, 256)
+row_q5_k = _row_intrinsic("row_q5_k", _block_k(True), 176, 256)
+row_q6_k = _row_intrinsic("row_q6_k", _block_q6_k, 210, 256)
