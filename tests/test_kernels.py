@@ -12,30 +12,11 @@ from cudarun.blocks import LAYOUTS
 from cudarun.kernels import cpu
 from cudarun.kernels.matvec import matvec_gpu
 from refengine.errors import UserError
-from refengine.quants import quantize
 from refengine.reference import matmul_q
-from refengine.synthetic import random_kquant_blocks
 
 from .conftest import GPU
 
-TYPES = sorted(LAYOUTS, key=lambda t: t.name)
-
-
-def normwise(a, b):
-    return float(np.max(np.abs(a - b)) / np.max(np.abs(b)))
-
-
-def weights(rng, qtype, n_rows, n_cols):
-    """Random blocks of `qtype` (gguf-py cannot quantize the K-quants: random valid blocks)."""
-    if qtype in (Q.Q4_K, Q.Q5_K, Q.Q6_K):
-        return random_kquant_blocks(rng, (n_rows, n_cols), qtype, 1.0).reshape(-1)
-    return quantize(rng.standard_normal((n_rows, n_cols)).astype(np.float32), qtype).reshape(-1)
-
-
-def cols(qtype, at_least):
-    """A row length of whole blocks."""
-    per_block = LAYOUTS[qtype][1]
-    return max(at_least, per_block)
+from .kernels_common import TYPES, cols, normwise, poisoned, weights
 
 
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
@@ -150,12 +131,6 @@ def test_arena_views_pinned_copies_events_and_graphs():
     for b in (host, back):
         b.free()
     arena.free()
-
-
-def poisoned(shape):
-    from numba import cuda
-
-    return cuda.to_device(np.full(shape, np.nan, np.float32))
 
 
 @pytest.mark.parametrize("with_weight", [True, False])

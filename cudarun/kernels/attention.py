@@ -13,7 +13,7 @@ from .. import compat  # noqa: F401  (before numba.cuda)
 # module level: the simulator swaps this global for its fake module
 from numba import cuda, float32  # noqa: E402
 
-THREADS = 32
+from . import THREADS  # noqa: E402
 MAX_HEAD_DIM = 256
 
 

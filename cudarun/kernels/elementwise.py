@@ -14,7 +14,7 @@ from ..blocks import LAYOUTS
 # module level: the simulator swaps this global for its fake module
 from numba import cuda, float32  # noqa: E402
 
-THREADS = 32
+from . import THREADS  # noqa: E402
 
 
 @cuda.jit

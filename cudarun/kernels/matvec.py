@@ -19,7 +19,7 @@ from ..blocks import LAYOUTS
 from numba import cuda, float32  # noqa: E402
 
 MAX_TOKENS = 16
-THREADS = 32
+from . import THREADS  # noqa: E402
 
 
 @lru_cache(maxsize=None)
