@@ -1,5 +1,5 @@
 """Row-wise and element-wise CUDA kernels of the forward pass: RMSNorm (with or without a
-weight), RoPE (adjacent pairs or NeoX halves, per-layer base and scale), SiLU/GELU gating, the
+weight), softmax (over the vocabulary's logits, for sampling), RoPE (adjacent pairs or NeoX halves, per-layer base and scale), SiLU/GELU gating, the
 residual add, and the embedding row gather from a quantized table (`blocks.LAYOUTS`). Each
 kernel writes every element of its output, in fp32."""
 
@@ -38,6 +38,46 @@ def rms_norm(x, weight, out, eps, has_weight):
     for i in range(tid, n, THREADS):
         v = x[row, i] * scale
         out[row, i] = v * weight[i] if has_weight else v
+
+
+@cuda.jit(device=True)
+def _block_reduce(partial, tid, use_max):
+    """Reduce partial[0:THREADS] into partial[0] (max or sum); every thread reads it after."""
+    cuda.syncthreads()
+    step = THREADS // 2
+    while step > 0:
+        if tid < step:
+            if use_max:
+                partial[tid] = max(partial[tid], partial[tid + step])
+            else:
+                partial[tid] += partial[tid + step]
+        cuda.syncthreads()
+        step //= 2
+    value = partial[0]
+    cuda.syncthreads()
+    return value
+
+
+@cuda.jit
+def softmax(x, out):
+    """Row-wise softmax of x [T, n] (one thread block per row), max-subtracted."""
+    row, tid = cuda.blockIdx.x, cuda.threadIdx.x
+    n = x.shape[1]
+    partial = cuda.shared.array(THREADS, float32)
+    top = -math.inf
+    for i in range(tid, n, THREADS):
+        top = max(top, x[row, i])
+    partial[tid] = top
+    top = _block_reduce(partial, tid, True)
+    s = float32(0.0)
+    for i in range(tid, n, THREADS):
+        e = math.exp(x[row, i] - top)
+        out[row, i] = e
+        s += e
+    partial[tid] = s
+    total = _block_reduce(partial, tid, False)
+    for i in range(tid, n, THREADS):
+        out[row, i] = out[row, i] / total
 
 
 @cuda.jit

@@ -20,6 +20,7 @@ from . import elementwise
 from numba import cuda, float32, int32  # noqa: E402
 
 from . import THREADS  # noqa: E402
+
 MAX_EXPERTS = 256
 
 
@@ -117,7 +118,9 @@ def moe_ffn(x, router_logits, gate, up, down, qtypes, shapes, n_used, normalize,
     g = cuda.device_array((slots, n_ff), "float32", stream=stream)
     u = cuda.device_array((slots, n_ff), "float32", stream=stream)
     for raw, qtype, out in ((gate, qtypes[0], g), (up, qtypes[1], u)):
-        expert_matvec_kernel(qtype)[(n_ff, slots), THREADS, stream](raw, x, ids, out, n_ff, d, False)
+        expert_matvec_kernel(qtype)[(n_ff, slots), THREADS, stream](
+            raw, x, ids, out, n_ff, d, False
+        )
     h = cuda.device_array((slots, n_ff), "float32", stream=stream)
     elementwise.launch_rows(elementwise.gated, slots, g, u, h, act == "gelu", stream=stream)
     y = cuda.device_array((slots, d), "float32", stream=stream)
