@@ -137,6 +137,17 @@ def reduce_fadd(b, v):
     return b.call(fn, [ir.Constant(F32, 0.0), v], fastmath=FAST)
 
 
+@intrinsic
+def half_bits(typingctx, bits):
+    """The fp16 with these 16 bits (a uint16), as float32: Numba's CPU target has no float16
+    arrays, so an f16 KV cache is read as uint16 (x86 F16C: one vcvtph2ps)."""
+
+    def codegen(context, builder, sig, args):
+        return builder.fpext(builder.bitcast(args[0], ir.HalfType()), F32)
+
+    return types.float32(bits), codegen
+
+
 def half_at(arrays, arg, offset):
     return arrays.builder.fpext(arrays.load(arg, offset, ir.HalfType()), F32)
 

@@ -1,0 +1,135 @@
+"""The CPU side of a layer beyond its matmuls (`cpu.matmul`): RMSNorm, RoPE, attention over the
+KV cache, SiLU/GELU gating, softmax — Numba `parallel=True` over rows or (token, head), fp32
+storage with fp32 accumulation (fp64 inside the norm's sum). Semantics are the reference's
+(`refengine.reference`), against which each is tested; a plan that computes a whole layer on the
+host runs these on the activations it downloads.
+"""
+
+from __future__ import annotations
+
+import math
+from functools import lru_cache
+
+import numpy as np
+from numba import njit, prange
+from numba.extending import register_jitable
+
+from .simd import half_bits
+
+
+@njit(parallel=True, fastmath=True, cache=True)
+def rms_norm(x, weight, eps):
+    """x [R, n] (rows: tokens, or tokens x heads) -> x / rms(x) * weight (weight may be empty)."""
+    rows, n = x.shape
+    out = np.empty_like(x)
+    for r in prange(rows):
+        s = 0.0
+        for i in range(n):
+            s += np.float64(x[r, i]) * x[r, i]
+        scale = np.float32(1.0 / math.sqrt(s / n + eps))
+        for i in range(n):
+            out[r, i] = x[r, i] * scale * (weight[i] if weight.size else np.float32(1.0))
+    return out
+
+
+@njit(parallel=True, cache=True)
+def rope(x, positions, n_rot, base, scale, neox):
+    """x [T, H, D]: rotate the first n_rot dims of each head (pairs, or NeoX halves)."""
+    n_tokens, n_heads, dim = x.shape
+    half = n_rot // 2
+    out = x.copy()
+    for t in prange(n_tokens):
+        for i in range(half):
+            theta = positions[t] * scale * base ** (-2.0 * i / n_rot)
+            c, s = math.cos(theta), math.sin(theta)
+            a_i, b_i = (i, i + half) if neox else (2 * i, 2 * i + 1)
+            for h in range(n_heads):
+                a, b = np.float64(x[t, h, a_i]), np.float64(x[t, h, b_i])
+                out[t, h, a_i] = a * c - b * s
+                out[t, h, b_i] = a * s + b * c
+    return out
+
+
+@register_jitable
+def _f32(a):
+    return np.float32(a)
+
+
+@register_jitable
+def _f16(a):
+    return half_bits(a)
+
+
+@lru_cache(maxsize=None)
+def _attention_kernel(f16: bool):
+    read = _f16 if f16 else _f32
+
+    @njit(parallel=True, fastmath=True)
+    def attention(q, k, v, q_pos, k_pos, scale, window):
+        n_tokens, n_heads, dim = q.shape
+        n_keys, n_kv, dv = k.shape[0], k.shape[1], v.shape[2]
+        group = n_heads // n_kv
+        out = np.empty((n_tokens, n_heads, dv), np.float32)
+        for th in prange(n_tokens * n_heads):
+            t, h = th // n_heads, th % n_heads
+            g = h // group
+            acc = np.zeros(dv, np.float32)
+            m, total = -np.inf, np.float32(0.0)
+            for j in range(n_keys):
+                if k_pos[j] > q_pos[t] or (window > 0 and q_pos[t] - k_pos[j] >= window):
+                    continue
+                score = np.float32(0.0)
+                for i in range(dim):
+                    score += q[t, h, i] * read(k[j, g, i])
+                score *= scale
+                new_m = max(m, score)
+                shrink = np.float32(math.exp(m - new_m)) if m > -np.inf else np.float32(0.0)
+                p = np.float32(math.exp(score - new_m))
+                total = total * shrink + p
+                for i in range(dv):
+                    acc[i] = acc[i] * shrink + p * read(v[j, g, i])
+                m = new_m
+            for i in range(dv):
+                out[t, h, i] = acc[i] / total
+        return out
+
+    return attention
+
+
+def attention(q, k, v, q_pos, k_pos, scale: float, window: int = 0):
+    """q [T, H, D], k [S, Hkv, D], v [S, Hkv, Dv] (fp32, or fp16 as the cache stores it) ->
+    [T, H, Dv]: causal, optionally sliding-window, grouped heads; an online softmax per
+    (token, head)."""
+    f16 = k.dtype == np.float16
+    if f16:
+        k, v = k.view(np.uint16), v.view(np.uint16)
+    return _attention_kernel(f16)(q, k, v, q_pos, k_pos, scale, window)
+
+
+@njit(parallel=True, fastmath=True, cache=True)
+def gated(gate, up, use_gelu):
+    """act(gate) * up over [T, n]: SiLU, or GELU in ggml's tanh form."""
+    out = np.empty_like(gate)
+    for t in prange(gate.shape[0]):
+        for i in range(gate.shape[1]):
+            g = np.float64(gate[t, i])
+            if use_gelu:
+                a = 0.5 * g * (1.0 + math.tanh(0.7978845608028654 * (g + 0.044715 * g * g * g)))
+            else:
+                a = g / (1.0 + math.exp(-g))
+            out[t, i] = a * up[t, i]
+    return out
+
+
+@njit(parallel=True, cache=True)
+def softmax(x):
+    """Row-wise softmax of x [T, n], in fp64."""
+    out = np.empty_like(x)
+    for t in prange(x.shape[0]):
+        top = x[t].max()
+        s = 0.0
+        for i in range(x.shape[1]):
+            s += math.exp(np.float64(x[t, i]) - top)
+        for i in range(x.shape[1]):
+            out[t, i] = math.exp(np.float64(x[t, i]) - top) / s
+    return out

@@ -1,0 +1,49 @@
+"""The CPU layer ops against the reference on fresh random inputs (fp32 tolerance 1e-3)."""
+
+import numpy as np
+import pytest
+
+from cudarun.kernels import cpu_ops
+from refengine import reference as ref
+
+from .kernels_common import normwise
+
+RNG = np.random.default_rng(30)
+
+
+@pytest.mark.parametrize("with_weight", [True, False])
+def test_rms_norm(with_weight):
+    x = RNG.standard_normal((5, 96)).astype(np.float32) * 3
+    w = RNG.standard_normal(96).astype(np.float32)
+    got = cpu_ops.rms_norm(x, w if with_weight else np.empty(0, np.float32), 1e-6)
+    assert normwise(got, ref.rms_norm(x, w if with_weight else None, 1e-6)) < 1e-5
+
+
+@pytest.mark.parametrize("style", ["norm", "neox"])
+def test_rope_with_pass_through_dims(style):
+    x = RNG.standard_normal((3, 4, 32)).astype(np.float32)
+    pos = np.array([0, 7, 4095], np.int64)
+    got = cpu_ops.rope(x, pos, 24, 1e6, 0.5, style == "neox")
+    assert normwise(got, ref.rope(x, pos, 24, 1e6, style, 0.5)) < 1e-5
+
+
+@pytest.mark.parametrize("tokens,window", [(1, 0), (6, 0), (6, 5)])
+def test_attention_grouped_heads_f16_cache(tokens, window):
+    q = RNG.standard_normal((tokens, 8, 32)).astype(np.float32)
+    k = RNG.standard_normal((40, 2, 32)).astype(np.float16)
+    v = RNG.standard_normal((40, 2, 32)).astype(np.float16)
+    k_pos = np.arange(40, dtype=np.int64)
+    q_pos = np.arange(40 - tokens, 40, dtype=np.int64)
+    got = cpu_ops.attention(q, k, v, q_pos, k_pos, 0.2, window)
+    assert normwise(got, ref.attention(q, k, v, q_pos, k_pos, 0.2, window)) < 1e-3
+
+
+@pytest.mark.parametrize("act", ["silu", "gelu"])
+def test_gated(act):
+    g, u = (RNG.standard_normal((3, 70)).astype(np.float32) * 4 for _ in range(2))
+    assert normwise(cpu_ops.gated(g, u, act == "gelu"), ref.gated(act, g, u)) < 1e-5
+
+
+def test_softmax():
+    x = RNG.standard_normal((2, 500)).astype(np.float32) * 10
+    assert normwise(cpu_ops.softmax(x), ref.softmax(x)) < 1e-5
