@@ -338,43 +338,119 @@ def synth(out: Path, preset: str | None, arch: str, **sizes) -> None:
 @click.option(
     "--gpu-from",
     type=click.Path(dir_okay=False, path_type=Path),
-    help="A profile whose GPU side to keep (the GPU side is measured by the kernels "
-    "issue's code; until then it comes from a shipped profile).",
+    help="A profile whose GPU side to keep instead of measuring one (required without a GPU).",
 )
 @click.option("--threads", type=int, help="CPU threads (default: all).")
 @click.option("--quick", is_flag=True, help="Small shapes and short runs: seconds, not minutes.")
 def profile(output: Path, gpu_from: Path | None, threads: int | None, quick: bool) -> None:
-    """Measure this machine's CPU into a hardware profile."""
+    """Measure this machine (its GPU, when there is one, and its CPU) into a hardware profile."""
     from dataclasses import replace
 
     from rich.progress import Progress
 
-    from solver.measure_cpu import MATVEC_TYPES, measure_cpu
+    from cudarun.driver import gpu_present
+    from solver.measure_cpu import measure_cpu
     from solver.profile import HardwareProfile
 
-    if gpu_from is None:
+    if gpu_from is None and not gpu_present():
         raise UserError(
-            "the GPU side cannot be measured yet: pass --gpu-from PROFILE (e.g. "
+            "no NVIDIA GPU here to measure: pass --gpu-from PROFILE (e.g. "
             "examples/profiles/h100.json) to keep its GPU figures"
         )
-    base = HardwareProfile.load(gpu_from)
+    base = HardwareProfile.load(gpu_from) if gpu_from else None
     out = _open_for_writing(output)
-    steps = 1 + 2 * len(MATVEC_TYPES)
     with Progress(transient=True) as bar:
-        task = bar.add_task("profiling the CPU", total=steps)
+        task = bar.add_task("profiling", total=None)
 
         def step(what: str) -> None:
-            bar.update(task, advance=1, description=what)
+            bar.update(task, description=what)
 
+        if base is None:
+            from solver.measure_gpu import measure_gpu
+
+            gpu, sync = measure_gpu(quick, step)
+            gpus, gpu_name = (gpu,), gpu.name
+        else:
+            gpus, sync, gpu_name = base.gpus, None, base.name
         shape = (1024, 1024) if quick else (4096, 4096)
         cpu = measure_cpu(threads, shape, quick, step)
-    prof = replace(base, name=f"{cpu.name} + {base.name}", cpu=cpu)
+    if sync is not None:
+        cpu = replace(cpu, sync_seconds=sync)
+    notes = base.notes if base else ""
+    prof = HardwareProfile(name=f"{cpu.name} + {gpu_name}", gpus=gpus, cpu=cpu, notes=notes)
     with out:
         out.write(json.dumps(prof.to_json(), indent=1).encode() + b"\n")
     click.echo(
         f"wrote {output}: host memory {cpu.memory_gbps.value:.1f} GB/s, Q4_K matvec "
         f"{cpu.matvec_gbps.at('Q4_K', cpu.threads):.2f} GB/s"
+        + (
+            f"; GPU {gpus[0].name}: HBM {gpus[0].hbm_gbps.value:.0f} GB/s, H2D "
+            f"{gpus[0].h2d_gbps.value:.1f} GB/s"
+            if base is None
+            else ""
+        )
     )
+
+
+# -- bench-kernels --------------------------------------------------------------------------------
+
+
+def _names(text: str, known: tuple[str, ...]) -> tuple[str, ...]:
+    names = tuple(t.strip().upper() for t in text.split(",") if t.strip())
+    bad = [t for t in names if t not in known]
+    if bad:
+        raise UserError(f"unknown type {bad[0]}: choose from {','.join(known)}")
+    return names
+
+
+@cli.command("bench-kernels")
+@click.option("--cpu/--no-cpu", default=True, show_default=True, help="Benchmark the CPU kernels.")
+@click.option("--gpu/--no-gpu", default=None, help="Benchmark the GPU (default: when one is here).")
+@click.option("--types", help="Comma-separated types (default: all the kernels read).")
+@click.option("--tokens", default="1,4", show_default=True, help="CPU token counts.")
+@click.option("--threads", type=int, default=0, help="CPU threads (default: all).")
+@click.option(
+    "--peer",
+    type=click.Path(exists=True, dir_okay=False, path_type=Path),
+    help="llama.cpp's CPU rates from scripts/llamacpp_cpu_rate.py, printed beside ours.",
+)
+@click.option("--quick", is_flag=True, help="One small shape, fewer runs: seconds, not minutes.")
+@click.option(
+    "-o", "--output", type=click.Path(dir_okay=False, path_type=Path), help="Also write the tables."
+)
+def bench_kernels(cpu, gpu, types, tokens, threads, peer, quick, output) -> None:
+    """Kernel rates next to the ceilings measured in the same run (and llama.cpp's, --peer)."""
+    from rich.progress import Progress
+
+    from cudarun import bench_report
+    from cudarun.driver import gpu_present
+
+    peer_rates = bench_report.load_peer(peer)
+    counts = tuple(int(n) for n in tokens.split(","))
+    if gpu is None:
+        gpu = gpu_present()
+    tables = []
+    with Progress(transient=True) as bar:
+        task = bar.add_task("benchmarking", total=None)
+
+        def step(what: str) -> None:
+            bar.update(task, description=what)
+
+        if cpu:
+            names = _names(types, bench_report.CPU_TYPES) if types else bench_report.CPU_TYPES
+            shapes = ((1024, 4096),) if quick else bench_report.SHAPES
+            counts_cpu = counts[:1] if quick else counts
+            tables.append(
+                bench_report.cpu_table(names, shapes, counts_cpu, threads, peer_rates, quick, step)
+            )
+        if gpu:
+            names = _names(types, bench_report.GPU_TYPES) if types else bench_report.GPU_TYPES
+            tables.append(bench_report.gpu_table(names, (1, 16), step))
+    text = "\n".join(bench_report.render(t) for t in tables)
+    click.echo(text)
+    if output:
+        with _open_for_writing(output) as out:
+            out.write(text.encode())
 
 
 # -- solve ----------------------------------------------------------------------------------------

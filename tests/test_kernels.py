@@ -303,3 +303,45 @@ def test_every_cuda_kernel_compiles_for_the_h100():
     )
     assert r.returncode == 0, r.stdout + r.stderr
     assert ", 0 failed" in r.stdout
+
+
+# -- the same checks at real shapes, on a GPU ------------------------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("tokens", [1, 16])
+def test_gpu_matvec_at_real_shapes(qtype, tokens):
+    from numba import cuda
+
+    rng = np.random.default_rng(40 + int(qtype))
+    shape = (4096, 14336)
+    raw = weights(rng, qtype, *shape)
+    x = rng.standard_normal((tokens, shape[1])).astype(np.float32)
+    out = poisoned((tokens, shape[0]))
+    matvec_gpu(cuda.to_device(raw), cuda.to_device(x), out, qtype, shape)
+    assert normwise(out.copy_to_host(), matmul_q(x, raw, qtype, shape)) < 1e-3
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("window", [0, 1024])
+def test_gpu_decode_attention_at_a_long_context(window):
+    from numba import cuda
+
+    from cudarun.kernels.attention import attention_decode, decode_splits
+    from refengine.reference import attention as ref
+
+    rng = np.random.default_rng(41)
+    keys, heads, kv_heads, dim = 8192, 32, 8, 128
+    q = rng.standard_normal((1, heads, dim)).astype(np.float32)
+    k = rng.standard_normal((keys, kv_heads, dim)).astype(np.float16)
+    v = rng.standard_normal((keys, kv_heads, dim)).astype(np.float16)
+    k_pos = np.arange(keys, dtype=np.int64)
+    q_pos = np.array([keys - 1], np.int64)
+    splits = decode_splits(keys, kv_heads, 1)
+    out = poisoned((1, heads, dim))
+    partial = poisoned((1, splits, heads, dim + 2))
+    dev = [cuda.to_device(a) for a in (q, k, v, q_pos, k_pos)]
+    attention_decode(*dev, out, dim**-0.5, window, splits, partial)
+    want = ref(q, k, v, q_pos, k_pos, dim**-0.5, window)
+    assert normwise(out.copy_to_host(), want) < 1e-3

@@ -6,7 +6,7 @@ import pytest
 from refengine.errors import UserError
 from solver.profile import ANY_TYPE, Figure, HardwareProfile, RateTable
 
-from .conftest import refengine
+from .conftest import GPU, refengine
 
 PROFILES = Path(__file__).resolve().parents[1] / "examples" / "profiles"
 SHIPPED = sorted(PROFILES.glob("*.json"))
@@ -84,3 +84,11 @@ def test_profile_command_measures_the_cpu_and_keeps_the_gpu_side(tmp_path):
     assert prof.cpu.memory_gbps.value > 0.5
     assert "q8 path" in prof.cpu.matvec_gbps.rows["Q4_K"][prof.cpu.threads].source
     assert prof.cpu.matmul_gflops.at("Q8_0", 512) > 1.0
+
+
+@pytest.mark.skipif(GPU, reason="this machine has a GPU to measure")
+def test_profile_without_a_gpu_asks_for_a_gpu_side_in_one_line(tmp_path):
+    r = refengine("profile", "-o", tmp_path / "me.json", "--quick")
+    assert r.returncode == 2
+    assert r.stderr.strip().count("\n") == 0 and "--gpu-from" in r.stderr
+    assert not (tmp_path / "me.json").exists()

@@ -291,11 +291,13 @@ def _block_k(qh):
                 pairs = maddubs(b, q, arr.load(2, _at(b, x_at, 32 * s), I8, 32))
                 isum = madd(b, pairs, _shuffle(b, sc16, [s] * 16))
                 part = b.fadd(part, scaled(b, isum, _xd(b, arr, xd_at, s)), flags=FAST)
+        # the minimums' term, lane s for sub-block s: added lane-wise to the partial sums (all
+        # lanes are summed at the row's end), with no horizontal sum per block
         xs = arr.load(6, xs_at, F32, 8)
-        mterm = reduce_fadd(b, b.fmul(b.uitofp(mins, vec(F32, 8)), xs, flags=FAST))
-        dmin = half_at(arr, 0, _at(b, base, 2))
+        dmin = broadcast(b, half_at(arr, 0, _at(b, base, 2)), 8)
+        mterm = b.fmul(b.fmul(b.uitofp(mins, vec(F32, 8)), xs, flags=FAST), dmin, flags=FAST)
         d = broadcast(b, half_at(arr, 0, base), 8)
-        return b.fmul(part, d, flags=FAST), b.fneg(b.fmul(dmin, mterm, flags=FAST))
+        return b.fsub(b.fmul(part, d, flags=FAST), mterm, flags=FAST), None
 
     return block
 
