@@ -5,10 +5,11 @@ Two paths, named by what they compute (CONTRACTS.md tolerances):
 - `q8` (every quantized type): the activations are quantized to int8 with a scale per 32 values
   and each row's blocks are dotted in integers
   (`simd.row_*`), as llama.cpp's CPU backend does; normwise error <= 1e-2. This is the fast path.
-- `f32` (F32, F16, BF16, and any type on request): the block decoders of `blocks.LAYOUTS`
-  dequantize each block into fp32 and accumulate in fp32; <= 1e-3.
-Large token counts (prefill of a CPU-placed tensor) dequantize a panel of rows to fp32 and hand it
-to the BLAS matrix product, which beats re-reading the blocks for each token.
+- `f16` (F16 below the BLAS token count): fp16 rows widened in registers, fp32 accumulation.
+- `f32` (any quantized type on request): the block decoders of `blocks.LAYOUTS` dequantize each
+  block into fp32 and accumulate in fp32; <= 1e-3.
+- `blas`: large token counts (prefill of a CPU-placed tensor), and F32/F16/BF16 at any count,
+  widen a panel of rows to fp32 and hand it to the BLAS matrix product.
 """
 
 from __future__ import annotations
@@ -38,11 +39,36 @@ BLAS_TOKENS = 8
 PANEL_ROWS = 256
 
 
+FLOAT_TYPES = (Q.F32, Q.F16, Q.BF16)  # widened to fp32 panels by NumPy for BLAS
+
+
 def path(qtype, tokens: int = 1) -> str:
-    """Which path `matmul` takes: "q8", "f32" or "blas" (fp32 panels)."""
-    if tokens >= BLAS_TOKENS:
+    """Which path `matmul` takes: "q8", "f16" (fp16 rows, fp32 accumulation), "f32" (block
+    decoders, fp32) or "blas" (fp32 panels)."""
+    if tokens >= BLAS_TOKENS or qtype in (Q.F32, Q.BF16):
         return "blas"
+    if qtype == Q.F16:
+        return "f16"
     return "q8" if qtype in Q8_ROWS else "f32"
+
+
+@njit(parallel=True)
+def _f16_matvec(raw, x, out, n_rows, n_cols):
+    for r in prange(n_rows):
+        for t in range(x.shape[0]):
+            out[t, r] = simd.row_f16(raw, r * n_cols * 2, x[t], 0, n_cols)
+
+
+def _float_panel(raw: np.ndarray, qtype, first: int, out: np.ndarray) -> None:
+    """Rows first.. of an F32/F16/BF16 tensor into the fp32 panel `out`."""
+    rows, n_cols = out.shape
+    if qtype == Q.F32:
+        out[:] = raw.view(np.float32).reshape(-1, n_cols)[first : first + rows]
+    elif qtype == Q.F16:
+        out[:] = raw.view(np.float16).reshape(-1, n_cols)[first : first + rows]
+    else:  # bf16: the top half of an fp32
+        bits = raw.view(np.uint16).reshape(-1, n_cols)[first : first + rows]
+        out.view(np.uint32)[:] = bits.astype(np.uint32) << 16
 
 
 @njit(cache=True)
@@ -166,16 +192,25 @@ def matmul(
     kind = path(qtype, x.shape[0])
     if kind == "q8" and exact:
         kind = "f32"
+    if kind == "f16" and n_cols % 8:  # the fp16 rows go 8 values at a time
+        kind = "blas"
+    dequantize_rows = (
+        (lambda first, panel: _float_panel(raw, qtype, first, panel))
+        if qtype in FLOAT_TYPES
+        else (lambda first, panel: _dequantize_kernel(qtype)(raw, first, panel, n_cols))
+    )
     with threads_set(threads):
         if kind == "q8":
             x8, xd, xs = quantize_activations(x)
             _q8_kernel(qtype)(raw, x8, xd, xs, out, n_rows, n_cols)
         elif kind == "f32":
             _f32_kernel(qtype)(raw, x, out, n_rows, n_cols)
+        elif kind == "f16":
+            _f16_matvec(raw, x, out, n_rows, n_cols)
         else:
             panel = np.empty((min(PANEL_ROWS, n_rows), n_cols), np.float32)
             for first in range(0, n_rows, PANEL_ROWS):
                 rows = min(PANEL_ROWS, n_rows - first)
-                _dequantize_kernel(qtype)(raw, first, panel[:rows], n_cols)
+                dequantize_rows(first, panel[:rows])
                 np.matmul(x, panel[:rows].T, out=out[:, first : first + rows])
     return out

@@ -333,3 +333,24 @@ row_q5_1 = _row_intrinsic("row_q5_1", _block_32(8, 4, True, 0), 24, 32)
 row_q4_k = _row_intrinsic("row_q4_k", _block_k(False), 144, 256)
 row_q5_k = _row_intrinsic("row_q5_k", _block_k(True), 176, 256)
 row_q6_k = _row_intrinsic("row_q6_k", _block_q6_k, 210, 256)
+
+
+@intrinsic
+def row_f16(typingctx, w, w_offset, x, x_offset, n):
+    """sum_j fp16 w[j] * fp32 x[x_offset + j], j < n (a multiple of 8), w from byte w_offset of a
+    uint8 array: an F16 row in fp32 accumulation (the exact path; no activation quantization)."""
+    sig = types.float32(w, w_offset, x, x_offset, n)
+
+    def codegen(context, b, sig, args):
+        arr = Arrays(context, b, sig, args)
+        w_off, x_off, count = args[1], args[3], args[4]
+        acc = cgutils.alloca_once_value(b, ir.Constant(vec(F32, 8), [0.0] * 8))
+        with cgutils.for_range(b, b.udiv(count, _const(8, count))) as loop:
+            i = b.mul(loop.index, _const(8, loop.index))
+            wv = arr.load(0, b.add(w_off, b.mul(i, _const(2, i))), ir.HalfType(), 8)
+            xv = arr.load(2, b.add(x_off, i), F32, 8)
+            prod = b.fmul(b.fpext(wv, vec(F32, 8)), xv, flags=FAST)
+            b.store(b.fadd(b.load(acc), prod, flags=FAST), acc)
+        return reduce_fadd(b, b.load(acc))
+
+    return sig, codegen
