@@ -345,3 +345,28 @@ def test_gpu_decode_attention_at_a_long_context(window):
     attention_decode(*dev, out, dim**-0.5, window, splits, partial)
     want = ref(q, k, v, q_pos, k_pos, dim**-0.5, window)
     assert normwise(out.copy_to_host(), want) < 1e-3
+
+
+def test_cpu_q8_rows_without_avx2_use_the_generic_ir():
+    """Hosts without AVX2 (or not x86) get the generic IR for pmaddubsw/pmaddwd: same results."""
+    import subprocess
+    import sys
+
+    script = """
+import numpy as np
+from gguf import GGMLQuantizationType as Q
+from cudarun.kernels import simd
+simd.AVX2 = False  # before any row kernel compiles
+from cudarun.kernels import cpu
+from refengine.reference import matmul_q
+from tests.kernels_common import normwise, weights
+rng = np.random.default_rng(5)
+for qtype in (Q.Q4_K, Q.Q8_0, Q.Q6_K, Q.Q5_1):
+    raw = weights(rng, qtype, 8, 512)
+    x = rng.standard_normal((2, 512)).astype(np.float32)
+    err = normwise(cpu.matmul(raw, x, qtype, (8, 512)), matmul_q(x, raw, qtype, (8, 512)))
+    assert err < 1e-2, (qtype.name, err)
+print("generic ok")
+"""
+    r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
+    assert r.returncode == 0 and "generic ok" in r.stdout, r.stdout + r.stderr

@@ -1,10 +1,10 @@
 """CPU kernels for the tensors a plan computes on the host: matrix x activations reading the GGUF
 blocks in place, on a chosen number of threads.
 
-Two paths, named by what they compute (CONTRACTS.md tolerances):
+The paths, named by what they compute (CONTRACTS.md tolerances):
 - `q8` (every quantized type): the activations are quantized to int8 with a scale per 32 values
-  and each row's blocks are dotted in integers
-  (`simd.row_*`), as llama.cpp's CPU backend does; normwise error <= 1e-2. This is the fast path.
+  and each row's blocks are dotted in integers (`simd.row_*`), as llama.cpp's CPU backend does;
+  normwise error <= 1e-2. This is the fast path.
 - `f16` (F16 below the BLAS token count): fp16 rows widened in registers, fp32 accumulation.
 - `f32` (any quantized type on request): the block decoders of `blocks.LAYOUTS` dequantize each
   block into fp32 and accumulate in fp32; <= 1e-3.
@@ -37,8 +37,6 @@ Q8_ROWS = {
 # integer rows re-read each block per token)
 BLAS_TOKENS = 8
 PANEL_ROWS = 256
-
-
 FLOAT_TYPES = (Q.F32, Q.F16, Q.BF16)  # widened to fp32 panels by NumPy for BLAS
 
 
