@@ -429,6 +429,10 @@ def bench_kernels(cpu, gpu, types, tokens, threads, peer, quick, output) -> None
     counts = tuple(int(n) for n in tokens.split(","))
     if gpu is None:
         gpu = gpu_present()
+    elif gpu and not gpu_present():
+        raise UserError(
+            "no NVIDIA GPU here to benchmark: leave out --gpu (the CPU table runs alone)"
+        )
     tables = []
     with Progress(transient=True) as bar:
         task = bar.add_task("benchmarking", total=None)

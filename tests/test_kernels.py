@@ -370,3 +370,29 @@ print("generic ok")
 """
     r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True)
     assert r.returncode == 0 and "generic ok" in r.stdout, r.stdout + r.stderr
+
+
+def test_bench_kernels_prints_rates_beside_the_ceiling_and_the_peer(tmp_path):
+    import json
+
+    from .conftest import refengine
+
+    peer = tmp_path / "peer.json"
+    peer.write_text(json.dumps({"types": {"Q4_K": {"weight_gbps": 10.0}}}))
+    r = refengine("bench-kernels", "--quick", "--types", "Q4_K", "--peer", peer, "--no-gpu")
+    assert r.returncode == 0, r.stderr
+    read = next(line for line in r.stdout.splitlines() if "numba parallel" in line)
+    q4k = next(line for line in r.stdout.splitlines() if "Q4_K" in line)
+    ceiling = float(read.split("│")[6])
+    cells = [c.strip() for c in q4k.split("│")]
+    gbps, of_read, theirs, ratio = (float(c) for c in cells[6:10])
+    assert cells[2] == "q8" and theirs == 10.0
+    assert abs(of_read - gbps / ceiling) < 0.01 and abs(ratio - gbps / 10.0) < 0.01
+
+
+@pytest.mark.skipif(GPU, reason="this machine has a GPU")
+def test_bench_kernels_asked_for_a_gpu_without_one_says_so(tmp_path):
+    from .conftest import refengine
+
+    r = refengine("bench-kernels", "--gpu", "--no-cpu")
+    assert r.returncode == 2 and "no NVIDIA GPU" in r.stderr and r.stderr.count("\n") == 1
