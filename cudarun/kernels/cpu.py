@@ -23,18 +23,9 @@ from numba import njit, prange
 from ..blocks import LAYOUTS
 from . import simd
 
-Q8_ROWS = {
-    Q.Q8_0: simd.row_q8_0,
-    Q.Q4_0: simd.row_q4_0,
-    Q.Q4_1: simd.row_q4_1,
-    Q.Q5_0: simd.row_q5_0,
-    Q.Q5_1: simd.row_q5_1,
-    Q.Q4_K: simd.row_q4_k,
-    Q.Q5_K: simd.row_q5_k,
-    Q.Q6_K: simd.row_q6_k,
-}
-# from this many tokens on, a dequantized panel and BLAS (measured on a two-core host: the
-# integer rows re-read each block per token)
+Q8_ROWS = tuple(Q[name] for name in simd.Q8_BLOCKS)
+# from this many tokens on, a dequantized panel and BLAS; below it, one row intrinsic per token
+# count unpacks each block once for all tokens
 BLAS_TOKENS = 8
 PANEL_ROWS = 256
 FLOAT_TYPES = (Q.F32, Q.F16, Q.BF16)  # widened to fp32 panels by NumPy for BLAS
@@ -97,18 +88,17 @@ def quantize_activations(x):
 
 
 @lru_cache(maxsize=None)
-def _q8_kernel(qtype):
-    row = Q8_ROWS[qtype]
+def _q8_kernel(qtype, tokens: int):
+    row = simd.q8_row(qtype.name, tokens)
     _, per_block, block_nbytes = LAYOUTS[qtype]
 
     @njit(parallel=True)
     def matvec(raw, x8, xd, xs, out, n_rows, n_cols):
         blocks = n_cols // per_block
         for r in prange(n_rows):
-            for t in range(x8.shape[0]):
-                out[t, r] = row(
-                    raw, r * blocks * block_nbytes, x8[t], 0, xd[t], 0, xs[t], 0, blocks
-                )
+            sums = row(raw, r * blocks * block_nbytes, x8, xd, xs, 0, blocks)
+            for t in range(tokens):
+                out[t, r] = sums[t]
 
     return matvec
 
@@ -200,7 +190,7 @@ def matmul(
     with threads_set(threads):
         if kind == "q8":
             x8, xd, xs = quantize_activations(x)
-            _q8_kernel(qtype)(raw, x8, xd, xs, out, n_rows, n_cols)
+            _q8_kernel(qtype, x.shape[0])(raw, x8, xd, xs, out, n_rows, n_cols)
         elif kind == "f32":
             _f32_kernel(qtype)(raw, x, out, n_rows, n_cols)
         elif kind == "f16":

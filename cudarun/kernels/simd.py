@@ -19,6 +19,8 @@ elements of the array passed; weight offsets are bytes of the GGUF tensor.
 
 from __future__ import annotations
 
+from functools import lru_cache
+
 from llvmlite import ir
 from numba import types
 from numba.core import cgutils
@@ -148,6 +150,10 @@ def half_bits(typingctx, bits):
     return types.float32(bits), codegen
 
 
+# positions of the activation arrays among a row intrinsic's arguments
+X8, XD, XS = 2, 3, 4
+
+
 def half_at(arrays, arg, offset):
     return arrays.builder.fpext(arrays.load(arg, offset, ir.HalfType()), F32)
 
@@ -165,32 +171,44 @@ def _at(b, base, value):
     return b.add(base, _const(value, base))
 
 
-def _row_intrinsic(name, block, nbytes, per_block):
-    """An intrinsic `name(w, w_offset, x8, x_offset, xd, xd_offset, xs, xs_offset, n_blocks)`:
-    the dot product of the n_blocks blocks of w from byte w_offset with the q8 activations from
-    element x_offset (xd, xs from theirs: one per 32 values). `block(b, arr, base, x_at, xd_at,
-    xs_at)` returns one block's contribution: (<8 x float> partial sums, float offset or None)."""
+def _row_intrinsic(name, block, nbytes, per_block, tokens=1):
+    """An intrinsic `name(w, w_offset, x8, xd, xs, first, n_blocks)` -> a tuple of `tokens`
+    float32: the dot products of one row, n_blocks blocks of w from byte w_offset, with the q8
+    activations of tokens first.. first + tokens - 1 (x8 [T, n], xd and xs [T, n / 32]).
+    `block(b, arr, base, x_at, xd_at, xs_at)` returns one block's contribution for one token:
+    (<8 x float> partial sums, float offset or None). The tokens' calls share one block base, so
+    LLVM computes the weight's loads and unpacking once for all of them."""
 
-    def impl(typingctx, w, w_offset, x8, x_offset, xd, xd_offset, xs, xs_offset, n_blocks):
-        sig = types.float32(w, w_offset, x8, x_offset, xd, xd_offset, xs, xs_offset, n_blocks)
+    def impl(typingctx, w, w_offset, x8, xd, xs, first, n_blocks):
+        sig = types.UniTuple(types.float32, tokens)(w, w_offset, x8, xd, xs, first, n_blocks)
 
         def codegen(context, b, sig, args):
             arr = Arrays(context, b, sig, args)
-            w_off, x_off, xd_off, xs_off, nb = args[1], args[3], args[5], args[7], args[8]
-            acc = cgutils.alloca_once_value(b, ir.Constant(vec(F32, 8), [0.0] * 8))
-            offsets = cgutils.alloca_once_value(b, ir.Constant(F32, 0.0))
+            w_off, first, nb = args[1], args[5], args[6]
+            n_cols = cgutils.unpack_tuple(
+                b, context.make_array(sig.args[2])(context, b, args[2]).shape, 2
+            )[1]
+            n_groups = b.udiv(n_cols, _const(32, n_cols))
+            zero8 = ir.Constant(vec(F32, 8), [0.0] * 8)
+            accs = [cgutils.alloca_once_value(b, zero8) for _ in range(tokens)]
+            offsets = [cgutils.alloca_once_value(b, ir.Constant(F32, 0.0)) for _ in range(tokens)]
+            token_rows = [b.add(first, _const(t, first)) for t in range(tokens)]
             with cgutils.for_range(b, nb) as loop:
                 blk = loop.index
                 base = b.add(w_off, b.mul(blk, _const(nbytes, blk)))
-                x_at = b.add(x_off, b.mul(blk, _const(per_block, blk)))
                 groups = b.mul(blk, _const(per_block // 32, blk))
-                part, offset = block(
-                    b, arr, base, x_at, b.add(xd_off, groups), b.add(xs_off, groups)
-                )
-                b.store(b.fadd(b.load(acc), part, flags=FAST), acc)
-                if offset is not None:
-                    b.store(b.fadd(b.load(offsets), offset, flags=FAST), offsets)
-            return b.fadd(reduce_fadd(b, b.load(acc)), b.load(offsets), flags=FAST)
+                for row, acc, offs in zip(token_rows, accs, offsets):
+                    x_at = b.add(b.mul(row, n_cols), b.mul(blk, _const(per_block, blk)))
+                    g_at = b.add(b.mul(row, n_groups), groups)
+                    part, offset = block(b, arr, base, x_at, g_at, g_at)
+                    b.store(b.fadd(b.load(acc), part, flags=FAST), acc)
+                    if offset is not None:
+                        b.store(b.fadd(b.load(offs), offset, flags=FAST), offs)
+            sums = [
+                b.fadd(reduce_fadd(b, b.load(acc)), b.load(offs), flags=FAST)
+                for acc, offs in zip(accs, offsets)
+            ]
+            return context.make_tuple(b, sig.return_type, sums)
 
         return sig, codegen
 
@@ -204,7 +222,7 @@ def scaled(b, isum, scale):
 
 
 def _xd(b, arr, xd_at, group):
-    return arr.load(4, _at(b, xd_at, group), F32)
+    return arr.load(XD, _at(b, xd_at, group), F32)
 
 
 def _nibbles32(b, arr, at):
@@ -223,7 +241,7 @@ def _fifth_bits(b, arr, at):
 
 def _block_q8_0(b, arr, base, x_at, xd_at, xs_at):
     w8 = arr.load(0, _at(b, base, 2), I8, 32)
-    x8 = arr.load(2, x_at, I8, 32)
+    x8 = arr.load(X8, x_at, I8, 32)
     isum = sum8(b, madd(b, b.sext(w8, vec(I16, 32)), b.sext(x8, vec(I16, 32))))
     scale = b.fmul(half_at(arr, 0, base), _xd(b, arr, xd_at, 0), flags=FAST)
     return scaled(b, isum, scale), None
@@ -237,9 +255,9 @@ def _block_32(qs, qh, has_min, bias):
         q = _nibbles32(b, arr, _at(b, base, qs))
         if qh:
             q = b.or_(q, _fifth_bits(b, arr, _at(b, base, qh)))
-        isum = madd(b, maddubs(b, q, arr.load(2, x_at, I8, 32)), splat(I16, 16, 1))
+        isum = madd(b, maddubs(b, q, arr.load(X8, x_at, I8, 32)), splat(I16, 16, 1))
         d = half_at(arr, 0, base)
-        xs = arr.load(6, xs_at, F32)
+        xs = arr.load(XS, xs_at, F32)
         if has_min:
             offset = b.fmul(half_at(arr, 0, _at(b, base, 2)), xs, flags=FAST)
         else:
@@ -288,12 +306,12 @@ def _block_k(qh):
                 if qh:
                     bit = b.and_(b.lshr(high, splat(I8, 32, s)), splat(I8, 32, 1))
                     q = b.or_(q, b.shl(bit, splat(I8, 32, 4)))
-                pairs = maddubs(b, q, arr.load(2, _at(b, x_at, 32 * s), I8, 32))
+                pairs = maddubs(b, q, arr.load(X8, _at(b, x_at, 32 * s), I8, 32))
                 isum = madd(b, pairs, _shuffle(b, sc16, [s] * 16))
                 part = b.fadd(part, scaled(b, isum, _xd(b, arr, xd_at, s)), flags=FAST)
         # the minimums' term, lane s for sub-block s: added lane-wise to the partial sums (all
         # lanes are summed at the row's end), with no horizontal sum per block
-        xs = arr.load(6, xs_at, F32, 8)
+        xs = arr.load(XS, xs_at, F32, 8)
         dmin = broadcast(b, half_at(arr, 0, _at(b, base, 2)), 8)
         mterm = b.fmul(b.fmul(b.uitofp(mins, vec(F32, 8)), xs, flags=FAST), dmin, flags=FAST)
         d = broadcast(b, half_at(arr, 0, base), 8)
@@ -316,7 +334,7 @@ def _block_q6_k(b, arr, base, x_at, xd_at, xs_at):
             low = b.and_(b.lshr(low, splat(I8, 32, 4 * (k >> 1))), splat(I8, 32, 15))
             hi2 = b.and_(b.lshr(high, splat(I8, 32, 2 * k)), splat(I8, 32, 3))
             q = b.or_(low, b.shl(hi2, splat(I8, 32, 4)))
-            x8 = arr.load(2, _at(b, x_at, 128 * n + 32 * k), I8, 32)
+            x8 = arr.load(X8, _at(b, x_at, 128 * n + 32 * k), I8, 32)
             pairs = b.sub(maddubs(b, q, x8), maddubs(b, bias, x8))  # (q - 32) x, in int16
             s = 8 * n + 2 * k
             isum = madd(b, pairs, _shuffle(b, sc16, [s] * 8 + [s + 1] * 8))
@@ -325,14 +343,24 @@ def _block_q6_k(b, arr, base, x_at, xd_at, xs_at):
     return b.fmul(part, d, flags=FAST), None
 
 
-row_q8_0 = _row_intrinsic("row_q8_0", _block_q8_0, 34, 32)
-row_q4_0 = _row_intrinsic("row_q4_0", _block_32(2, 0, False, 8), 18, 32)
-row_q4_1 = _row_intrinsic("row_q4_1", _block_32(4, 0, True, 0), 20, 32)
-row_q5_0 = _row_intrinsic("row_q5_0", _block_32(6, 2, False, 16), 22, 32)
-row_q5_1 = _row_intrinsic("row_q5_1", _block_32(8, 4, True, 0), 24, 32)
-row_q4_k = _row_intrinsic("row_q4_k", _block_k(False), 144, 256)
-row_q5_k = _row_intrinsic("row_q5_k", _block_k(True), 176, 256)
-row_q6_k = _row_intrinsic("row_q6_k", _block_q6_k, 210, 256)
+# type name -> (block, bytes per block, values per block)
+Q8_BLOCKS = {
+    "Q8_0": (_block_q8_0, 34, 32),
+    "Q4_0": (_block_32(2, 0, False, 8), 18, 32),
+    "Q4_1": (_block_32(4, 0, True, 0), 20, 32),
+    "Q5_0": (_block_32(6, 2, False, 16), 22, 32),
+    "Q5_1": (_block_32(8, 4, True, 0), 24, 32),
+    "Q4_K": (_block_k(False), 144, 256),
+    "Q5_K": (_block_k(True), 176, 256),
+    "Q6_K": (_block_q6_k, 210, 256),
+}
+
+
+@lru_cache(maxsize=None)
+def q8_row(type_name: str, tokens: int):
+    """The row intrinsic of a type for `tokens` tokens at once."""
+    block, nbytes, per_block = Q8_BLOCKS[type_name]
+    return _row_intrinsic(f"row_{type_name.lower()}_x{tokens}", block, nbytes, per_block, tokens)
 
 
 @intrinsic
