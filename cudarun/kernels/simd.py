@@ -228,15 +228,21 @@ def _xd(b, arr, xd_at, group):
 def _nibbles32(b, arr, at):
     """The 32 four-bit values packed in 16 bytes (low nibbles are values 0-15) as <32 x i8>."""
     w16 = arr.load(0, at, I8, 16)
-    both = _shuffle(b, w16, list(range(16)) * 2)
-    return b.and_(b.lshr(both, ir.Constant(vec(I8, 32), [0] * 16 + [4] * 16)), splat(I8, 32, 15))
+    low = b.and_(w16, splat(I8, 16, 15))
+    high = b.lshr(w16, splat(I8, 16, 4))  # one shift for all lanes: x86 has no per-byte shifts
+    return b.shuffle_vector(low, high, ir.Constant(vec(I32, 32), list(range(32))))
 
 
 def _fifth_bits(b, arr, at):
-    """Bit j of the uint32 at byte `at`, as <32 x i8> of 0 or 16 (the Q5_0/Q5_1 fifth bit)."""
-    word = broadcast(b, arr.load(0, at, I32), 32)
-    bits = b.and_(b.lshr(word, ir.Constant(vec(I32, 32), list(range(32)))), splat(I32, 32, 1))
-    return b.shl(b.trunc(bits, vec(I8, 32)), splat(I8, 32, 4))
+    """Bit j of the uint32 at byte `at`, as <32 x i8> of 0 or 16 (the Q5_0/Q5_1 fifth bit): its
+    4 bytes spread to 8 lanes each, each lane masked by its own bit."""
+    four = arr.load(0, at, I8, 4)
+    spread = _shuffle(b, four, [j // 8 for j in range(32)])
+    masks = ir.Constant(
+        vec(I8, 32), [(1 << (j % 8)) - (256 if j % 8 == 7 else 0) for j in range(32)]
+    )
+    is_set = b.icmp_unsigned("!=", b.and_(spread, masks), splat(I8, 32, 0))
+    return b.select(is_set, splat(I8, 32, 16), splat(I8, 32, 0))
 
 
 def _block_q8_0(b, arr, base, x_at, xd_at, xs_at):
