@@ -88,7 +88,6 @@ def test_without_a_gpu_the_driver_says_so_in_one_line():
 
 @pytest.mark.gpu
 def test_arena_views_pinned_copies_events_and_graphs():
-
     driver.init()
     free, total = driver.mem_info()
     assert 0 < free <= total
