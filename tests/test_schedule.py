@@ -1,0 +1,66 @@
+"""The schedule validator: it accepts the prefetch pipeline and catches every missing wait, wrong
+slot, overlap and oversize, on hand-built and generated schedules."""
+
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from cudarun.schedule import Compute, Copy, Record, Slot, Wait, prefetch_schedule, validate
+
+
+def slots(n, nbytes=100):
+    return {f"slot:{i}": Slot(f"slot:{i}", i * nbytes, nbytes) for i in range(n)}
+
+
+def pipeline(n_layers, streamed_every, n_slots):
+    layers = [(f"layer{i}", f"w{i}" if i % streamed_every == 0 else None) for i in range(n_layers)]
+    sizes = {t: 100 for _, t in layers if t}
+    return prefetch_schedule(layers, n_slots), slots(n_slots), sizes
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(1, 12), st.integers(1, 3), st.integers(1, 4))
+def test_the_prefetch_pipeline_is_valid_and_every_wait_is_needed(n_layers, every, n_slots):
+    ops, sl, sizes = pipeline(n_layers, every, n_slots)
+    assert validate(ops, sl, sizes) == []
+    waits = [i for i, op in enumerate(ops) if isinstance(op, Wait)]
+    for w in waits:  # each wait removed in turn: the validator must object
+        assert validate(ops[:w] + ops[w + 1 :], sl, sizes), f"removing op {w} went unnoticed"
+
+
+def test_copies_run_ahead_of_the_compute_up_to_the_ring_size():
+    ops, _, _ = pipeline(6, 1, 2)
+    copies = [i for i, op in enumerate(ops) if isinstance(op, Copy)]
+    first_compute = next(i for i, op in enumerate(ops) if isinstance(op, Compute))
+    assert sum(c < first_compute for c in copies) == 2  # both slots filled before layer 0 runs
+
+
+def test_reading_a_slot_that_holds_another_tensor():
+    ops = [
+        Copy("copy", "a", "slot:0"),
+        Record("copy", "e"),
+        Wait("compute", "e"),
+        Compute("compute", "k", (("b", "slot:0"),)),
+    ]
+    (err,) = validate(ops, slots(1), {"a": 10, "b": 10})
+    assert "does not hold it" in err
+
+
+def test_layout_errors():
+    overlapping = {"s0": Slot("s0", 0, 100), "s1": Slot("s1", 50, 100)}
+    ops = [Copy("copy", "big", "s0")]
+    errors = validate(ops, overlapping, {"big": 150})
+    assert any("overlap" in e for e in errors) and any("does not fit" in e for e in errors)
+
+
+def test_waiting_on_an_event_never_recorded():
+    errors = validate([Wait("compute", "nope")], {}, {})
+    assert errors == ["op 0: compute waits on 'nope', never recorded before"]
+
+
+@pytest.mark.parametrize("late", [True, False])
+def test_a_record_issued_after_the_wait_does_not_order(late):
+    """CUDA waits on the most recent record at issue time: a later record does not count."""
+    ops = [Copy("copy", "a", "slot:0"), Record("copy", "e")]
+    use = [Wait("compute", "e"), Compute("compute", "k", (("a", "slot:0"),))]
+    ops = [ops[0]] + use + [ops[1]] if late else ops + use
+    assert bool(validate(ops, slots(1), {"a": 10})) == late
