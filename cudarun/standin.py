@@ -1,0 +1,168 @@
+"""A stand-in device for running schedules without a GPU: host memory as device memory, and one
+worker thread per queue, so copy and compute queues really run asynchronously.
+
+- A copy's data lands only when it completes, after a seeded random delay; until then the slot
+  holds NaN (its old contents are gone the moment the copy starts).
+- A compute reads its slots at the start and again after its own random delay: a copy landing
+  in between is seen.
+- Work on one queue waits for another only through events: a `Wait` blocks its worker until the
+  most recent `Record` of that event issued before it has executed.
+- The stand-in tracks every slot write and read with vector clocks carried by the events, so a
+  read that is not ordered after its copy, or a copy not ordered after the slot's last readers,
+  is reported even when the timing happened to work out (`violations`).
+
+It executes `schedule` operations; a `Compute` may carry a kernel (`kernels[name]`) that receives
+the slots' arrays by name.
+"""
+
+from __future__ import annotations
+
+import queue
+import random
+import threading
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .schedule import Compute, Copy, Op, Record, Slot, Wait
+
+
+@dataclass
+class _Recorded:
+    done: threading.Event = field(default_factory=threading.Event)
+    clock: dict[str, int] = field(default_factory=dict)
+
+
+@dataclass
+class _SlotState:
+    tensor: str | None = None
+    landed: bool = False
+    written_at: tuple[str, int] | None = None  # (queue, sequence) of the copy
+    readers: list[tuple[str, int]] = field(default_factory=list)
+
+
+class StandInDevice:
+    def __init__(self, slots: dict[str, Slot], host: dict[str, np.ndarray], seed: int,
+                 copy_delay_s=(0.0005, 0.003), compute_delay_s=(0.0002, 0.001)):  # fmt: skip
+        self.host = host  # tensor name -> its bytes' values (float32), as pinned host memory
+        self.memory = {s.name: np.full(s.nbytes // 4, np.nan, np.float32) for s in slots.values()}
+        self.state = {name: _SlotState() for name in slots}
+        self.rng = random.Random(seed)
+        self.copy_delay_s, self.compute_delay_s = copy_delay_s, compute_delay_s
+        self.violations: list[str] = []
+        self._lock = threading.Lock()
+        self._queues: dict[str, queue.Queue] = {}
+        self._workers: dict[str, threading.Thread] = {}
+        self._clocks: dict[str, dict[str, int]] = {}
+        self._latest: dict[str, _Recorded] = {}
+
+    # -- issuing (the host side) ------------------------------------------------------------
+
+    def execute(self, ops: list[Op], kernels: dict | None = None) -> list[str]:
+        """Issue every operation in order, wait for all queues, return the violations."""
+        for op in ops:
+            self.issue(op, kernels or {})
+        self.synchronize()
+        return self.violations
+
+    def issue(self, op: Op, kernels: dict) -> None:
+        q = self._queue(op.queue)
+        if isinstance(op, Record):
+            rec = _Recorded()
+            self._latest[op.event] = rec  # later waits see this record, earlier ones do not
+            q.put((op, rec, None))
+        elif isinstance(op, Wait):
+            q.put((op, self._latest.get(op.event), None))  # never recorded: CUDA waits on nothing
+        else:
+            delay = self.rng.uniform(
+                *(self.copy_delay_s if isinstance(op, Copy) else self.compute_delay_s)
+            )
+            q.put((op, delay, kernels.get(getattr(op, "name", None))))
+
+    def synchronize(self) -> None:
+        for q in self._queues.values():
+            q.join()
+
+    def close(self) -> None:
+        for q in self._queues.values():
+            q.put(None)
+        for w in self._workers.values():
+            w.join()
+
+    def _queue(self, name: str) -> queue.Queue:
+        if name not in self._queues:
+            self._queues[name] = queue.Queue()
+            self._clocks[name] = {}
+            worker = threading.Thread(target=self._run, args=(name,), daemon=True)
+            self._workers[name] = worker
+            worker.start()
+        return self._queues[name]
+
+    # -- executing (the device side) --------------------------------------------------------
+
+    def _run(self, name: str) -> None:
+        q = self._queues[name]
+        while (item := q.get()) is not None:
+            op, arg, kernel = item
+            clock = self._clocks[name]
+            clock[name] = clock.get(name, 0) + 1
+            if isinstance(op, Record):
+                arg.clock = dict(clock)
+                arg.done.set()
+            elif isinstance(op, Wait) and arg is not None:
+                arg.done.wait()
+                for k, v in arg.clock.items():
+                    clock[k] = max(clock.get(k, 0), v)
+            elif isinstance(op, Copy):
+                self._copy(op, arg, name, clock)
+            elif isinstance(op, Compute):
+                self._compute(op, arg, kernel, name, clock)
+            q.task_done()
+        q.task_done()
+
+    def _ordered(self, clock: dict[str, int], at: tuple[str, int]) -> bool:
+        return clock.get(at[0], 0) >= at[1]
+
+    def _copy(self, op: Copy, delay: float, name: str, clock: dict[str, int]) -> None:
+        slot = self.state[op.slot]
+        with self._lock:
+            for reader in slot.readers:
+                if not self._ordered(clock, reader):
+                    self._violate(f"copy of {op.tensor} into {op.slot} overwrites {slot.tensor} "
+                                  f"before its read on {reader[0]} is ordered to finish")  # fmt: skip
+            slot.tensor, slot.landed, slot.readers = op.tensor, False, []
+            self.memory[op.slot][:] = np.nan  # the old contents are gone
+        time.sleep(delay)
+        data = self.host[op.tensor]
+        with self._lock:
+            if slot.tensor == op.tensor:
+                self.memory[op.slot][: data.size] = data
+                slot.landed, slot.written_at = True, (name, clock[name])
+
+    def _compute(self, op: Compute, delay: float, kernel, name: str, clock: dict[str, int]) -> None:
+        seen = [self._read(op, tensor, slot, name, clock) for tensor, slot in op.reads]
+        time.sleep(delay)
+        for (tensor, slot), before in zip(op.reads, seen):
+            if before is not None and not np.array_equal(before, self.memory[slot], equal_nan=True):
+                self._violate(f"{op.name}: {slot} changed while it read {tensor}")
+        if kernel is not None and all(s is not None for s in seen):
+            kernel({slot: self.memory[slot] for _, slot in op.reads})
+
+    def _read(self, op: Compute, tensor: str, slot_name: str, name: str, clock: dict[str, int]):
+        slot = self.state[slot_name]
+        with self._lock:
+            if slot.tensor != tensor or not slot.landed:
+                self._violate(f"{op.name} read {slot_name} holding {slot.tensor} "
+                              f"({'landed' if slot.landed else 'in flight'}), wanted {tensor}")  # fmt: skip
+                return None
+            if not self._ordered(clock, slot.written_at):
+                self._violate(f"{op.name} read {tensor} in {slot_name}, not ordered after its copy")
+            slot.readers.append((name, clock[name]))
+            view = self.memory[slot_name]
+            if np.isnan(view[: self.host[tensor].size]).any():
+                self._violate(f"{op.name} read NaN from {slot_name}")
+            return view.copy()
+
+    def _violate(self, what: str) -> None:
+        self.violations.append(what)
