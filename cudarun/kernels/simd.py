@@ -4,17 +4,17 @@ Numba's auto-vectorizer turns a scalar loop over 4-bit or 8-bit quants into floa
 FMAs, 8 values per instruction: on a two-core host that decoded Q4_K at a quarter of llama.cpp's
 rate. These intrinsics do what ggml's CPU kernels do, with activations quantized to int8 (the
 "q8" path; CONTRACTS.md tolerance for int8 activation dot products): unsigned-by-signed byte
-products summed in pairs (`pmaddubsw` on x86), pairs of those summed with the sub-block scales
-(`pmaddwd`), the block sums kept in a float vector and reduced once per row. The IR is generic
-(no target intrinsics): LLVM picks the instructions the host has.
+products summed in pairs (`pmaddubsw`), pairs of those summed with the sub-block scales
+(`pmaddwd`), the block sums kept in a float vector and reduced once per row. On x86 with AVX2
+those two instructions are named; elsewhere the same operations are generic IR.
 
-Each intrinsic returns one row's dot product with one token's quantized activations:
-`x8` int8 values, `xd` their float32 scale per 32 values, `xs` the sum per 32 of the quantized
-values times their scale (the weight's minimums and offsets multiply it: using the quantized sum
-makes a block's result the exact dot of its dequantized weights with the dequantized activations,
-whose error does not grow with the weights' mean). llama.cpp groups K-quant activations by 256;
-groups of 32 cost a float multiply per sub-block and halve the error on Gaussian inputs. Offsets are in
-elements of the array passed; weight offsets are bytes of the GGUF tensor.
+A row intrinsic (`q8_row(type, tokens)`) returns one row's dot products with `tokens` tokens'
+quantized activations: `x8` int8 values, `xd` their float32 scale per 32 values, `xs` the sum
+per 32 of the quantized values times their scale. The weight's minimums and offsets multiply
+`xs`: using the quantized sum makes a block's result the exact dot of its dequantized weights
+with the dequantized activations, whose error does not grow with the weights' mean. llama.cpp
+groups K-quant activations by 256; groups of 32 cost a float multiply per sub-block and halve
+the error on Gaussian inputs. Weight offsets are bytes of the GGUF tensor.
 """
 
 from __future__ import annotations
