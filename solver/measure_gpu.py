@@ -41,21 +41,17 @@ def measure_gpu(quick: bool = False, progress: Callable[[str], None] = lambda s:
     ceiling = bench_gpu.d2d_ceiling(stream, timer, (256 << 20) if quick else bench_gpu.GIB)
     progress("GPU: fp16 GEMM")
     gemm = bench_gpu.gemm_fp16(stream, timer)
-    matvec, matmul = {}, {}
-    for name in types:
-        t = qtype(name).ggml
+
+    def rates(bench, name, counts, against):
         row = {}
-        for n in MATVEC_TOKENS:
-            progress(f"GPU: matvec {name} x{n}")
-            r = bench_gpu.matvec(stream, timer, t, shape, n, ceiling)
+        for n in counts:
+            progress(f"GPU: {bench.__name__} {name} x{n}")
+            r = bench(stream, timer, qtype(name).ggml, shape, n, against)
             row[n] = Figure(r.value, f"{src}; {r.what}")
-        matvec[name] = row
-        row = {}
-        for n in PREFILL_TOKENS:
-            progress(f"GPU: prefill {name} x{n}")
-            r = bench_gpu.prefill(stream, timer, t, shape, n, gemm)
-            row[n] = Figure(r.value, f"{src}; {r.what}")
-        matmul[name] = row
+        return row
+
+    matvec = {name: rates(bench_gpu.matvec, name, MATVEC_TOKENS, ceiling) for name in types}
+    matmul = {name: rates(bench_gpu.prefill, name, PREFILL_TOKENS, gemm) for name in types}
     matvec[ANY_TYPE], matmul[ANY_TYPE] = matvec["Q4_K"], matmul["Q4_K"]
     progress("GPU: PCIe")
     h2d, d2h, latency, h2d_busy = bench_gpu.pcie(stream, timer)

@@ -14,6 +14,7 @@ from .. import compat  # noqa: F401  (before numba.cuda)
 from numba import cuda, float32  # noqa: E402
 
 from . import THREADS  # noqa: E402
+from .elementwise import block_reduce  # noqa: E402
 
 MAX_HEAD_DIM = 256
 
@@ -116,15 +117,9 @@ def decode_partial(q, k, v, q_pos, k_pos, scale, window, chunk, partial):
         cuda.syncthreads()
         for h in range(group):  # tile max per head, then the new running max
             red[tid] = ps[h, tid]
-            cuda.syncthreads()
-            step = TILE // 2
-            while step > 0:
-                if tid < step:
-                    red[tid] = max(red[tid], red[tid + step])
-                cuda.syncthreads()
-                step //= 2
+            top = block_reduce(red, tid, True)
             if tid == 0:
-                new_m = max(ms[h], red[0])
+                new_m = max(ms[h], top)
                 shrink[h] = math.exp(ms[h] - new_m) if new_m > -math.inf else 1.0
                 ms[h] = new_m
             cuda.syncthreads()
@@ -134,15 +129,9 @@ def decode_partial(q, k, v, q_pos, k_pos, scale, window, chunk, partial):
                 p = math.exp(ps[h, tid] - ms[h])
             ps[h, tid] = p
             red[tid] = p
-            cuda.syncthreads()
-            step = TILE // 2
-            while step > 0:
-                if tid < step:
-                    red[tid] += red[tid + step]
-                cuda.syncthreads()
-                step //= 2
+            total = block_reduce(red, tid, False)
             if tid == 0:
-                ss[h] = ss[h] * shrink[h] + red[0]
+                ss[h] = ss[h] * shrink[h] + total
             cuda.syncthreads()
         for r in range(DIMS_PER_THREAD):  # this thread's output dims: tid + r * TILE
             i = tid + r * TILE

@@ -96,7 +96,7 @@ def _q8_kernel(qtype, tokens: int):
     def matvec(raw, x8, xd, xs, out, n_rows, n_cols):
         blocks = n_cols // per_block
         for r in prange(n_rows):
-            sums = row(raw, r * blocks * block_nbytes, x8, xd, xs, 0, blocks)
+            sums = row(raw, r * blocks * block_nbytes, x8, xd, xs, blocks)
             for t in range(tokens):
                 out[t, r] = sums[t]
 

@@ -17,32 +17,10 @@ from numba import cuda, float32  # noqa: E402
 from . import THREADS  # noqa: E402
 
 
-@cuda.jit
-def rms_norm(x, weight, out, eps, has_weight):
-    """One thread block per row of x [T, n]."""
-    row, tid = cuda.blockIdx.x, cuda.threadIdx.x
-    n = x.shape[1]
-    partial = cuda.shared.array(THREADS, float32)
-    s = float32(0.0)
-    for i in range(tid, n, THREADS):
-        s += x[row, i] * x[row, i]
-    partial[tid] = s
-    cuda.syncthreads()
-    step = THREADS // 2
-    while step > 0:
-        if tid < step:
-            partial[tid] += partial[tid + step]
-        cuda.syncthreads()
-        step //= 2
-    scale = 1.0 / math.sqrt(partial[0] / n + eps)
-    for i in range(tid, n, THREADS):
-        v = x[row, i] * scale
-        out[row, i] = v * weight[i] if has_weight else v
-
-
 @cuda.jit(device=True)
-def _block_reduce(partial, tid, use_max):
-    """Reduce partial[0:THREADS] into partial[0] (max or sum); every thread reads it after."""
+def block_reduce(partial, tid, use_max):
+    """The max or sum of partial[0:THREADS], which each thread has just written its share of;
+    every thread gets it. The row kernels here, MoE and decode attention reduce through this."""
     cuda.syncthreads()
     step = THREADS // 2
     while step > 0:
@@ -59,6 +37,22 @@ def _block_reduce(partial, tid, use_max):
 
 
 @cuda.jit
+def rms_norm(x, weight, out, eps, has_weight):
+    """One thread block per row of x [T, n]."""
+    row, tid = cuda.blockIdx.x, cuda.threadIdx.x
+    n = x.shape[1]
+    partial = cuda.shared.array(THREADS, float32)
+    s = float32(0.0)
+    for i in range(tid, n, THREADS):
+        s += x[row, i] * x[row, i]
+    partial[tid] = s
+    scale = 1.0 / math.sqrt(block_reduce(partial, tid, False) / n + eps)
+    for i in range(tid, n, THREADS):
+        v = x[row, i] * scale
+        out[row, i] = v * weight[i] if has_weight else v
+
+
+@cuda.jit
 def softmax(x, out):
     """Row-wise softmax of x [T, n] (one thread block per row), max-subtracted."""
     row, tid = cuda.blockIdx.x, cuda.threadIdx.x
@@ -68,14 +62,14 @@ def softmax(x, out):
     for i in range(tid, n, THREADS):
         top = max(top, x[row, i])
     partial[tid] = top
-    top = _block_reduce(partial, tid, True)
+    top = block_reduce(partial, tid, True)
     s = float32(0.0)
     for i in range(tid, n, THREADS):
         e = math.exp(x[row, i] - top)
         out[row, i] = e
         s += e
     partial[tid] = s
-    total = _block_reduce(partial, tid, False)
+    total = block_reduce(partial, tid, False)
     for i in range(tid, n, THREADS):
         out[row, i] = out[row, i] / total
 

@@ -77,15 +77,9 @@ def expert_matvec_kernel(qtype):
             for i in range(per_block):
                 acc += vals[i] * x[src, b * per_block + i]
         partial[tid] = acc
-        cuda.syncthreads()
-        step = THREADS // 2
-        while step > 0:
-            if tid < step:
-                partial[tid] += partial[tid + step]
-            cuda.syncthreads()
-            step //= 2
+        total = elementwise.block_reduce(partial, tid, False)
         if tid == 0:
-            out[slot, row] = partial[0]
+            out[slot, row] = total
 
     return expert_matvec
 

@@ -172,19 +172,19 @@ def _at(b, base, value):
 
 
 def _row_intrinsic(name, block, nbytes, per_block, tokens=1):
-    """An intrinsic `name(w, w_offset, x8, xd, xs, first, n_blocks)` -> a tuple of `tokens`
-    float32: the dot products of one row, n_blocks blocks of w from byte w_offset, with the q8
-    activations of tokens first.. first + tokens - 1 (x8 [T, n], xd and xs [T, n / 32]).
-    `block(b, arr, base, x_at, xd_at, xs_at)` returns one block's contribution for one token:
-    (<8 x float> partial sums, float offset or None). The tokens' calls share one block base, so
+    """An intrinsic `name(w, w_offset, x8, xd, xs, n_blocks)` -> a tuple of `tokens` float32: the
+    dot products of one row, n_blocks blocks of w from byte w_offset, with the q8 activations of
+    tokens 0.. tokens - 1 (x8 [T, n], xd and xs [T, n / 32]). `block(b, arr, base, x_at, g_at)`
+    returns one block's contribution for one token, its activations from x8 element x_at and
+    xd/xs element g_at: (<8 x float> partial sums, float offset or None). The tokens' calls share one block base, so
     LLVM computes the weight's loads and unpacking once for all of them."""
 
-    def impl(typingctx, w, w_offset, x8, xd, xs, first, n_blocks):
-        sig = types.UniTuple(types.float32, tokens)(w, w_offset, x8, xd, xs, first, n_blocks)
+    def impl(typingctx, w, w_offset, x8, xd, xs, n_blocks):
+        sig = types.UniTuple(types.float32, tokens)(w, w_offset, x8, xd, xs, n_blocks)
 
         def codegen(context, b, sig, args):
             arr = Arrays(context, b, sig, args)
-            w_off, first, nb = args[1], args[5], args[6]
+            w_off, nb = args[1], args[5]
             n_cols = cgutils.unpack_tuple(
                 b, context.make_array(sig.args[2])(context, b, args[2]).shape, 2
             )[1]
@@ -192,15 +192,16 @@ def _row_intrinsic(name, block, nbytes, per_block, tokens=1):
             zero8 = ir.Constant(vec(F32, 8), [0.0] * 8)
             accs = [cgutils.alloca_once_value(b, zero8) for _ in range(tokens)]
             offsets = [cgutils.alloca_once_value(b, ir.Constant(F32, 0.0)) for _ in range(tokens)]
-            token_rows = [b.add(first, _const(t, first)) for t in range(tokens)]
             with cgutils.for_range(b, nb) as loop:
                 blk = loop.index
                 base = b.add(w_off, b.mul(blk, _const(nbytes, blk)))
                 groups = b.mul(blk, _const(per_block // 32, blk))
-                for row, acc, offs in zip(token_rows, accs, offsets):
-                    x_at = b.add(b.mul(row, n_cols), b.mul(blk, _const(per_block, blk)))
-                    g_at = b.add(b.mul(row, n_groups), groups)
-                    part, offset = block(b, arr, base, x_at, g_at, g_at)
+                for row, (acc, offs) in enumerate(zip(accs, offsets)):
+                    x_at = b.add(
+                        b.mul(_const(row, n_cols), n_cols), b.mul(blk, _const(per_block, blk))
+                    )
+                    g_at = b.add(b.mul(_const(row, n_groups), n_groups), groups)
+                    part, offset = block(b, arr, base, x_at, g_at)
                     b.store(b.fadd(b.load(acc), part, flags=FAST), acc)
                     if offset is not None:
                         b.store(b.fadd(b.load(offs), offset, flags=FAST), offs)
@@ -221,8 +222,8 @@ def scaled(b, isum, scale):
     return b.fmul(b.sitofp(isum, vec(F32, 8)), broadcast(b, scale, 8), flags=FAST)
 
 
-def _xd(b, arr, xd_at, group):
-    return arr.load(XD, _at(b, xd_at, group), F32)
+def _xd(b, arr, g_at, group):
+    return arr.load(XD, _at(b, g_at, group), F32)
 
 
 def _nibbles32(b, arr, at):
@@ -245,11 +246,11 @@ def _fifth_bits(b, arr, at):
     return b.select(is_set, splat(I8, 32, 16), splat(I8, 32, 0))
 
 
-def _block_q8_0(b, arr, base, x_at, xd_at, xs_at):
+def _block_q8_0(b, arr, base, x_at, g_at):
     w8 = arr.load(0, _at(b, base, 2), I8, 32)
     x8 = arr.load(X8, x_at, I8, 32)
     isum = sum8(b, madd(b, b.sext(w8, vec(I16, 32)), b.sext(x8, vec(I16, 32))))
-    scale = b.fmul(half_at(arr, 0, base), _xd(b, arr, xd_at, 0), flags=FAST)
+    scale = b.fmul(half_at(arr, 0, base), _xd(b, arr, g_at, 0), flags=FAST)
     return scaled(b, isum, scale), None
 
 
@@ -257,18 +258,18 @@ def _block_32(qs, qh, has_min, bias):
     """Q4_0, Q4_1, Q5_0, Q5_1: unsigned q (nibble, plus a fifth bit from the uint32 at qh),
     value d (q - bias) or d q + m; sum(x) comes from xs (the quantized activations' own sum)."""
 
-    def block(b, arr, base, x_at, xd_at, xs_at):
+    def block(b, arr, base, x_at, g_at):
         q = _nibbles32(b, arr, _at(b, base, qs))
         if qh:
             q = b.or_(q, _fifth_bits(b, arr, _at(b, base, qh)))
         isum = madd(b, maddubs(b, q, arr.load(X8, x_at, I8, 32)), splat(I16, 16, 1))
         d = half_at(arr, 0, base)
-        xs = arr.load(XS, xs_at, F32)
+        xs = arr.load(XS, g_at, F32)
         if has_min:
             offset = b.fmul(half_at(arr, 0, _at(b, base, 2)), xs, flags=FAST)
         else:
             offset = b.fmul(b.fmul(d, ir.Constant(F32, -float(bias)), flags=FAST), xs, flags=FAST)
-        return scaled(b, isum, b.fmul(d, _xd(b, arr, xd_at, 0), flags=FAST)), offset
+        return scaled(b, isum, b.fmul(d, _xd(b, arr, g_at, 0), flags=FAST)), offset
 
     return block
 
@@ -300,7 +301,7 @@ def _block_k(qh):
     are sub-block 2c, high 2c+1); value d sc q - dmin m. Activations grouped by 256."""
     qs = 48 if qh else 16
 
-    def block(b, arr, base, x_at, xd_at, xs_at):
+    def block(b, arr, base, x_at, g_at):
         scales, mins = k4_scales(b, arr, base)
         sc16 = b.zext(scales, vec(I16, 8))
         high = arr.load(0, _at(b, base, 16), I8, 32) if qh else None
@@ -314,10 +315,10 @@ def _block_k(qh):
                     q = b.or_(q, b.shl(bit, splat(I8, 32, 4)))
                 pairs = maddubs(b, q, arr.load(X8, _at(b, x_at, 32 * s), I8, 32))
                 isum = madd(b, pairs, _shuffle(b, sc16, [s] * 16))
-                part = b.fadd(part, scaled(b, isum, _xd(b, arr, xd_at, s)), flags=FAST)
+                part = b.fadd(part, scaled(b, isum, _xd(b, arr, g_at, s)), flags=FAST)
         # the minimums' term, lane s for sub-block s: added lane-wise to the partial sums (all
         # lanes are summed at the row's end), with no horizontal sum per block
-        xs = arr.load(XS, xs_at, F32, 8)
+        xs = arr.load(XS, g_at, F32, 8)
         dmin = broadcast(b, half_at(arr, 0, _at(b, base, 2)), 8)
         mterm = b.fmul(b.fmul(b.uitofp(mins, vec(F32, 8)), xs, flags=FAST), dmin, flags=FAST)
         d = broadcast(b, half_at(arr, 0, base), 8)
@@ -326,7 +327,7 @@ def _block_k(qh):
     return block
 
 
-def _block_q6_k(b, arr, base, x_at, xd_at, xs_at):
+def _block_q6_k(b, arr, base, x_at, g_at):
     """Q6_K (210 B / 256): ql[128], qh[64], int8 scales[16] (one per 16 values), d last; in each
     half n of 128 values, quarter k, lane l: q = (ql[64n + l + 32 (k & 1)] >> 4 (k >> 1)) & 15
     | ((qh[32n + l] >> 2k) & 3) << 4, value d sc[8n + l / 16 + 2k] (q - 32)."""
@@ -344,7 +345,7 @@ def _block_q6_k(b, arr, base, x_at, xd_at, xs_at):
             pairs = b.sub(maddubs(b, q, x8), maddubs(b, bias, x8))  # (q - 32) x, in int16
             s = 8 * n + 2 * k
             isum = madd(b, pairs, _shuffle(b, sc16, [s] * 8 + [s + 1] * 8))
-            part = b.fadd(part, scaled(b, isum, _xd(b, arr, xd_at, 4 * n + k)), flags=FAST)
+            part = b.fadd(part, scaled(b, isum, _xd(b, arr, g_at, 4 * n + k)), flags=FAST)
     d = broadcast(b, half_at(arr, 0, _at(b, base, 208)), 8)
     return b.fmul(part, d, flags=FAST), None
 
