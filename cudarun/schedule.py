@@ -4,16 +4,17 @@ that the ordering is enough.
 
 A schedule is a list of operations in host issue order:
 - `Copy(queue, tensor, slot)`: the tensor's bytes into a ring slot (H2D of a streamed weight);
-- `Compute(queue, name, reads)`: a kernel (or a CPU op, on the "cpu" queue) that reads tensors
-  from slots, `reads` = ((tensor, slot), ...);
+- `Compute(queue, name, reads, writes)`: a kernel (or a CPU op, on the "cpu" queue) that reads
+  tensors from slots and writes others into slots, each ((tensor, slot), ...) — the ring slots of
+  streamed weights, and the activation hand-off between the compute and CPU queues;
 - `Record(queue, event)`: the event completes when the queue's earlier work has;
 - `Wait(queue, event)`: the queue's later work starts after the event's most recent record.
 
 As on CUDA streams, two operations are ordered only if they are on one queue, or a chain of
 record -> wait links one to the other (`happens_before`, computed with vector clocks). The
-validator checks, for every read of a slot: the slot's latest copy (in issue order) is of that
-tensor and happens before the read, and the slot's next copy happens after it (a slot is reused
-only once its readers are done); that every tensor fits its slot and no two slots overlap; and
+validator checks, for every read of a slot: the slot's latest write (a copy or a compute's, in
+issue order, before the reading operation) is of that tensor and happens before the read, and
+the slot's next write happens after it (a slot is reused only once its readers are done); that every tensor fits its slot and no two slots overlap; and
 that no queue waits on an event never recorded.
 """
 
@@ -41,6 +42,7 @@ class Compute:
     queue: str
     name: str
     reads: tuple[tuple[str, str], ...] = ()
+    writes: tuple[tuple[str, str], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -90,29 +92,32 @@ def validate(ops: list[Op], slots: dict[str, Slot], tensor_nbytes: dict[str, int
     errors = _layout_errors(ops, slots, tensor_nbytes)
     vclocks, wait_errors = clocks(ops)
     errors += wait_errors
-    copies: dict[str, list[int]] = {}  # slot -> indices of its copies, in issue order
+    writers: dict[str, list[tuple[int, str]]] = {}  # slot -> (op index, tensor), issue order
     for i, op in enumerate(ops):
         if isinstance(op, Copy):
-            copies.setdefault(op.slot, []).append(i)
+            writers.setdefault(op.slot, []).append((i, op.tensor))
+        elif isinstance(op, Compute):
+            for tensor, slot in op.writes:
+                writers.setdefault(slot, []).append((i, tensor))
     for i, op in enumerate(ops):
         if not isinstance(op, Compute):
             continue
         for tensor, slot in op.reads:
-            before = [c for c in copies.get(slot, []) if c < i]
-            after = [c for c in copies.get(slot, []) if c > i]
-            if not before or ops[before[-1]].tensor != tensor:
+            before = [w for w in writers.get(slot, []) if w[0] < i]
+            after = [w for w in writers.get(slot, []) if w[0] > i]
+            if not before or before[-1][1] != tensor:
                 errors.append(
                     f"op {i} ({op.name}) reads {tensor} from {slot}, which does not hold it"
                 )
                 continue
-            if not happens_before(ops, vclocks, before[-1], i):
+            if not happens_before(ops, vclocks, before[-1][0], i):
                 errors.append(
-                    f"op {i} ({op.name}) reads {tensor} from {slot} before its copy (op "
-                    f"{before[-1]}) is ordered to complete"
+                    f"op {i} ({op.name}) reads {tensor} from {slot} before its write (op "
+                    f"{before[-1][0]}) is ordered to complete"
                 )
-            if after and not happens_before(ops, vclocks, i, after[0]):
+            if after and not happens_before(ops, vclocks, i, after[0][0]):
                 errors.append(
-                    f"op {after[0]} overwrites {slot} with {ops[after[0]].tensor} before op {i} "
+                    f"op {after[0][0]} overwrites {slot} with {after[0][1]} before op {i} "
                     f"({op.name}) is ordered to finish reading {tensor}"
                 )
     return errors
@@ -136,37 +141,65 @@ def _layout_errors(ops, slots, tensor_nbytes) -> list[str]:
     return errors
 
 
-def prefetch_schedule(layers: list[tuple[str, str | None]], n_slots: int) -> list[Op]:
-    """The streamed-weights pipeline: layers [(compute name, streamed tensor or None)] run in order
-    on the compute queue; the k-th streamed tensor is copied on the copy queue into slot
-    k % n_slots, up to n_slots streamed tensors ahead. A copy waits for the event of the last
-    compute that read its slot; a compute waits for its tensor's copy."""
+@dataclass(frozen=True)
+class Step:
+    """One operation of the forward pass: its name, its queue ("compute" or "cpu"), and the
+    streamed units (weight groups, or a layer's KV) it reads from ring slots."""
+
+    name: str
+    queue: str
+    units: tuple[str, ...] = ()
+
+
+ACT = "act"  # the activation hand-off: each step reads its predecessor's output, writes its own
+
+
+def pipeline_schedule(steps: list[Step], n_slots: int) -> list[Op]:
+    """The operations of one ubatch: the steps in order, each on its queue, reading the previous
+    step's activations (slot `act`) and writing its own; a step on another queue than its
+    predecessor waits for the predecessor's event. Streamed units are copied on the copy queue,
+    in order of first use, the k-th into slot k % n_slots, as far ahead as the ring allows: a copy
+    waits for the event recorded after the last reader of the unit its slot held, a step for the
+    copies of the units it is the first to read."""
+    first, last = {}, {}
+    for i, step in enumerate(steps):
+        for u in step.units:
+            first.setdefault(u, i)
+            last[u] = i
+    units = sorted(first, key=lambda u: (first[u], steps[first[u]].units.index(u)))
+    slot_of = {u: f"slot:{k % n_slots}" for k, u in enumerate(units)}
     ops: list[Op] = []
-    slot_of: dict[int, str] = {}
-    last_reader: dict[str, str] = {}  # slot -> event recorded after its last reader
-    streamed = [i for i, (_, tensor) in enumerate(layers) if tensor is not None]
-
-    def issue_copy(k: int) -> None:
-        i = streamed[k]
-        slot = f"slot:{k % n_slots}"
-        slot_of[i] = slot
-        if slot in last_reader:
-            ops.append(Wait("copy", last_reader[slot]))
-        ops.append(Copy("copy", layers[i][1], slot))
-        ops.append(Record("copy", f"loaded:{i}"))
-
     issued = 0
-    for i, (name, tensor) in enumerate(layers):
-        # every copy whose slot's previous reader is already issued goes now: up to n_slots
-        # streamed tensors in flight ahead of the compute
-        while issued < len(streamed) and (issued < n_slots or streamed[issued - n_slots] < i):
-            issue_copy(issued)
+
+    def issue_copies(done_through: int) -> None:
+        # a copy goes once the last reader of its slot's previous unit has been issued
+        nonlocal issued
+        while issued < len(units) and (
+            issued < n_slots or last[units[issued - n_slots]] <= done_through
+        ):
+            u = units[issued]
+            if issued >= n_slots:
+                ops.append(Wait("copy", f"read:{units[issued - n_slots]}"))
+            ops.append(Copy("copy", u, slot_of[u]))
+            ops.append(Record("copy", f"loaded:{u}"))
             issued += 1
-        if tensor is None:
-            ops.append(Compute("compute", name))
-            continue
-        ops.append(Wait("compute", f"loaded:{i}"))
-        ops.append(Compute("compute", name, ((tensor, slot_of[i]),)))
-        ops.append(Record("compute", f"read:{i}"))
-        last_reader[slot_of[i]] = f"read:{i}"
+
+    issue_copies(-1)
+    for i, step in enumerate(steps):
+        if i and steps[i - 1].queue != step.queue:
+            ops.append(Wait(step.queue, f"done:{steps[i - 1].name}"))
+        for u in step.units:
+            if first[u] == i:
+                ops.append(Wait(step.queue, f"loaded:{u}"))
+        reads = tuple((u, slot_of[u]) for u in step.units)
+        if i:
+            reads += ((f"{ACT}@{steps[i - 1].name}", ACT),)
+        ops.append(Compute(step.queue, step.name, reads, ((f"{ACT}@{step.name}", ACT),)))
+        if i + 1 < len(steps) and steps[i + 1].queue != step.queue:
+            ops.append(Record(step.queue, f"done:{step.name}"))
+        finished = [u for u in step.units if last[u] == i]
+        for u in finished:
+            ops.append(Record(step.queue, f"read:{u}"))
+        if finished:
+            issue_copies(i)
     return ops

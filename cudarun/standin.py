@@ -2,7 +2,7 @@
 worker thread per queue, so copy and compute queues really run asynchronously.
 
 - A copy's data lands only when it completes, after a seeded random delay; until then the slot
-  holds NaN (its old contents are gone the moment the copy starts).
+  holds 0xFF bytes, NaN in fp16 and fp32 (its old contents are gone the moment the copy starts).
 - A compute reads its slots at the start and again after its own random delay: a copy landing
   in between is seen.
 - Work on one queue waits for another only through events: a `Wait` blocks its worker until the
@@ -12,7 +12,8 @@ worker thread per queue, so copy and compute queues really run asynchronously.
   is reported even when the timing happened to work out (`violations`).
 
 It executes `schedule` operations; a `Compute` may carry a kernel (`kernels[name]`) that receives
-the slots' arrays by name.
+the slots' byte arrays by name. A slot without memory (the activation hand-off, whose data the
+kernels keep themselves) is tracked all the same.
 """
 
 from __future__ import annotations
@@ -42,12 +43,19 @@ class _SlotState:
     readers: list[tuple[str, int]] = field(default_factory=list)
 
 
+POISON = 0xFF
+
+
 class StandInDevice:
-    def __init__(self, slots: dict[str, Slot], host: dict[str, np.ndarray], seed: int,
+    def __init__(self, slots: dict[str, Slot], host, seed: int, memory=None,
                  copy_delay_s=(0.0005, 0.003), compute_delay_s=(0.0002, 0.001)):  # fmt: skip
-        self.host = host  # tensor name -> its bytes' values (float32), as pinned host memory
-        self.memory = {s.name: np.full(s.nbytes // 4, np.nan, np.float32) for s in slots.values()}
-        self.state = {name: _SlotState() for name in slots}
+        # tensor name -> its bytes (uint8), as pinned host memory: a dict, or a function
+        self.host = host if callable(host) else lambda name: host[name].view(np.uint8)
+        # slot name -> its device bytes (views into an arena, or allocated here)
+        self.memory = memory or {s.name: np.empty(s.nbytes, np.uint8) for s in slots.values()}
+        for m in self.memory.values():
+            m[:] = POISON
+        self.state: dict[str, _SlotState] = {}
         self.rng = random.Random(seed)
         self.copy_delay_s, self.compute_delay_s = copy_delay_s, compute_delay_s
         self.violations: list[str] = []
@@ -124,17 +132,22 @@ class StandInDevice:
     def _ordered(self, clock: dict[str, int], at: tuple[str, int]) -> bool:
         return clock.get(at[0], 0) >= at[1]
 
+    def _begin_write(self, slot_name: str, tensor: str, what: str, clock: dict[str, int]):
+        slot = self.state.setdefault(slot_name, _SlotState())
+        for reader in slot.readers:
+            if not self._ordered(clock, reader):
+                self._violate(f"{what} overwrites {slot.tensor} in {slot_name} before its read "
+                              f"on {reader[0]} is ordered to finish")  # fmt: skip
+        slot.tensor, slot.landed, slot.readers = tensor, False, []
+        if slot_name in self.memory:
+            self.memory[slot_name][:] = POISON  # the old contents are gone
+        return slot
+
     def _copy(self, op: Copy, delay: float, name: str, clock: dict[str, int]) -> None:
-        slot = self.state[op.slot]
         with self._lock:
-            for reader in slot.readers:
-                if not self._ordered(clock, reader):
-                    self._violate(f"copy of {op.tensor} into {op.slot} overwrites {slot.tensor} "
-                                  f"before its read on {reader[0]} is ordered to finish")  # fmt: skip
-            slot.tensor, slot.landed, slot.readers = op.tensor, False, []
-            self.memory[op.slot][:] = np.nan  # the old contents are gone
+            slot = self._begin_write(op.slot, op.tensor, f"copy of {op.tensor}", clock)
         time.sleep(delay)
-        data = self.host[op.tensor]
+        data = self.host(op.tensor)
         with self._lock:
             if slot.tensor == op.tensor:
                 self.memory[op.slot][: data.size] = data
@@ -142,26 +155,36 @@ class StandInDevice:
 
     def _compute(self, op: Compute, delay: float, kernel, name: str, clock: dict[str, int]) -> None:
         seen = [self._read(op, tensor, slot, name, clock) for tensor, slot in op.reads]
+        with self._lock:
+            written = [self._begin_write(s, t, op.name, clock) for t, s in op.writes]
         time.sleep(delay)
         for (tensor, slot), before in zip(op.reads, seen):
-            if before is not None and not np.array_equal(before, self.memory[slot], equal_nan=True):
-                self._violate(f"{op.name}: {slot} changed while it read {tensor}")
+            if slot in self.memory and before is not None:
+                if not np.array_equal(before, self.memory[slot]):
+                    self._violate(f"{op.name}: {slot} changed while it read {tensor}")
         if kernel is not None and all(s is not None for s in seen):
-            kernel({slot: self.memory[slot] for _, slot in op.reads})
+            kernel({slot: self.memory[slot] for _, slot in op.reads if slot in self.memory})
+        with self._lock:
+            for slot in written:
+                slot.landed, slot.written_at = True, (name, clock[name])
 
     def _read(self, op: Compute, tensor: str, slot_name: str, name: str, clock: dict[str, int]):
-        slot = self.state[slot_name]
+        slot = self.state.setdefault(slot_name, _SlotState())
         with self._lock:
             if slot.tensor != tensor or not slot.landed:
                 self._violate(f"{op.name} read {slot_name} holding {slot.tensor} "
                               f"({'landed' if slot.landed else 'in flight'}), wanted {tensor}")  # fmt: skip
                 return None
             if not self._ordered(clock, slot.written_at):
-                self._violate(f"{op.name} read {tensor} in {slot_name}, not ordered after its copy")
+                self._violate(
+                    f"{op.name} read {tensor} in {slot_name}, not ordered after its write"
+                )
             slot.readers.append((name, clock[name]))
+            if slot_name not in self.memory:
+                return True
             view = self.memory[slot_name]
-            if np.isnan(view[: self.host[tensor].size]).any():
-                self._violate(f"{op.name} read NaN from {slot_name}")
+            if (view[: self.host(tensor).size] == POISON).all():
+                self._violate(f"{op.name} read poison from {slot_name}")
             return view.copy()
 
     def _violate(self, what: str) -> None:

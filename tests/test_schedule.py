@@ -1,26 +1,36 @@
-"""The schedule validator: it accepts the prefetch pipeline and catches every missing wait, wrong
-slot, overlap and oversize, on hand-built and generated schedules."""
+"""The schedule validator: it accepts the pipeline of streamed units and CPU steps, and catches
+every missing wait, wrong slot, overlap and oversize, on hand-built and generated schedules."""
 
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from cudarun.schedule import Compute, Copy, Record, Slot, Wait, prefetch_schedule, validate
+from cudarun.schedule import Compute, Copy, Record, Slot, Step, Wait, pipeline_schedule, validate
 
 
 def slots(n, nbytes=100):
     return {f"slot:{i}": Slot(f"slot:{i}", i * nbytes, nbytes) for i in range(n)}
 
 
-def pipeline(n_layers, streamed_every, n_slots):
-    layers = [(f"layer{i}", f"w{i}" if i % streamed_every == 0 else None) for i in range(n_layers)]
-    sizes = {t: 100 for _, t in layers if t}
-    return prefetch_schedule(layers, n_slots), slots(n_slots), sizes
+def pipeline(n_layers, streamed_every, n_slots, cpu_every=0):
+    """Layer i streams w{i} when i % streamed_every == 0, else runs on the CPU when cpu_every
+    divides it; a streamed layer's weights are read by two consecutive steps."""
+    steps = []
+    for i in range(n_layers):
+        if i % streamed_every == 0:
+            steps += [Step(f"layer{i}.a", "compute", (f"w{i}",)), Step(f"layer{i}.b", "compute",
+                                                                      (f"w{i}",))]  # fmt: skip
+        else:
+            steps.append(
+                Step(f"layer{i}", "cpu" if cpu_every and i % cpu_every == 0 else "compute")
+            )
+    sizes = {u: 100 for s in steps for u in s.units}
+    return pipeline_schedule(steps, n_slots), slots(n_slots), sizes
 
 
 @settings(max_examples=60, deadline=None)
-@given(st.integers(1, 12), st.integers(1, 3), st.integers(1, 4))
-def test_the_prefetch_pipeline_is_valid_and_every_wait_is_needed(n_layers, every, n_slots):
-    ops, sl, sizes = pipeline(n_layers, every, n_slots)
+@given(st.integers(1, 12), st.integers(1, 3), st.integers(1, 4), st.integers(0, 3))
+def test_the_pipeline_is_valid_and_every_wait_is_needed(n_layers, every, n_slots, cpu_every):
+    ops, sl, sizes = pipeline(n_layers, every, n_slots, cpu_every)
     assert validate(ops, sl, sizes) == []
     waits = [i for i, op in enumerate(ops) if isinstance(op, Wait)]
     for w in waits:  # each wait removed in turn: the validator must object
@@ -32,6 +42,18 @@ def test_copies_run_ahead_of_the_compute_up_to_the_ring_size():
     copies = [i for i, op in enumerate(ops) if isinstance(op, Copy)]
     first_compute = next(i for i, op in enumerate(ops) if isinstance(op, Compute))
     assert sum(c < first_compute for c in copies) == 2  # both slots filled before layer 0 runs
+    # the third copy goes right after its slot's last reader (layer0.b), before layer1 runs
+    third = copies[2]
+    assert ops[third - 1] == Wait("copy", "read:w0")
+    assert [op.name for op in ops[:third] if isinstance(op, Compute)] == ["layer0.a", "layer0.b"]
+
+
+def test_a_cpu_step_waits_for_its_predecessor_and_is_waited_for():
+    ops, sl, sizes = pipeline(3, 2, 2, cpu_every=1)  # layer0 streamed, layer1 on the CPU, layer2
+    i = next(i for i, op in enumerate(ops) if isinstance(op, Compute) and op.name == "layer1")
+    assert ops[i - 1] == Wait("cpu", "done:layer0.b") and ops[i].queue == "cpu"
+    assert ops[i + 1] == Record("cpu", "done:layer1")
+    assert validate(ops, sl, sizes) == []
 
 
 def test_reading_a_slot_that_holds_another_tensor():

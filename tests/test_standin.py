@@ -1,10 +1,10 @@
-"""The stand-in device runs the streamed-weights pipeline correctly, and catches every event wait
-removed from it (validator bypassed), over 5 seeds, whatever the timing."""
+"""The stand-in device runs the pipeline of streamed weights and CPU steps correctly, and catches
+every event wait removed from it (validator bypassed), over 5 seeds, whatever the timing."""
 
 import numpy as np
 import pytest
 
-from cudarun.schedule import Wait, prefetch_schedule
+from cudarun.schedule import Step, Wait, pipeline_schedule
 from cudarun.standin import StandInDevice
 
 from .test_schedule import slots
@@ -18,11 +18,15 @@ def run(ops, seed, n_slots, tensors):
     def kernel_for(name, tensor):
         def kernel(views):
             (view,) = views.values()
-            checksums[name] = float(view[: tensors[tensor].size].sum())
+            checksums[name] = float(view[: tensors[tensor].nbytes].view(np.float32).sum())
 
         return kernel
 
-    kernels = {op.name: kernel_for(op.name, op.reads[0][0]) for op in ops if getattr(op, "reads", ())}
+    kernels = {
+        op.name: kernel_for(op.name, op.reads[0][0])
+        for op in ops
+        if getattr(op, "reads", ()) and op.reads[0][1].startswith("slot")
+    }
     device = StandInDevice(slots(n_slots), tensors, seed)
     try:
         return device.execute(ops, kernels), checksums
@@ -31,10 +35,14 @@ def run(ops, seed, n_slots, tensors):
 
 
 def pipeline(n_layers=6, n_slots=2):
-    layers = [(f"layer{i}", f"w{i}" if i != 3 else None) for i in range(n_layers)]
+    """Layer 3 runs on the CPU, layer 4 on the device from pinned weights, the others stream."""
+    steps = [
+        Step(f"layer{i}", "cpu" if i == 3 else "compute", (f"w{i}",) if i not in (3, 4) else ())
+        for i in range(n_layers)
+    ]
     rng = np.random.default_rng(0)
-    tensors = {t: rng.standard_normal(25).astype(np.float32) for _, t in layers if t}
-    return prefetch_schedule(layers, n_slots), tensors
+    tensors = {u: rng.standard_normal(25).astype(np.float32) for s in steps for u in s.units}
+    return pipeline_schedule(steps, n_slots), tensors
 
 
 @pytest.mark.parametrize("seed", SEEDS)
