@@ -202,4 +202,25 @@ def pipeline_schedule(steps: list[Step], n_slots: int) -> list[Op]:
             ops.append(Record(step.queue, f"read:{u}"))
         if finished:
             issue_copies(i)
-    return ops
+    return drop_implied_waits(ops)
+
+
+def drop_implied_waits(ops: list[Op]) -> list[Op]:
+    """Without the waits whose event the queue is already ordered after (through an earlier wait
+    on a later event of the same queue): each one left is needed."""
+    queue_clock: dict[str, dict[str, int]] = {}
+    recorded: dict[str, dict[str, int]] = {}
+    out = []
+    for op in ops:
+        clock = queue_clock.setdefault(op.queue, {})
+        if isinstance(op, Wait) and op.event in recorded:
+            seen = recorded[op.event]
+            if all(clock.get(q, 0) >= n for q, n in seen.items()):
+                continue
+            for q, n in seen.items():
+                clock[q] = max(clock.get(q, 0), n)
+        clock[op.queue] = clock.get(op.queue, 0) + 1
+        if isinstance(op, Record):
+            recorded[op.event] = dict(clock)
+        out.append(op)
+    return out

@@ -59,6 +59,7 @@ class StandInDevice:
         self.rng = random.Random(seed)
         self.copy_delay_s, self.compute_delay_s = copy_delay_s, compute_delay_s
         self.violations: list[str] = []
+        self.trace: list[tuple[str, str, float, float]] = []  # (queue, op, start s, end s)
         self._lock = threading.Lock()
         self._queues: dict[str, queue.Queue] = {}
         self._workers: dict[str, threading.Thread] = {}
@@ -122,10 +123,14 @@ class StandInDevice:
                 arg.done.wait()
                 for k, v in arg.clock.items():
                     clock[k] = max(clock.get(k, 0), v)
-            elif isinstance(op, Copy):
-                self._copy(op, arg, name, clock)
-            elif isinstance(op, Compute):
-                self._compute(op, arg, kernel, name, clock)
+            elif isinstance(op, (Copy, Compute)):
+                start = time.perf_counter()
+                if isinstance(op, Copy):
+                    self._copy(op, arg, name, clock)
+                else:
+                    self._compute(op, arg, kernel, name, clock)
+                label = f"copy {op.tensor}" if isinstance(op, Copy) else op.name
+                self.trace.append((name, label, start, time.perf_counter()))
             q.task_done()
         q.task_done()
 
@@ -163,7 +168,11 @@ class StandInDevice:
                 if not np.array_equal(before, self.memory[slot]):
                     self._violate(f"{op.name}: {slot} changed while it read {tensor}")
         if kernel is not None and all(s is not None for s in seen):
-            kernel({slot: self.memory[slot] for _, slot in op.reads if slot in self.memory})
+            try:
+                kernel({slot: self.memory[slot] for _, slot in op.reads if slot in self.memory})
+            except Exception as e:  # a kernel fed the wrong data: reported, the queue goes on
+                with self._lock:
+                    self._violate(f"{op.name} raised {e!r}")
         with self._lock:
             for slot in written:
                 slot.landed, slot.written_at = True, (name, clock[name])

@@ -163,13 +163,40 @@ def _parse_tokens(s: str) -> list[int]:
         raise UserError(f"--tokens takes comma-separated integers, not {s!r}") from None
 
 
-ENGINES = ("numpy",)
+ENGINES = ("numpy", "cuda", "standin")
 
 
-def _make_engine(name: str, spec: ModelSpec, n_ctx: int):
+def _plan_options(f):
+    """The options that choose a plan for the plan engines (run, diff, bench)."""
+    options = [
+        click.option("--budget", help="Device memory the engine may use: 12000 (MiB), 12GiB."),
+        click.option(
+            "--plan", "plan_path", type=click.Path(dir_okay=False, path_type=Path),
+            help="Run this plan (from `solve -o`) instead of solving.",
+        ),
+        click.option("--profile", "profile_name", default="h100", show_default=True,
+                     help="Hardware profile to solve with (a file, or a shipped name)."),
+        click.option("--strategy", help="A named placement instead of the optimizer's."),
+        click.option("--tiers", help="Tokens per ubatch to plan for (default: PSHARD's)."),
+        click.option("--threads", default=0, help="CPU threads of CPU-placed parts (0: all)."),
+    ]  # fmt: skip
+    for option in reversed(options):
+        f = option(f)
+    return f
+
+
+def _make_engine(name: str, spec: ModelSpec, n_ctx: int, plan_args: dict, n_prompt: int,
+                 n_predict: int):  # fmt: skip
     from .engine import NumpyEngine
 
-    return {"numpy": NumpyEngine}[name](spec, n_ctx=n_ctx)
+    if name == "numpy":
+        return NumpyEngine(spec, n_ctx=n_ctx)
+    from cudarun.session import make_engine, plan_for_run
+
+    threads = plan_args.pop("threads")
+    plan = plan_for_run(spec, name, n_ctx=n_ctx, prompt_tokens=n_prompt, gen_tokens=n_predict,
+                        say=lambda m: click.echo(m, err=True), **plan_args)  # fmt: skip
+    return make_engine(name, spec, plan, threads)
 
 
 @cli.command()
@@ -202,10 +229,18 @@ def _make_engine(name: str, spec: ModelSpec, n_ctx: int):
     type=click.Path(dir_okay=False, path_type=Path),
     help="Save float32 logits of every prompt position, [n_prompt, n_vocab], as .npy.",
 )
+@_plan_options
+@click.option(
+    "--trace", type=click.Path(dir_okay=False, path_type=Path),
+    help="Write a Chrome trace of the plan engine's lanes, and a Gantt PNG next to it.",
+)  # fmt: skip
 def run(
-    model, prompt, tokens, n_predict, ctx_size, engine_name, temp, top_k, top_p, seed, dump_logits
-) -> None:
-    """Generate text from a prompt, streaming it as it comes."""
+    model, prompt, tokens, n_predict, ctx_size, engine_name, temp, top_k, top_p, seed, dump_logits,
+    trace, **plan_args,
+) -> None:  # fmt: skip
+    """Generate text from a prompt, streaming it as it comes. With --engine cuda (or standin, the
+    stand-in device that runs the same executor on the host) it runs a plan: --plan, or the one
+    solved for --budget (cached next to the model)."""
     from .engine import check_context
     from .sampling import Sampler
     from .tokenizer import Tokenizer
@@ -238,9 +273,13 @@ def run(
     )
     dump = _open_for_writing(dump_logits) if dump_logits is not None else None
 
+    if engine_name == "numpy" and (trace or any(plan_args[k] for k in ("budget", "plan_path"))):
+        raise UserError("--budget, --plan and --trace are for the plan engines: add --engine cuda")
     load_seconds = time.perf_counter()
-    engine = _make_engine(engine_name, spec, ctx_size)
+    engine = _make_engine(engine_name, spec, ctx_size, plan_args, len(ids), n_predict)
     load_seconds = time.perf_counter() - load_seconds
+    if trace:
+        engine.trace_events = []
     prompt_seconds = time.perf_counter()
     logits = engine.prefill(ids, all_logits=dump is not None)
     prompt_seconds = time.perf_counter() - prompt_seconds
@@ -275,9 +314,15 @@ def run(
         f"[{engine_name}] loaded in {load_seconds:.1f} s; prompt {len(ids)} tokens in "
         f"{prompt_seconds:.2f} s ({len(ids) / prompt_seconds:.1f} t/s); generated "
         f"{len(generated)} tokens in {gen_seconds:.2f} s "
-        f"({len(generated) / max(gen_seconds, 1e-9):.1f} t/s)",
+        f"({len(generated) / max(gen_seconds, 1e-9):.1f} t/s); TTFT {prompt_seconds:.3f} s, "
+        f"TPS {max(len(generated) - 1, 0) / max(gen_seconds, 1e-9):.2f}",
         err=True,
     )
+    if trace:
+        from cudarun.trace import write_trace
+
+        png = write_trace(engine.trace_events, trace)
+        click.echo(f"wrote {trace} and {png}", err=True)
 
 
 def _open_for_writing(path: Path):
@@ -789,6 +834,9 @@ def _solve_model(model: str | None, arch: str | None, params: str | None, qtype:
     elif not model:
         raise UserError("give MODEL (a GGUF, a known name, a shape) or --arch and --params")
     return f"{model}:{qtype}" if qtype else model
+
+
+from . import cli_plan  # noqa: E402,F401  (registers diff and bench)
 
 
 def main() -> None:

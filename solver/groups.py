@@ -1,7 +1,8 @@
 """Tensor groups: the units the planner places.
 
-Per layer, the attention side (Q/K/V/O with their biases, every norm of the layer, and the MoE
-router — pshard's "attention side", PSHARD.md) is one group; each FFN matrix (gate, up, down, or
+Per layer, the attention side (Q/K/V/O with their biases, the norms of the layer, and the MoE
+router — pshard's "attention side", PSHARD.md) is one group, but for the norm applied after the
+FFN, which goes with the down matrix (the runtime applies it right after that product); each FFN matrix (gate, up, down, or
 their expert stacks) is a group of its own, because llama.cpp's `--fit` and pshard move them one
 at a time. Globally, `token_embd` and the output head (with `output_norm`) are groups. The plan
 still records a location for every GGUF tensor; a group's tensors share it.
@@ -15,6 +16,7 @@ from dataclasses import dataclass
 from refengine.spec import ATTENTION, EMBEDDING, EXPERT, FFN, NORM, OUTPUT, ROUTER, ModelSpec
 
 ATTN_SIDE, FFN_MATRIX, EXPERTS, EMBD, HEAD = "attn", "ffn", "experts", "embd", "output"
+POST_FFN_NORM = "post_ffw_norm.weight"  # gemma3's norm after the FFN: read with the down matrix
 
 
 @dataclass(frozen=True)
@@ -48,13 +50,15 @@ def tensor_groups(spec: ModelSpec) -> list[Group]:
     groups = [_group("token_embd", None, EMBD, [by["token_embd.weight"]])]
     for il in range(spec.hparams.n_layer):
         infos = spec.layer_tensors(il)
-        attn = [t for t in infos if t.role in (ATTENTION, NORM, ROUTER)]
+        post_ffn = [t for t in infos if t.name == f"blk.{il}.{POST_FFN_NORM}"]
+        attn = [t for t in infos if t.role in (ATTENTION, NORM, ROUTER) and t not in post_ffn]
         groups.append(_group(f"blk.{il}.attn", il, ATTN_SIDE, attn))
         for t in infos:
             if t.role in (FFN, EXPERT):
                 base = t.name.split(".")[2]  # ffn_up, ffn_gate_exps, ...
                 kind = EXPERTS if t.role == EXPERT else FFN_MATRIX
-                groups.append(_group(f"blk.{il}.{base}", il, kind, [t]))
+                extra = post_ffn if base.startswith("ffn_down") else []
+                groups.append(_group(f"blk.{il}.{base}", il, kind, [t, *extra]))
     head = by.get("output.weight", by["token_embd.weight"])  # a tied head reuses token_embd
     groups.append(_group("output", None, HEAD, [by["output_norm.weight"], head]))
     assert {t.role for t in spec.tensors} <= {

@@ -15,7 +15,7 @@ from .groups import ATTN_SIDE, tensor_groups
 from .memory import compute_nbytes, kv_layer_nbytes
 from .optimize import best_start, optimize, warm_starts
 from .profile import HardwareProfile
-from .strategies import STRATEGIES, Problem
+from .strategies import STRATEGIES, Problem, fit_for_runtime
 from .tensor_split import evaluate_tensor_split, short_devices
 from .usage import device_usage, kv_shape
 
@@ -77,7 +77,13 @@ def solve(
     if strategy is not None:
         if strategy not in STRATEGIES:
             raise UserError(f"unknown strategy {strategy!r} (known: {', '.join(STRATEGIES)})")
-        return next(b for b in baselines if b.name == strategy), baselines, {}
+        named = next(b for b in baselines if b.name == strategy)
+        if named.target != target:  # fit, for our runtime: op-offload as streamed weights
+            tiers_ = fit_for_runtime(
+                Problem(spec, profile, w, tuple(tiers), budget_bytes), named.tiers
+            )
+            named = Outcome(strategy, tiers_, evaluate(tiers_, spec, profile, w, target), target)
+        return named, baselines, {}
     all_pinned = _all_pinned(spec, tiers)
     if target == "refengine" and not more and all(_fits(p, all_pinned[t], t) for t in tiers):
         return (
@@ -204,3 +210,32 @@ def summarize(spec: ModelSpec, place: TierPlacement) -> str:
     layers = ", ".join(f"{n} {d}" for d, n in sorted(kinds.items(), key=lambda x: -x[1]))
     kvs = " ".join(f"{n} {k}" for k, n in sorted(kv.items()))
     return f"layers: {layers}; KV: {kvs}; output {place.groups['output'].kind}"
+
+
+def solve_plan(
+    spec: ModelSpec,
+    profile: HardwareProfile,
+    w: Workload,
+    tiers: list[int],
+    budgets: list[int],
+    strategy: str | None = None,
+    time_limit_seconds: float = SOLVER_SECONDS,
+    objective: str = "e2e",
+) -> dict:
+    """A `refengine` plan as JSON, for the runtime: the optimizer's, or a named strategy's."""
+    from .plan import plan_json
+
+    viable = viable_tiers(spec, w, tiers, budgets)
+    if min(tiers) not in viable:
+        need = minimum_budget_bytes(spec, w, min(tiers))
+        raise UserError(
+            f"a budget of {budgets[0] / 2**20:.0f} MiB is below the {need / 2**20:.0f} MiB any "
+            "placement needs here; raise --budget"
+        )
+    chosen, _, facts = solve(
+        spec, profile, w, viable, budgets, objective, strategy, time_limit_seconds
+    )
+    return plan_json(
+        spec, w, profile.name, budgets, chosen.tiers, chosen.prediction, chosen.name,
+        chosen.target, facts, facts.get("not_needed", False), chosen.split_mode,
+    )  # fmt: skip

@@ -22,12 +22,12 @@ fits, else it streams with the layer (pshard's host mirror, uploaded per split).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable
 
 from refengine.spec import ModelSpec
 
-from .cost import CPU, PINNED, STREAMED, Loc, TierPlacement, Workload
+from .cost import CPU, OP_OFFLOAD_MIN_TOKENS, PINNED, STREAMED, Loc, TierPlacement, Workload
 from .groups import ATTN_SIDE, EMBD, FFN_MATRIX, Group, tensor_groups
 from .profile import HardwareProfile
 from .usage import device_usage
@@ -157,6 +157,24 @@ def fit(p: Problem) -> dict[int, TierPlacement]:
     tiers = [t for t in p.tiers if t <= LLAMACPP_UBATCH] or [min(p.tiers)]
     place = _fit_layout(p, groups, LLAMACPP_UBATCH, front_to_back=False).placement()
     return {t: place for t in tiers}
+
+
+def fit_for_runtime(p: Problem, placements: dict[int, TierPlacement]) -> dict[int, TierPlacement]:
+    """The `fit` placement run by our runtime as llama.cpp runs it (CONTRACTS.md): the CPU-held
+    weights computed on the CPU below 32 tokens and copied to the GPU per ubatch (op-offload,
+    here: streamed) at 32 and above — where the ring of streamed weights fits the budget."""
+    groups = tensor_groups(p.spec)
+    out = {}
+    for t, place in placements.items():
+        if t < OP_OFFLOAD_MIN_TOKENS:
+            out[t] = place
+            continue
+        lay = Layout(replace(p, target="refengine"), groups)
+        lay.loc, lay.kv = dict(place.groups), dict(place.kv)
+        held = [g.name for g in groups if place.groups[g.name].kind == CPU and g.kind != EMBD]
+        streamed = lay.copy().set(held, STREAMED)
+        out[t] = (streamed if streamed.fits(t) else lay).placement()
+    return out
 
 
 def pshard_fitparams(p: Problem) -> dict[int, TierPlacement]:

@@ -1,0 +1,95 @@
+"""`refengine bench`: a plan engine timed like llama-bench — prompt processing (pp) and token
+generation (tg) at given context depths — next to what the plan's cost model predicts and the
+physical bound of each test (streamed bytes over the measured PCIe rate, device-resident weight
+bytes over HBM, CPU-placed weight bytes over host memory), and the speedup over a baseline plan
+run on the same engine."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from solver.cost import CPU, STREAMED, CostModel, TierPlacement
+from solver.groups import tensor_groups
+from solver.memory import kv_layer_nbytes
+from solver.usage import kv_shape
+
+
+@dataclass
+class Row:
+    test: str  # "pp512 @ d0", "tg128 @ d4096"
+    tokens: int
+    measured_seconds: float
+    predicted_seconds: float
+    bound_seconds: float
+
+    @property
+    def tps(self) -> float:
+        return self.tokens / self.measured_seconds
+
+
+def bound_seconds(engine, place: TierPlacement, tier: int, profile) -> float:
+    """The physical floor of one ubatch: every streamed byte over PCIe, every device-resident
+    weight byte read from HBM, every CPU weight byte read from host memory, whichever is longest."""
+    spec, gpu = engine.spec, profile.gpus[0]
+    streamed = device = host = 0
+    for g in tensor_groups(spec):
+        loc = place.groups[g.name]
+        if loc.kind == CPU:
+            host += g.nbytes if g.kind != "embd" else 0
+        else:
+            device += g.nbytes if g.kind != "embd" else 0
+            streamed += g.nbytes if loc.kind == STREAMED else 0
+    for il, loc in place.kv.items():
+        if loc.kind == STREAMED:
+            streamed += kv_layer_nbytes(spec, il, kv_shape(engine.workload, tier))
+    return max(
+        streamed / (gpu.h2d_gbps.value * 1e9),
+        device / (gpu.hbm_gbps.value * 1e9),
+        host / (profile.cpu.memory_gbps.value * 1e9),
+    )
+
+
+def _fill(engine, depth: int, rng) -> None:
+    engine.reset()
+    if depth:
+        engine.prefill(rng.integers(0, engine.spec.hparams.n_vocab, depth))
+
+
+def run_bench(engine, profile, n_prompt: int, n_gen: int, depths: list[int], seed: int = 0):
+    """Rows of pp{n_prompt} and tg{n_gen} at each depth (the cache filled untimed first)."""
+    rng = np.random.default_rng(seed)
+    cm = CostModel(engine.spec, profile, engine.workload, "refengine")
+    rows = []
+    for depth in depths:
+        if n_prompt:
+            _fill(engine, depth, rng)
+            ids = rng.integers(0, engine.spec.hparams.n_vocab, n_prompt)
+            start = time.perf_counter()
+            engine.prefill(ids)
+            seconds = time.perf_counter() - start
+            predicted = bound = 0.0
+            step = engine.tier_sizes[-1]
+            for first in range(0, n_prompt, step):
+                n = min(step, n_prompt - first)
+                tier = engine.tier_for(n)
+                predicted += cm.ubatch_terms(tier.place, n, depth + first).total
+                bound += bound_seconds(engine, tier.place, tier.tier, profile)
+            rows.append(Row(f"pp{n_prompt} @ d{depth}", n_prompt, seconds, predicted, bound))
+        if n_gen:
+            _fill(engine, depth, rng)
+            token = int(rng.integers(0, engine.spec.hparams.n_vocab))
+            engine.decode(token)  # the first decode after the prefill tier is the switch
+            start = time.perf_counter()
+            for _ in range(n_gen):
+                engine.decode(token)
+            seconds = time.perf_counter() - start
+            tier = engine.tier_for(1)
+            predicted = sum(
+                cm.ubatch_terms(tier.place, 1, depth + 1 + i).total for i in range(n_gen)
+            )
+            bound = n_gen * bound_seconds(engine, tier.place, tier.tier, profile)
+            rows.append(Row(f"tg{n_gen} @ d{depth}", n_gen, seconds, predicted, bound))
+    return rows

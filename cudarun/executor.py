@@ -1,0 +1,244 @@
+"""The runtime: executes a solver plan through the Engine API of CONTRACTS.md.
+
+Per ubatch it takes the smallest tier covering its tokens, switches the arena to that tier's
+memory map when the tier changes, and issues the tier's schedule (`pipeline_schedule` over the
+parts of `program`, proved by `schedule.validate` when the tier is prepared): streamed groups and
+KV copied into the ring slots ahead of the parts that read them, CPU parts on the CPU queue with
+the activations handed over through events. This module holds what does not depend on the device;
+`StandInEngine` runs it on the stand-in device (host memory, asynchronous queues, reference ops),
+the CUDA engine on a GPU.
+
+The arena is one allocation of the budget, laid out exactly as the plan's memory map of the tier:
+pinned weights, the scratch ring, the workspace, and the KV of device-resident layers packed from
+the right. Host memory holds the groups some tier streams, computes on the CPU or pins only in some
+tiers, and the fp16 KV of every layer (`kvstore.KVMirror`).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from refengine.engine import check_context
+from refengine.errors import UserError
+from refengine.spec import ModelSpec
+from solver.cost import CPU, PINNED, STREAMED, TierPlacement, Workload
+from solver.groups import tensor_groups
+from solver.memory import kv_cell_nbytes, kv_layer_nbytes
+from solver.plan import Region, fingerprint_hash, placements_from_json
+from solver.usage import kv_shape
+
+from . import program
+from .schedule import Slot, pipeline_schedule, validate
+from .switch import switch_steps
+
+
+class PlanError(UserError):
+    pass
+
+
+def check_plan(plan: dict, spec: ModelSpec) -> None:
+    """One line for a plan this runtime cannot execute on this model."""
+    fp = plan["fingerprint"]
+    if fp["model"] != spec.name or fp["model_nbytes"] != spec.file_nbytes:
+        raise PlanError(
+            f"the plan was solved for {fp['model']} ({fp['model_nbytes']} B), not this file "
+            f"{spec.name} ({spec.file_nbytes} B); solve again for it"
+        )
+    if fingerprint_hash(fp) != plan.get("fingerprint_hash"):
+        raise PlanError("the plan's fingerprint does not match its contents; solve again")
+    if plan["target"] != "refengine" or plan["split_mode"] != "layer":
+        raise PlanError(
+            f"this plan targets {plan['target']} with split mode {plan['split_mode']}; the "
+            "runtime executes `--target refengine` plans split by layer: solve with those"
+        )
+    if len(fp["budget_bytes"]) != 1:
+        raise PlanError("the runtime executes single-GPU plans for now; solve with one --budget")
+    if fp["kv_type"] != "f16" or fp["users"] != 1:
+        raise PlanError("the runtime keeps an f16 KV cache for one user; solve with those")
+
+
+def workload_of(plan: dict) -> Workload:
+    fp, wl = plan["fingerprint"], plan["workload"]
+    return Workload(fp["n_ctx"], wl["prompt_tokens"], wl["gen_tokens"], fp["users"],
+                    fp["kv_type"], fp["flash_attn"], fp["threads"])  # fmt: skip
+
+
+class Tier:
+    """What the runtime prepares for one tier of the plan."""
+
+    def __init__(self, engine: "PlanExecutor", tier: int, place: TierPlacement, regions):
+        self.tier, self.place = tier, place
+        self.regions = {r.name: r for r in regions}
+        self.map = regions
+        self.parts = program.parts(engine.spec, place)
+        self.schedule = pipeline_schedule([p.step for p in self.parts], engine.n_slots)
+        self.slots = {
+            f"slot:{i}": Slot(f"slot:{i}", r.offset_bytes, r.nbytes)
+            for i, r in enumerate(r for r in regions if r.name.startswith("scratch:"))
+        }
+        self.kv_cells = {
+            il: kv_layer_nbytes(engine.spec, il, kv_shape(engine.workload, tier))
+            // engine.cell_nbytes
+            for il in range(engine.spec.hparams.n_layer)
+        }
+        errors = validate(self.schedule, self.slots, engine.unit_nbytes(self))
+        if errors:  # the schedule builder is wrong: a bug, never a user error
+            raise AssertionError(f"tier {tier}: invalid schedule: {errors[:3]}")
+
+
+class PlanExecutor:
+    """The device-independent half of the runtime: plan, tiers, host memory, the Engine API."""
+
+    n_slots = 0
+
+    def __init__(self, spec: ModelSpec, plan: dict, progress: bool = False):
+        from .hostweights import HostWeights
+        from .kvstore import KVMirror
+
+        check_plan(plan, spec)
+        self.spec, self.plan, self.workload = spec, plan, workload_of(plan)
+        self.n_ctx = plan["fingerprint"]["n_ctx"]
+        self.budget_bytes = plan["fingerprint"]["budget_bytes"][0]
+        self.cell_nbytes = kv_cell_nbytes(spec, "f16")
+        self.groups = {g.name: g for g in tensor_groups(spec)}
+        self.placements = placements_from_json(plan, spec)
+        for t, place in self.placements.items():
+            for il, loc in place.kv.items():
+                if loc.kind not in (PINNED, STREAMED, CPU):
+                    raise PlanError(f"tier {t}: layer {il} KV location {loc} is not executable")
+        self.maps = {
+            t: [Region(*r) for r in plan["tiers"][str(t)]["memory_map"]["0"]]
+            for t in self.placements
+        }
+        self.n_slots = max(
+            sum(r.name.startswith("scratch:") for r in m) for m in self.maps.values()
+        )
+        self.tier_sizes = sorted(self.placements)
+        everywhere = {
+            n
+            for n in self.groups
+            if all(p.groups[n].kind == PINNED for p in self.placements.values())
+        }
+        self.host = HostWeights(spec, set(self.groups) - everywhere, self.host_alloc, progress)
+        self.mirror = KVMirror(spec, self.n_ctx, self.host_alloc)
+        self.tiers = {t: Tier(self, t, p, self.maps[t]) for t, p in self.placements.items()}
+        self.current: Tier | None = None
+        self.n_past = 0
+        self.trace_events: list | None = None  # a list: record (lane, op, start s, end s)
+
+    host_alloc = None  # pinned host memory on a GPU
+
+    @property
+    def tolerance(self) -> float:
+        """CONTRACTS.md's end-to-end tolerance of this plan's path: the named int8 path when a
+        matmul runs on the CPU, fp32 otherwise."""
+        on_cpu = any(
+            p.queue == "cpu" and p.kind not in ("embed", "kq")
+            for t in self.tiers.values()
+            for p in t.parts
+        )
+        return 5e-2 if on_cpu else 1e-3
+
+    def unit_nbytes(self, tier: Tier) -> dict[str, int]:
+        out = {name: g.nbytes for name, g in self.groups.items()}
+        for il, cells in tier.kv_cells.items():
+            out[f"kv:{il}"] = cells * self.cell_nbytes
+        return out
+
+    # -- Engine API ------------------------------------------------------------------------------
+
+    def reset(self) -> None:
+        self.n_past = 0
+
+    def prefill(self, tokens, all_logits: bool = False, record=None):
+        ids = self._check_tokens(tokens)
+        rec: dict = {}
+        logits = []
+        step = self.tier_sizes[-1]
+        for start in range(0, ids.size, step):
+            chunk = ids[start : start + step]
+            last = start + step >= ids.size
+            out = self._ubatch(chunk, all_logits, rec, record, want=all_logits or last)
+            logits.append(out)
+        result = np.concatenate(logits) if all_logits else logits[-1][-1]
+        return self._finish(result, rec, record)
+
+    def decode(self, token: int, record=None):
+        ids = self._check_tokens([token])
+        rec: dict = {}
+        return self._finish(self._ubatch(ids, False, rec, record, True)[-1], rec, record)
+
+    def _check_tokens(self, tokens) -> np.ndarray:
+        ids = np.asarray(tokens).reshape(-1)
+        n_vocab = self.spec.hparams.n_vocab
+        if ids.size == 0:
+            raise UserError("the prompt is empty; give at least one token")
+        if not np.issubdtype(ids.dtype, np.integer) or ids.min() < 0 or ids.max() >= n_vocab:
+            raise UserError(f"token ids must be integers in 0..{n_vocab - 1}")
+        check_context(self.n_past + ids.size, self.n_ctx, self.spec.hparams.n_ctx_train)
+        return ids.astype(np.int64)
+
+    def _finish(self, logits, rec, record):
+        if record is None:
+            return logits
+        if "logits" in record:
+            rec["logits"] = logits
+        return logits, {k: v for k, v in rec.items() if k in record}
+
+    def tier_for(self, n_tokens: int) -> Tier:
+        return self.tiers[next((t for t in self.tier_sizes if t >= n_tokens), self.tier_sizes[-1])]
+
+    def _ubatch(self, ids, all_logits, rec, record, want):
+        from .hostmath import Act
+
+        tier = self.tier_for(ids.size)
+        if tier is not self.current:
+            self.switch(tier)
+        pos = np.arange(self.n_past, self.n_past + ids.size, dtype=np.int64)
+        st = Act(ids, pos, all_logits)
+        self.execute(tier, st)
+        self.n_past += ids.size
+        for name, x in st.record.items():
+            if record is not None and name in record:
+                rec[name] = np.concatenate([rec[name], x]) if name in rec else x.copy()
+        return st.logits if want else None
+
+    def memory_report(self) -> list[str]:
+        """What the arena holds per tier, against the budget (the device engine adds what it
+        measured)."""
+        out = []
+        for t, m in sorted(self.maps.items()):
+            used = max((r.offset_bytes + r.nbytes for r in m if not r.name.startswith("kv:")),
+                       default=0)  # fmt: skip
+            kv = sum(r.nbytes for r in m if r.name.startswith("kv:"))
+            out.append(f"tier {t}: arena {used / 2**20:.1f} MiB from the left + KV "
+                       f"{kv / 2**20:.1f} MiB from the right, of a budget of "
+                       f"{self.budget_bytes / 2**20:.1f} MiB")  # fmt: skip
+        return out
+
+    def warm_up(self) -> None:
+        """Compile every kernel and prepare every tier before the first token: one token through
+        each tier's schedule (largest first, so the smallest is current after), then reset."""
+        from .hostmath import Act
+
+        for size in reversed(self.tier_sizes):
+            tier = self.tiers[size]
+            self.switch(tier)
+            self.execute(tier, Act(np.zeros(1, np.int64), np.zeros(1, np.int64)))
+        self.reset()
+
+    # -- device-specific -----------------------------------------------------------------------
+
+    def switch(self, tier: Tier) -> None:
+        raise NotImplementedError
+
+    def execute(self, tier: Tier, st) -> None:
+        raise NotImplementedError
+
+
+def weight_steps(before: list[Region] | None, after: list[Region]):
+    """The switch steps of the weight regions (the KV is laid out again from the host mirror)."""
+    keep = [r for r in after if r.name.startswith("weights:")]
+    if before is None:
+        return switch_steps([], keep)
+    return switch_steps([r for r in before if r.name.startswith("weights:")], keep)

@@ -1,0 +1,211 @@
+"""The parts of the forward pass (cudarun.program) computed on host arrays.
+
+Two flavours, one code:
+- `exact`: the reference operations, in fp32 — the stand-in device's compute queue, so the real
+  models run through the executor in CI. A matmul first checks, byte for byte, that the weights
+  it was handed (a ring slot, an arena region) are the tensor's bytes in the file, then multiplies
+  by the reference's dequantized matrix (`GGUFWeights.dense`, shared with a NumPy engine when one
+  is given): a wrong, stale or poisoned slot fails loudly, and the math is the reference's.
+- not exact: the CPU kernels a plan's CPU-placed tensors run on a real machine (int8-activation
+  `q8` matmuls where the type has one, `cpu_ops` norms, RoPE, attention over the fp16 cache and
+  gating) — the named int8 path of CONTRACTS.md.
+
+The activations live in an `Act`, which the executor hands from part to part (and, on a GPU, from
+device to host and back). `w` is the group's tensors as `hostweights.tensors_of` gives them.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from refengine import reference as ref
+from refengine.spec import ModelSpec
+
+from refengine.weights import GGUFWeights
+
+from .hostweights import dense
+from .kernels import cpu, cpu_ops
+
+
+@dataclass
+class Act:
+    tokens: np.ndarray  # [T] int64
+    pos: np.ndarray  # [T] int64 positions
+    all_logits: bool = False
+    x: np.ndarray | None = None  # residual [T, d]
+    h: np.ndarray | None = None  # normed input of the current block [T, d]
+    q: np.ndarray | None = None
+    k: np.ndarray | None = None
+    v: np.ndarray | None = None
+    a: np.ndarray | None = None  # attention output [T, H, Dv]
+    gate: np.ndarray | None = None
+    up: np.ndarray | None = None
+    ids: np.ndarray | None = None  # MoE: chosen experts [T, k]
+    gates: np.ndarray | None = None  # MoE: their weights [T, k]
+    logits: np.ndarray | None = None
+    record: dict = field(default_factory=dict)  # activation name -> [T, ...] of this ubatch
+
+
+class HostMath:
+    def __init__(self, spec: ModelSpec, exact: bool, threads: int = 0, reference=None):
+        self.spec, self.exact, self.threads = spec, exact, threads
+        self.hp, self.tr = spec.hparams, spec.arch
+        self.reference = (reference or GGUFWeights(spec)) if exact else None
+
+    # -- primitives ----------------------------------------------------------------------------
+
+    def mm(self, x: np.ndarray, w: dict, name: str) -> np.ndarray:
+        t = self.spec.by_name[name]
+        raw = w[name]
+        if self.exact:
+            y = ref.matmul(x, self._checked(name, raw, self.reference.dense(name)))
+        elif raw.dtype == np.float32:  # an F32 matrix
+            y = ref.matmul(x, raw)
+        else:
+            y = cpu.matmul(raw.reshape(-1), x, t.qtype, t.shape, self.threads, exact=self.exact)
+        bias = name.replace(".weight", ".bias")
+        if bias in w:
+            y = y + self._dense(w, bias)
+        return y
+
+    def _checked(self, name: str, raw: np.ndarray, dense_w: np.ndarray, e=None) -> np.ndarray:
+        want = self.reference.raw(name)
+        want = want if e is None else want[e]
+        if not np.array_equal(raw.reshape(-1).view(np.uint8), want.reshape(-1).view(np.uint8)):
+            raise ValueError(f"{name}: the bytes handed to the kernel are not the tensor's")
+        return dense_w if e is None else dense_w[e]
+
+    def mm_rows(self, x: np.ndarray, raw: np.ndarray, info, e: int) -> np.ndarray:
+        """x times expert e's matrix (`raw`: its rows of the 3-D stack)."""
+        if self.exact:
+            return ref.matmul(x, self._checked(info.name, raw, self.reference.dense(info.name), e))
+        shape = info.shape[1:]
+        return cpu.matmul(np.ascontiguousarray(raw).reshape(-1), x, info.qtype, shape, self.threads,
+                          exact=self.exact)  # fmt: skip
+
+    def _dense(self, w: dict, name: str) -> np.ndarray:
+        return dense(self.spec.by_name[name], w[name])
+
+    def norm(self, x: np.ndarray, w: dict, name: str) -> np.ndarray:
+        weight = self._dense(w, name)
+        if self.exact:
+            return ref.rms_norm(x, weight, self.hp.rms_eps)
+        flat = np.ascontiguousarray(x.reshape(-1, x.shape[-1]))
+        return cpu_ops.rms_norm(flat, weight, self.hp.rms_eps).reshape(x.shape)
+
+    def rope(self, x: np.ndarray, pos: np.ndarray, il: int) -> np.ndarray:
+        hp, swa = self.hp, self.spec.is_swa(il)
+        base, scale = (hp.rope_base_swa, 1.0) if swa else (hp.rope_base, hp.rope_scale)
+        if self.exact:
+            return ref.rope(x, pos, hp.n_rot, base, self.tr.rope_style, scale)
+        return cpu_ops.rope(
+            np.ascontiguousarray(x), pos, hp.n_rot, base, scale, self.tr.rope_style == "neox"
+        )
+
+    def gated(self, gate: np.ndarray, up: np.ndarray) -> np.ndarray:
+        if self.exact:
+            return ref.gated(self.tr.ffn_act, gate, up)
+        shape = gate.shape
+        g2, u2 = (np.ascontiguousarray(a.reshape(-1, shape[-1])) for a in (gate, up))
+        return cpu_ops.gated(g2, u2, self.tr.ffn_act == "gelu").reshape(shape)
+
+    def attention(self, st: Act, il: int, k, v, k_pos) -> None:
+        """st.q over the cache k, v [S, Hkv, D] (fp16) at positions k_pos -> st.a."""
+        hp = self.hp
+        window = hp.n_swa if self.spec.is_swa(il) else 0
+        if self.exact:
+            st.a = ref.attention(
+                st.q, k.astype(np.float32), v.astype(np.float32), st.pos, k_pos, hp.attn_scale,
+                window,
+            )  # fmt: skip
+        else:
+            st.a = cpu_ops.attention(
+                np.ascontiguousarray(st.q), np.ascontiguousarray(k), np.ascontiguousarray(v),
+                st.pos, np.ascontiguousarray(k_pos), hp.attn_scale, window,
+            )  # fmt: skip
+
+    # -- parts ---------------------------------------------------------------------------------
+
+    def run(self, kind: str, il: int | None, st: Act, w: dict) -> None:
+        """Every part but `kq` (the executor runs that one where the KV is)."""
+        getattr(self, kind)(st, w, il)
+
+    def embed(self, st: Act, w: dict, il) -> None:
+        t = self.spec.by_name["token_embd.weight"]
+        x = ref.get_rows(w[t.name], t.qtype, t.shape, st.tokens)
+        if self.tr.embed_scale:
+            x = x * np.float32(math.sqrt(self.hp.n_embd))
+        st.x = x
+
+    def qkv(self, st: Act, w: dict, il: int) -> None:
+        hp, p, n = self.hp, f"blk.{il}.", st.tokens.size
+        h = self.norm(st.x, w, p + "attn_norm.weight")
+        q = self.mm(h, w, p + "attn_q.weight").reshape(n, hp.n_head, hp.head_dim)
+        k = self.mm(h, w, p + "attn_k.weight").reshape(n, hp.n_head_kv, hp.head_dim)
+        v = self.mm(h, w, p + "attn_v.weight").reshape(n, hp.n_head_kv, hp.head_dim_v)
+        if self.tr.qk_norm:
+            q = self.norm(q, w, p + "attn_q_norm.weight")
+            k = self.norm(k, w, p + "attn_k_norm.weight")
+        st.q, st.k, st.v = self.rope(q, st.pos, il), self.rope(k, st.pos, il), v
+
+    def o(self, st: Act, w: dict, il: int) -> None:
+        p, n = f"blk.{il}.", st.tokens.size
+        a = self.mm(st.a.reshape(n, -1), w, p + "attn_output.weight")
+        if self.tr.post_norms:
+            a = self.norm(a, w, p + "post_attention_norm.weight")
+        st.x = st.x + a
+        st.h = self.norm(st.x, w, p + "ffn_norm.weight")
+        if self.tr.moe:
+            logits = self.mm(st.h, w, p + "ffn_gate_inp.weight")
+            st.ids, st.gates = ref.moe_route(
+                logits, self.hp.n_expert_used, self.tr.expert_weights_norm
+            )
+
+    def ffn_gate(self, st: Act, w: dict, il: int) -> None:
+        st.gate = self.mm(st.h, w, f"blk.{il}.ffn_gate.weight")
+
+    def ffn_up(self, st: Act, w: dict, il: int) -> None:
+        st.up = self.mm(st.h, w, f"blk.{il}.ffn_up.weight")
+
+    def ffn_down(self, st: Act, w: dict, il: int) -> None:
+        f = self.mm(self.gated(st.gate, st.up), w, f"blk.{il}.ffn_down.weight")
+        self._residual(st, w, il, f)
+
+    def _experts(self, st: Act, w: dict, name: str, x_of) -> np.ndarray:
+        """Per (token, slot), the chosen expert's product of x_of(rows, slots): [T, k, n_out]."""
+        info = self.spec.by_name[name]
+        out = np.zeros((*st.ids.shape, info.shape[1]), np.float32)
+        for e in np.unique(st.ids):
+            rows, slot = np.nonzero(st.ids == e)
+            out[rows, slot] = self.mm_rows(x_of(rows, slot), w[name][e], info, e)
+        return out
+
+    def ffn_gate_exps(self, st: Act, w: dict, il: int) -> None:
+        st.gate = self._experts(st, w, f"blk.{il}.ffn_gate_exps.weight", lambda r, s: st.h[r])
+
+    def ffn_up_exps(self, st: Act, w: dict, il: int) -> None:
+        st.up = self._experts(st, w, f"blk.{il}.ffn_up_exps.weight", lambda r, s: st.h[r])
+
+    def ffn_down_exps(self, st: Act, w: dict, il: int) -> None:
+        act = self.gated(st.gate, st.up)
+        down = self._experts(st, w, f"blk.{il}.ffn_down_exps.weight", lambda r, s: act[r, s])
+        f = np.zeros((st.tokens.size, down.shape[2]), np.float32)
+        for e in np.unique(st.ids):  # the reference's order of summation
+            rows, slot = np.nonzero(st.ids == e)
+            f[rows] += st.gates[rows, slot][:, None] * down[rows, slot]
+        self._residual(st, w, il, f)
+
+    def _residual(self, st: Act, w: dict, il: int, f: np.ndarray) -> None:
+        if self.tr.post_norms:
+            f = self.norm(f, w, f"blk.{il}.post_ffw_norm.weight")
+        st.x = st.x + f
+        st.record[f"blk.{il}.out"] = st.x
+
+    def output(self, st: Act, w: dict, il) -> None:
+        x = self.norm(st.x, w, "output_norm.weight")
+        st.record["output_norm"] = x
+        head = "token_embd.weight" if self.spec.tied_output else "output.weight"
+        st.logits = self.mm(x if st.all_logits else x[-1:], w, head)

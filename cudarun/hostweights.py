@@ -1,0 +1,105 @@
+"""Weight groups as contiguous bytes: the layout a group has in a ring slot, an arena region and
+pinned host memory, and the host copy loaded from the memory-mapped GGUF.
+
+Inside a group the float tensors (norm weights, biases) come first, so every one of them starts on
+a 4-byte boundary whatever the quantized blocks after them measure; the group takes exactly its
+tensors' bytes (the solver's region and slot sizes), with no padding.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+from gguf import GGMLQuantizationType as T
+
+from refengine.quants import dequantize, qtype
+from refengine.spec import ModelSpec, TensorInfo
+from solver.groups import Group, tensor_groups
+
+FLOATS = (T.F32, T.F16, T.BF16)
+
+
+@dataclass(frozen=True)
+class Placed:
+    info: TensorInfo
+    offset: int  # bytes from the group's start
+
+
+def group_layout(spec: ModelSpec, group: Group) -> list[Placed]:
+    infos = [spec.by_name[n] for n in group.tensors]
+    infos.sort(key=lambda t: t.qtype not in FLOATS)  # stable: float tensors first
+    out, offset = [], 0
+    for t in infos:
+        out.append(Placed(t, offset))
+        offset += t.nbytes
+    assert offset == group.nbytes
+    return out
+
+
+def tensors_of(layout: list[Placed], buf: np.ndarray) -> dict[str, np.ndarray]:
+    """The tensors of a group held in `buf` (uint8): F32 as float32 arrays of their shape, the
+    others as raw block rows [..., row bytes]."""
+    out = {}
+    for p in layout:
+        t = p.info
+        raw = buf[p.offset : p.offset + t.nbytes]
+        if t.qtype == T.F32:
+            out[t.name] = raw.view(np.float32).reshape(t.shape)
+        else:
+            out[t.name] = raw.reshape(*t.shape[:-1], qtype(t.qtype).row_nbytes(t.shape[-1]))
+    return out
+
+
+def dense(info: TensorInfo, raw: np.ndarray) -> np.ndarray:
+    """A small tensor (norm weight, bias) as float32, whatever its type."""
+    if info.qtype == T.F32:
+        return raw
+    return dequantize(raw, info.qtype, info.shape)
+
+
+class HostWeights:
+    """The groups a plan ever needs from the host — streamed, computed on the CPU, or pinned in
+    some tiers only (uploaded at a switch) — in host memory from `alloc(nbytes)` (pinned memory on
+    a GPU), each group contiguous in its layout, loaded from the memory-mapped GGUF."""
+
+    def __init__(self, spec: ModelSpec, names: set[str], alloc=None, progress: bool = False):
+        self.spec = spec
+        self.layouts = {g.name: group_layout(spec, g) for g in tensor_groups(spec)}
+        groups = [g for g in tensor_groups(spec) if g.name in names]
+        self.offsets, total = {}, 0
+        for g in groups:
+            self.offsets[g.name] = (total, g.nbytes)
+            total += g.nbytes
+        self.nbytes = total
+        self.buffer = (alloc or (lambda n: np.empty(n, np.uint8)))(max(total, 1))
+        source = np.memmap(spec.path, dtype=np.uint8, mode="r")
+        for g in _progress(groups, total, progress):
+            start = self.offsets[g.name][0]
+            for p in self.layouts[g.name]:
+                t = p.info
+                self.buffer[start + p.offset : start + p.offset + t.nbytes] = source[
+                    t.offset : t.offset + t.nbytes
+                ]
+        del source
+
+    def group(self, name: str) -> np.ndarray:
+        start, nbytes = self.offsets[name]
+        return self.buffer[start : start + nbytes]
+
+    def tensors(self, name: str) -> dict[str, np.ndarray]:
+        return tensors_of(self.layouts[name], self.group(name))
+
+
+def _progress(groups: list[Group], total: int, show: bool):
+    if not show:
+        yield from groups
+        return
+    from rich.progress import BarColumn, DownloadColumn, Progress, TransferSpeedColumn
+
+    columns = (BarColumn(), DownloadColumn(), TransferSpeedColumn())
+    with Progress("loading weights into host memory", *columns, transient=True) as bar:
+        task = bar.add_task("load", total=total)
+        for g in groups:
+            yield g
+            bar.advance(task, g.nbytes)

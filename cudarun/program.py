@@ -1,0 +1,64 @@
+"""The forward pass of one ubatch as parts, each run where the plan puts what it reads.
+
+A part reads one weight group (or, for the attention core, one layer's KV) and runs on the queue of
+its location: "compute" (the GPU) when the group is pinned or streamed there, "cpu" when it is on
+the CPU. The parts, in order:
+- `embed` (group token_embd): the token rows, scaled for gemma3;
+- per layer: `qkv` (group blk.i.attn): the attention norm, Q/K/V with biases, Q/K norms, RoPE;
+  `kq` (the layer's KV): K and V stored at their positions, the attention over the cache — it runs
+  where the KV lives (CONTRACTS.md); `o` (group blk.i.attn): the output projection, the post-norm,
+  the residual add, the FFN norm and, for MoE, the router;
+  then one part per FFN group (`ffn_gate`, `ffn_up`, `ffn_down`, or their `_exps` stacks): the
+  gate and up products, then the gated activation, the down product, the post-norm and the
+  residual add;
+- `output` (group output): the final norm and the head.
+
+Streamed units are the groups themselves and, for a layer whose KV is streamed, `kv:i`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from refengine.spec import ModelSpec
+from solver.cost import CPU, STREAMED, Loc, TierPlacement
+
+from .schedule import Step
+
+
+@dataclass(frozen=True)
+class Part:
+    name: str  # "blk.3.qkv"
+    kind: str  # "embed", "qkv", "kq", "o", "ffn_gate", "ffn_up_exps", ..., "output"
+    layer: int | None
+    group: str | None  # the weight group it reads; None for `kq`
+    queue: str  # "compute" or "cpu"
+    units: tuple[str, ...]  # what it reads from ring slots
+
+    @property
+    def step(self) -> Step:
+        return Step(self.name, self.queue, self.units)
+
+
+def _part(name, kind, layer, group, loc: Loc, unit: str) -> Part:
+    queue = "cpu" if loc.kind == CPU else "compute"
+    return Part(name, kind, layer, group, queue, (unit,) if loc.kind == STREAMED else ())
+
+
+FFN_KINDS = ("ffn_gate", "ffn_up", "ffn_down", "ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")
+
+
+def parts(spec: ModelSpec, place: TierPlacement) -> list[Part]:
+    """The parts of one ubatch under a tier's placement, in execution order."""
+    g = place.groups
+    out = [_part("embed", "embed", None, "token_embd", g["token_embd"], "token_embd")]
+    for il in range(spec.hparams.n_layer):
+        p, attn = f"blk.{il}.", f"blk.{il}.attn"
+        out.append(_part(p + "qkv", "qkv", il, attn, g[attn], attn))
+        out.append(_part(p + "kq", "kq", il, None, place.kv[il], f"kv:{il}"))
+        out.append(_part(p + "o", "o", il, attn, g[attn], attn))
+        for kind in FFN_KINDS:  # gate and up feed down, whatever the GGUF order
+            if p + kind in g:
+                out.append(_part(p + kind, kind, il, p + kind, g[p + kind], p + kind))
+    out.append(_part("output", "output", None, "output", g["output"], "output"))
+    return out

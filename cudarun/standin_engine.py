@@ -1,0 +1,143 @@
+"""The runtime on the stand-in device: the plan's arena in host memory, the tier's schedule run
+on asynchronous queues (`standin.StandInDevice`), the compute queue's parts in exact fp32 with the
+reference operations, the CPU queue's with the CPU kernels. It is the whole executor but for the
+GPU kernels, so the real models run through it in CI and every removed event wait is caught."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from refengine.spec import ModelSpec
+from solver.cost import CPU, PINNED
+
+from .executor import PlanExecutor, Tier, weight_steps
+from .hostmath import Act, HostMath
+from .hostweights import tensors_of
+from .kvstore import fill_ring, ring_chunks, ring_positions, ring_views
+from .standin import POISON, StandInDevice
+from .switch import apply_steps
+
+FAST_DELAYS = {"copy_delay_s": (0.0, 0.0002), "compute_delay_s": (0.0, 0.0001)}
+
+
+class StandInEngine(PlanExecutor):
+    name = "standin"
+
+    def __init__(self, spec: ModelSpec, plan: dict, seed: int = 0, threads: int = 0,
+                 progress: bool = False, delays: dict | None = None, reference=None):  # fmt: skip
+        """`reference`: a GGUFWeights whose dequantized tensors the compute queue may share (a
+        NumPy engine's `w`)."""
+        super().__init__(spec, plan, progress)
+        self.arena = np.full(self.budget_bytes, POISON, np.uint8)  # one allocation: the budget
+        self.math = {
+            "compute": HostMath(spec, exact=True, reference=reference),
+            "cpu": HostMath(spec, False, threads),
+        }
+        self.seed, self.ubatches = seed, 0
+        self.delays = FAST_DELAYS if delays is None else delays
+        self._file = np.memmap(spec.path, dtype=np.uint8, mode="r")
+
+    def region(self, tier: Tier, name: str) -> np.ndarray:
+        r = tier.regions[name]
+        return self.arena[r.offset_bytes : r.offset_bytes + r.nbytes]
+
+    # -- tier switch -----------------------------------------------------------------------------
+
+    def switch(self, tier: Tier) -> None:
+        steps = weight_steps(self.current.map if self.current else None, tier.map)
+        apply_steps(self.arena, steps, _GroupBytes(self))
+        for il, loc in tier.place.kv.items():
+            if loc.kind == PINNED:
+                buf = self.region(tier, f"kv:{il}")
+                buf[:] = 0  # cells never written must not hold NaN (0 x NaN in the masked sum)
+                fill_ring(self.mirror, il, buf, buf.nbytes // self.cell_nbytes, self.n_past)
+        self.current = tier
+
+    def _host_bytes(self, tier: Tier, unit: str) -> np.ndarray:
+        if unit.startswith("kv:"):
+            il = int(unit[3:])
+            buf = np.zeros(tier.kv_cells[il] * self.cell_nbytes, np.uint8)
+            fill_ring(self.mirror, il, buf, tier.kv_cells[il], self.n_past)
+            return buf
+        return self.host.group(unit)
+
+    # -- one ubatch ------------------------------------------------------------------------------
+
+    def execute(self, tier: Tier, st: Act) -> None:
+        memory = {name: self.region(tier, f"scratch:{name[5:]}") for name in tier.slots}
+        device = StandInDevice(tier.slots, lambda u: self._host_bytes(tier, u),
+                               self.seed + self.ubatches, memory, **self.delays)  # fmt: skip
+        self.ubatches += 1
+        kernels = {p.name: self._kernel(tier, p, st) for p in tier.parts}
+        try:
+            violations = device.execute(tier.schedule, kernels)
+        finally:
+            device.close()
+        if self.trace_events is not None:
+            self.trace_events.extend(device.trace)
+        if violations:  # the schedule or the executor is wrong: a bug, never a user error
+            raise AssertionError(f"tier {tier.tier}: {violations[:3]}")
+
+    def _kernel(self, tier: Tier, part, st: Act):
+        def kernel(views):
+            if part.kind == "kq":
+                self._kq(tier, part.layer, st, views)
+            else:
+                w = self._weights(tier, part.group, views)
+                self.math[part.queue].run(part.kind, part.layer, st, w)
+
+        return kernel
+
+    def _weights(self, tier: Tier, group: str, views) -> dict:
+        loc = tier.place.groups[group]
+        if loc.kind == PINNED:
+            buf = self.region(tier, f"weights:{group}")
+        elif loc.kind == CPU:
+            buf = self.host.group(group)
+        else:
+            (buf,) = views.values()
+        return tensors_of(self.host.layouts[group], buf)
+
+    def _kq(self, tier: Tier, il: int, st: Act, views) -> None:
+        hp = self.spec.hparams
+        start, n = int(st.pos[0]), st.tokens.size
+        end = start + n
+        k16, v16 = st.k.astype(np.float16), st.v.astype(np.float16)
+        self.mirror.write(il, start, k16, v16)  # the host copy (write-through on a device)
+        loc = tier.place.kv[il]
+        if loc.kind == CPU:
+            lo = max(0, start - hp.n_swa + 1) if self.spec.is_swa(il) else 0
+            k, v = self.mirror.k[il][lo:end], self.mirror.v[il][lo:end]
+            self.math["cpu"].attention(st, il, k, v, np.arange(lo, end, dtype=np.int64))
+            return
+        buf = self.region(tier, f"kv:{il}") if loc.kind == PINNED else next(iter(views.values()))
+        cells = tier.kv_cells[il]
+        k, v = ring_views(buf, cells, self.mirror.k_shape, self.mirror.v_shape)
+        for p, cell, count in ring_chunks(cells, start, end):
+            k[cell : cell + count] = k16[p - start : p - start + count]
+            v[cell : cell + count] = v16[p - start : p - start + count]
+        used = min(cells, end)  # cells past `end` were never written
+        self.math["compute"].attention(
+            st, il, k[:used], v[:used], ring_positions(cells, end)[:used]
+        )
+
+
+class _GroupBytes:
+    """`weights:<group>` -> the group's bytes in its layout: from host memory, or assembled from
+    the memory-mapped file for a group pinned in every tier (loaded once, at warm-up)."""
+
+    def __init__(self, engine: StandInEngine):
+        self.engine = engine
+
+    def __getitem__(self, name: str) -> np.ndarray:
+        group = name.removeprefix("weights:")
+        e = self.engine
+        if group in e.host.offsets:
+            return e.host.group(group)
+        layout = e.host.layouts[group]
+        out = np.empty(e.groups[group].nbytes, np.uint8)
+        for p in layout:
+            out[p.offset : p.offset + p.info.nbytes] = e._file[
+                p.info.offset : p.info.offset + p.info.nbytes
+            ]
+        return out

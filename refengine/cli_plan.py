@@ -1,0 +1,153 @@
+"""`refengine diff` and `refengine bench`: the plan engines checked against the NumPy engine, and
+timed against the plan's prediction, the physical bound and a baseline plan."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+import numpy as np
+
+from . import defaults
+from .agreement import normwise
+from .cli import _parse_tokens, _plan_options, _spec, cli
+from .errors import UserError
+
+PLAN_ENGINES = ("cuda", "standin")
+
+
+def _engine(name, spec, n_ctx, plan_args, n_prompt, n_predict):
+    from cudarun.session import make_engine, plan_for_run
+
+    args = dict(plan_args)
+    threads = args.pop("threads")
+    plan = plan_for_run(spec, name, n_ctx=n_ctx, prompt_tokens=n_prompt, gen_tokens=n_predict,
+                        say=lambda m: click.echo(m, err=True), **args)  # fmt: skip
+    return make_engine(name, spec, plan, threads), plan
+
+
+def _prompt_ids(spec, prompt, tokens) -> list[int]:
+    from .tokenizer import Tokenizer
+
+    if (prompt is None) == (tokens is None):
+        raise UserError("give a prompt with -p TEXT or token ids with --tokens 1,2,3")
+    ids = (
+        _parse_tokens(tokens)
+        if tokens is not None
+        else Tokenizer.from_gguf(spec.path).encode(prompt)
+    )
+    if not ids:
+        raise UserError("the prompt has no tokens")
+    return ids
+
+
+@cli.command()
+@click.argument("model")
+@click.option("-p", "--prompt", help="Prompt text.")
+@click.option("--tokens", help="Prompt as comma-separated token ids, instead of text.")
+@click.option("-n", "--n-predict", default=4, show_default=True, help="Greedy decode steps too.")
+@click.option("-c", "--ctx-size", default=defaults.N_CTX, show_default=True)
+@click.option("--engine", "engine_name", type=click.Choice(PLAN_ENGINES), default="cuda",
+              show_default=True)  # fmt: skip
+@_plan_options
+def diff(model, prompt, tokens, n_predict, ctx_size, engine_name, **plan_args) -> None:
+    """The plan engine against the NumPy engine, layer by layer: the largest normwise error of
+    each block's output over the prompt and n greedy steps, and the first layer that diverges."""
+    from rich.console import Console
+    from rich.table import Table
+
+    from .engine import NumpyEngine
+
+    spec = _spec(model)
+    ids = _prompt_ids(spec, prompt, tokens)
+    engine, plan = _engine(engine_name, spec, ctx_size, plan_args, len(ids), n_predict)
+    reference = NumpyEngine(spec, n_ctx=engine.n_ctx)
+    names = [f"blk.{il}.out" for il in range(spec.hparams.n_layer)] + ["output_norm", "logits"]
+    record = set(names)
+    worst = dict.fromkeys(names, 0.0)
+    ours, got = engine.prefill(ids, all_logits=True, record=record)
+    want, ref_got = reference.prefill(ids, all_logits=True, record=record)
+    for _ in range(n_predict + 1):
+        for name in names:
+            worst[name] = max(worst[name], normwise(got[name], ref_got[name]))
+        token = int(np.argmax(want[-1] if want.ndim == 2 else want))
+        if _ == n_predict:
+            break
+        (ours, got), (want, ref_got) = (e.decode(token, record=record) for e in (engine, reference))
+    tol = engine.tolerance
+    click.echo(f"{engine_name} vs numpy: {plan['strategy']} plan, {len(ids)} prompt tokens + "
+               f"{n_predict} decode steps (tolerance {tol:g})")  # fmt: skip
+    table = Table()
+    for col in ("activation", "max normwise error", ""):
+        table.add_column(col)
+    first = next((n for n in names if worst[n] > tol), None)
+    for name in names:
+        table.add_row(name, f"{worst[name]:.2e}", "diverges" if name == first else "")
+    Console().print(table)
+    click.echo(f"first layer that diverges: {first or 'none'}")
+    if first is not None:
+        raise SystemExit(1)
+
+
+@cli.command()
+@click.argument("model")
+@click.option("-p", "--n-prompt", default=512, show_default=True, help="Prompt tokens (pp).")
+@click.option("-n", "--n-gen", default=128, show_default=True, help="Generated tokens (tg).")
+@click.option("--depth", default="0", show_default=True, help="Context depths, e.g. 0,4096.")
+@click.option("-c", "--ctx-size", type=int, help="Context (default: what the tests need).")
+@click.option("--baseline", help="A named placement to compare with on the same engine (fit).")
+@click.option("--engine", "engine_name", type=click.Choice(PLAN_ENGINES), default="cuda",
+              show_default=True)  # fmt: skip
+@click.option("--trace", type=click.Path(dir_okay=False, path_type=Path),
+              help="Chrome trace of the plan's runs, and a Gantt PNG next to it.")  # fmt: skip
+@_plan_options
+def bench(model, n_prompt, n_gen, depth, ctx_size, baseline, engine_name, trace, **plan_args):
+    """llama-bench for a plan: t/s of each test next to the plan's prediction and the physical
+    bound, and the speedup over a --baseline plan run on the same engine and budget."""
+    from rich.console import Console
+    from rich.table import Table
+
+    from cudarun.bench_plan import run_bench
+    from solver.solve import load_profile
+
+    try:
+        depths = sorted({int(d) for d in depth.split(",") if d.strip()})
+    except ValueError:
+        raise UserError(f"--depth takes comma-separated token counts, not {depth!r}") from None
+    spec = _spec(model)
+    n_ctx = ctx_size or max(depths) + max(n_prompt, n_gen + 1)
+    engine, plan = _engine(engine_name, spec, n_ctx, plan_args, n_prompt, n_gen)
+    profile = load_profile(plan_args["profile_name"])
+    if trace:
+        engine.trace_events = []
+    rows = run_bench(engine, profile, n_prompt, n_gen, depths)
+    base_rows = None
+    if baseline:
+        base_args = dict(plan_args, strategy=baseline, plan_path=None)
+        base_engine, _ = _engine(engine_name, spec, n_ctx, base_args, n_prompt, n_gen)
+        base_rows = run_bench(base_engine, profile, n_prompt, n_gen, depths)
+    con = Console()
+    title = f"{spec.name}: {plan['strategy']} plan on {engine.name}, budget " \
+            f"{engine.budget_bytes / 2**30:.2f} GiB"  # fmt: skip
+    table = Table(title=title)
+    cols = ["test", "t/s", "predicted t/s", "bound t/s", "measured / predicted"]
+    cols += [f"{baseline} t/s", "speedup"] if baseline else []
+    for col in cols:
+        table.add_column(col, justify="right")
+    for i, r in enumerate(rows):
+        cells = [r.test, f"{r.tps:.2f}", f"{r.tokens / r.predicted_seconds:.2f}",
+                 f"{r.tokens / r.bound_seconds:.2f}", f"{r.measured_seconds / r.predicted_seconds:.2f}"]  # fmt: skip
+        if base_rows:
+            cells += [f"{base_rows[i].tps:.2f}", f"{r.tps / base_rows[i].tps:.2f}x"]
+        table.add_row(*cells)
+    con.print(table)
+    for line in engine.memory_report():
+        con.print(line)
+    if engine.name == "standin":
+        con.print("stand-in device: the times are of the host simulation, not of a GPU")
+    if trace:
+        from cudarun.trace import overlap_fraction, write_trace
+
+        png = write_trace(engine.trace_events, trace)
+        con.print(f"wrote {trace} and {png}; copies under compute: "
+                  f"{overlap_fraction(engine.trace_events):.0%} of copy time")  # fmt: skip
