@@ -21,7 +21,10 @@ from refengine.errors import UserError
 
 from . import compat  # noqa: F401  (before numba.cuda)
 
-NO_GPU = "no NVIDIA GPU: the CUDA driver or a device is missing here; use --engine numpy"
+NO_GPU = (
+    "no NVIDIA GPU: the CUDA driver or a device is missing here; use --engine standin (the same "
+    "runtime on the host) or --engine numpy"
+)
 
 
 class CudaError(RuntimeError):
@@ -147,6 +150,11 @@ class Graph:
 
     def launch(self, stream: Stream) -> None:
         check(_driver().cuGraphLaunch(self.exec, stream.handle), "cuGraphLaunch")
+
+    def node_count(self) -> int:
+        """The kernels and copies the graph replays (the launches one replay replaces)."""
+        _, count = check(_driver().cuGraphGetNodes(self.graph, 0), "cuGraphGetNodes")
+        return int(count)
 
 
 @dataclass

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from refengine.engine import check_context
+from refengine.engine import check_tokens, finish
 from refengine.errors import UserError
 from refengine.spec import ModelSpec
 from solver.cost import CPU, PINNED, STREAMED, TierPlacement, Workload
@@ -125,6 +125,7 @@ class PlanExecutor:
         self.current: Tier | None = None
         self.n_past = 0
         self.trace_events: list | None = None  # a list: record (lane, op, start s, end s)
+        self.requested: set[str] = set()  # activations asked for by the current call
 
     host_alloc = None  # pinned host memory on a GPU
 
@@ -152,7 +153,7 @@ class PlanExecutor:
 
     def prefill(self, tokens, all_logits: bool = False, record=None):
         ids = self._check_tokens(tokens)
-        rec: dict = {}
+        rec = {} if record is not None else None
         logits = []
         step = self.tier_sizes[-1]
         for start in range(0, ids.size, step):
@@ -161,29 +162,15 @@ class PlanExecutor:
             out = self._ubatch(chunk, all_logits, rec, record, want=all_logits or last)
             logits.append(out)
         result = np.concatenate(logits) if all_logits else logits[-1][-1]
-        return self._finish(result, rec, record)
+        return finish(result, rec, record)
 
     def decode(self, token: int, record=None):
         ids = self._check_tokens([token])
-        rec: dict = {}
-        return self._finish(self._ubatch(ids, False, rec, record, True)[-1], rec, record)
+        rec = {} if record is not None else None
+        return finish(self._ubatch(ids, False, rec, record, True)[-1], rec, record)
 
     def _check_tokens(self, tokens) -> np.ndarray:
-        ids = np.asarray(tokens).reshape(-1)
-        n_vocab = self.spec.hparams.n_vocab
-        if ids.size == 0:
-            raise UserError("the prompt is empty; give at least one token")
-        if not np.issubdtype(ids.dtype, np.integer) or ids.min() < 0 or ids.max() >= n_vocab:
-            raise UserError(f"token ids must be integers in 0..{n_vocab - 1}")
-        check_context(self.n_past + ids.size, self.n_ctx, self.spec.hparams.n_ctx_train)
-        return ids.astype(np.int64)
-
-    def _finish(self, logits, rec, record):
-        if record is None:
-            return logits
-        if "logits" in record:
-            rec["logits"] = logits
-        return logits, {k: v for k, v in rec.items() if k in record}
+        return check_tokens(tokens, self.spec, self.n_past, self.n_ctx)
 
     def tier_for(self, n_tokens: int) -> Tier:
         return self.tiers[next((t for t in self.tier_sizes if t >= n_tokens), self.tier_sizes[-1])]
@@ -196,6 +183,7 @@ class PlanExecutor:
             self.switch(tier)
         pos = np.arange(self.n_past, self.n_past + ids.size, dtype=np.int64)
         st = Act(ids, pos, all_logits)
+        self.requested = set(record or ())
         self.execute(tier, st)
         self.n_past += ids.size
         for name, x in st.record.items():
@@ -216,6 +204,10 @@ class PlanExecutor:
                        f"{self.budget_bytes / 2**20:.1f} MiB")  # fmt: skip
         return out
 
+    def launch_report(self, launch_seconds: float) -> list[str]:
+        """Launches per token and what they cost (the device engine reports its graphs)."""
+        return []
+
     def warm_up(self) -> None:
         """Compile every kernel and prepare every tier before the first token: one token through
         each tier's schedule (largest first, so the smallest is current after), then reset."""
@@ -234,6 +226,20 @@ class PlanExecutor:
 
     def execute(self, tier: Tier, st) -> None:
         raise NotImplementedError
+
+
+def group_bytes(engine: "PlanExecutor", group: str) -> np.ndarray:
+    """A group's bytes in its layout: from host memory, or assembled from the memory-mapped file
+    for a group pinned in every tier (uploaded once, at warm-up)."""
+    if group in engine.host.offsets:
+        return engine.host.group(group)
+    out = np.empty(engine.groups[group].nbytes, np.uint8)
+    source = np.memmap(engine.spec.path, dtype=np.uint8, mode="r")
+    for p in engine.host.layouts[group]:
+        out[p.offset : p.offset + p.info.nbytes] = source[
+            p.info.offset : p.info.offset + p.info.nbytes
+        ]
+    return out
 
 
 def weight_steps(before: list[Region] | None, after: list[Region]):

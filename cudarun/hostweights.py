@@ -95,10 +95,13 @@ def _progress(groups: list[Group], total: int, show: bool):
     if not show:
         yield from groups
         return
+    from rich.console import Console
     from rich.progress import BarColumn, DownloadColumn, Progress, TransferSpeedColumn
 
     columns = (BarColumn(), DownloadColumn(), TransferSpeedColumn())
-    with Progress("loading weights into host memory", *columns, transient=True) as bar:
+    console = Console(stderr=True)  # stdout carries the generated text
+    with Progress("loading weights into host memory", *columns, transient=True,
+                  console=console) as bar:  # fmt: skip
         task = bar.add_task("load", total=total)
         for g in groups:
             yield g

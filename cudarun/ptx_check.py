@@ -26,7 +26,7 @@ def arr(dtype, ndim):
 def kernels():
     """(name, python function, argument types) for every kernel."""
     from .blocks import LAYOUTS
-    from .kernels import attention, elementwise, matvec, moe, prefill
+    from .kernels import attention, elementwise, glue, matvec, moe, prefill
 
     u8, f32, f16, i64, i32 = t.uint8, t.float32, t.float16, t.int64, t.int32
     raw = arr(u8, 1)
@@ -77,6 +77,21 @@ def kernels():
         ("route", moe.route, (arr(f32, 2), i64, t.boolean, arr(i32, 2), arr(f32, 2))),
         ("combine", moe.combine, (arr(f32, 2), arr(f32, 2), arr(f32, 2))),
         ("to_half", prefill.to_half, (arr(f32, 2), arr(f16, 2))),
+        ("scale_rows", glue.scale_rows, (arr(f32, 2), t.float64)),
+        ("add_bias", glue.add_bias, (arr(f32, 2), arr(f32, 1))),
+        (
+            "store_kv",
+            glue.store_kv,
+            (
+                arr(f32, 2),
+                arr(f32, 2),
+                arr(i64, 1),
+                arr(f16, 2),
+                arr(f16, 2),
+                arr(f16, 2),
+                arr(f16, 2),
+            ),
+        ),  # fmt: skip
     ]
     for qtype in sorted(LAYOUTS, key=lambda q: q.name):
         name = qtype.name

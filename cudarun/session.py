@@ -57,6 +57,10 @@ def plan_for_run(
     from solver.plan import fingerprint, fingerprint_hash, load_plan
     from solver.solve import load_profile, solve_plan
 
+    if engine == "cuda":
+        from .cuda_engine import require_gpu
+
+        require_gpu()
     if plan_path is not None:
         return load_plan(plan_path)
     prof = load_profile(profile_name)
@@ -76,7 +80,7 @@ def plan_for_run(
         return load_plan(cached)
     plan = solve_plan(spec, prof, w, tier_list, budgets, strategy)
     cached.write_text(json.dumps(plan, indent=1) + "\n")
-    say(f"solved {plan['strategy']} for {budgets[0] / 2**30:.2f} GiB; plan cached at {cached}")
+    say(f"solved {plan['strategy']} for {budgets[0] / 2**20:.1f} MiB; plan cached at {cached}")
     return plan
 
 

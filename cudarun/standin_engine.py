@@ -10,7 +10,7 @@ import numpy as np
 from refengine.spec import ModelSpec
 from solver.cost import CPU, PINNED
 
-from .executor import PlanExecutor, Tier, weight_steps
+from .executor import PlanExecutor, Tier, group_bytes, weight_steps
 from .hostmath import Act, HostMath
 from .hostweights import tensors_of
 from .kvstore import fill_ring, ring_chunks, ring_positions, ring_views
@@ -35,7 +35,6 @@ class StandInEngine(PlanExecutor):
         }
         self.seed, self.ubatches = seed, 0
         self.delays = FAST_DELAYS if delays is None else delays
-        self._file = np.memmap(spec.path, dtype=np.uint8, mode="r")
 
     def region(self, tier: Tier, name: str) -> np.ndarray:
         r = tier.regions[name]
@@ -123,21 +122,10 @@ class StandInEngine(PlanExecutor):
 
 
 class _GroupBytes:
-    """`weights:<group>` -> the group's bytes in its layout: from host memory, or assembled from
-    the memory-mapped file for a group pinned in every tier (loaded once, at warm-up)."""
+    """`weights:<group>` -> the group's bytes, for `apply_steps`."""
 
     def __init__(self, engine: StandInEngine):
         self.engine = engine
 
     def __getitem__(self, name: str) -> np.ndarray:
-        group = name.removeprefix("weights:")
-        e = self.engine
-        if group in e.host.offsets:
-            return e.host.group(group)
-        layout = e.host.layouts[group]
-        out = np.empty(e.groups[group].nbytes, np.uint8)
-        for p in layout:
-            out[p.offset : p.offset + p.info.nbytes] = e._file[
-                p.info.offset : p.info.offset + p.info.nbytes
-            ]
-        return out
+        return group_bytes(self.engine, name.removeprefix("weights:"))

@@ -629,9 +629,9 @@ def solve(
         threads=threads or prof.cpu.threads,  # resolved, so the fingerprint names it
     )
     tier_list = B.parse_tiers(tiers) if tiers else B.default_tiers(n_ctx, users)
-    viable = viable_tiers(spec, w, tier_list, budgets)
+    viable = viable_tiers(spec, w, tier_list, budgets, target)
     if min(tier_list) not in viable:
-        need = minimum_budget_bytes(spec, w, min(tier_list))
+        need = minimum_budget_bytes(spec, w, min(tier_list), target)
         if len(budgets) == 1:
             raise UserError(
                 f"a budget of {_mib_text(budget_bytes)} is below the minimum of "

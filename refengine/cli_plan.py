@@ -127,10 +127,10 @@ def bench(model, n_prompt, n_gen, depth, ctx_size, baseline, engine_name, trace,
         base_engine, _ = _engine(engine_name, spec, n_ctx, base_args, n_prompt, n_gen)
         base_rows = run_bench(base_engine, profile, n_prompt, n_gen, depths)
     con = Console()
-    title = f"{spec.name}: {plan['strategy']} plan on {engine.name}, budget " \
-            f"{engine.budget_bytes / 2**30:.2f} GiB"  # fmt: skip
-    table = Table(title=title)
-    cols = ["test", "t/s", "predicted t/s", "bound t/s", "measured / predicted"]
+    con.print(f"{spec.name}: {plan['strategy']} plan on {engine.name}, budget "
+              f"{engine.budget_bytes / 2**20:.1f} MiB")  # fmt: skip
+    table = Table()
+    cols = ["test", "t/s", "pred t/s", "bound t/s", "meas/pred"]
     cols += [f"{baseline} t/s", "speedup"] if baseline else []
     for col in cols:
         table.add_column(col, justify="right")
@@ -141,7 +141,7 @@ def bench(model, n_prompt, n_gen, depth, ctx_size, baseline, engine_name, trace,
             cells += [f"{base_rows[i].tps:.2f}", f"{r.tps / base_rows[i].tps:.2f}x"]
         table.add_row(*cells)
     con.print(table)
-    for line in engine.memory_report():
+    for line in engine.memory_report() + engine.launch_report(profile.gpus[0].launch_seconds.value):
         con.print(line)
     if engine.name == "standin":
         con.print("stand-in device: the times are of the host simulation, not of a GPU")

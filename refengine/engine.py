@@ -38,6 +38,28 @@ def check_context(n_tokens: int, n_ctx: int, n_ctx_train: int) -> None:
         )
 
 
+def check_tokens(tokens, spec: ModelSpec, n_past: int, n_ctx: int) -> np.ndarray:
+    """The ubatch's token ids as int64, or UserError: empty, outside the vocabulary, or past the
+    context."""
+    ids = np.asarray(tokens).reshape(-1)
+    if ids.size == 0:
+        raise UserError("the prompt is empty; give at least one token")
+    n_vocab = spec.hparams.n_vocab
+    if not np.issubdtype(ids.dtype, np.integer) or ids.min() < 0 or ids.max() >= n_vocab:
+        raise UserError(f"token ids must be integers in 0..{n_vocab - 1}")
+    check_context(n_past + ids.size, n_ctx, spec.hparams.n_ctx_train)
+    return ids.astype(np.int64)
+
+
+def finish(logits, rec, record):
+    """What an Engine call returns: the logits, or (logits, the requested activations)."""
+    if rec is None:
+        return logits
+    if "logits" in record:
+        rec["logits"] = logits
+    return logits, {k: v for k, v in rec.items() if k in record}
+
+
 class KVCache:
     """Per-layer keys and values of the positions seen so far, grown by doubling up to n_ctx."""
 
@@ -112,21 +134,10 @@ class NumpyEngine:
     # -- the forward pass ------------------------------------------------------------------------
 
     def _check_tokens(self, tokens) -> np.ndarray:
-        ids = np.asarray(tokens).reshape(-1)
-        if ids.size == 0:
-            raise UserError("the prompt is empty; give at least one token")
-        n_vocab = self.spec.hparams.n_vocab
-        if not np.issubdtype(ids.dtype, np.integer) or ids.min() < 0 or ids.max() >= n_vocab:
-            raise UserError(f"token ids must be integers in 0..{n_vocab - 1}")
-        check_context(self.n_past + ids.size, self.n_ctx, self.spec.hparams.n_ctx_train)
-        return ids.astype(np.int64)
+        return check_tokens(tokens, self.spec, self.n_past, self.n_ctx)
 
     def _finish(self, logits, rec, record):
-        if rec is None:
-            return logits
-        if "logits" in record:
-            rec["logits"] = logits
-        return logits, {k: v for k, v in rec.items() if k in record}
+        return finish(logits, rec, record)
 
     def _forward(self, tokens, want_logits: bool, all_positions: bool, rec, record):
         """Run one ubatch at positions n_past.. ; logits [T or 1, n_vocab] (or None)."""

@@ -54,10 +54,20 @@ def kv_layer_nbytes(spec: ModelSpec, il: int, kv: KVShape) -> int:
 
 
 def compute_nbytes(
-    spec: ModelSpec, n_ubatch: int, n_ctx: int, flash_attn: bool, output_rows: int
+    spec: ModelSpec,
+    n_ubatch: int,
+    n_ctx: int,
+    flash_attn: bool,
+    output_rows: int,
+    target: str = "llamacpp",
 ) -> int:
-    """Approximate compute buffer of one device for ubatches of n_ubatch tokens, `output_rows` of
-    which get logits there (llama.cpp reserves for all n_ubatch; our runtime, one per sequence)."""
+    """Compute buffer of one device for ubatches of n_ubatch tokens, `output_rows` of which get
+    logits there (llama.cpp reserves for all n_ubatch; our runtime, one per sequence): llama.cpp's,
+    approximate; our runtime's, exact (its workspace layout)."""
+    if target == "refengine":
+        from .workspace import layout, nbytes
+
+        return nbytes(layout(spec, n_ubatch, output_rows, n_ctx))
     hp = spec.hparams
     n_ff = hp.n_ff_active
     q_dim = hp.n_head * hp.head_dim

@@ -338,9 +338,11 @@ def _program(
     kvs = kv_shape(p.workload, tier)
     grouped = _by_token_count(shapes)
     op_offload = tier >= OP_OFFLOAD_MIN_TOKENS
-    base = compute_nbytes(p.spec, tier, p.workload.n_ctx, p.workload.flash_attn, 0)
+    base = compute_nbytes(p.spec, tier, p.workload.n_ctx, p.workload.flash_attn, 0, p.target)
     rows = tier if llama else min(tier, p.workload.users)  # llama.cpp reserves a full ubatch
-    logits = compute_nbytes(p.spec, tier, p.workload.n_ctx, p.workload.flash_attn, rows) - base
+    logits = (
+        compute_nbytes(p.spec, tier, p.workload.n_ctx, p.workload.flash_attn, rows, p.target) - base
+    )
 
     # -- options, per class of identical layers and per device ---------------------------------
     classes: dict[tuple, list[int]] = {}

@@ -167,19 +167,23 @@ def _fits(p: Problem, place: TierPlacement, tier: int) -> bool:
     return u.total <= p.budget_bytes
 
 
-def minimum_budget_bytes(spec: ModelSpec, w: Workload, tier: int) -> int:
+def minimum_budget_bytes(spec: ModelSpec, w: Workload, tier: int, target: str = "refengine") -> int:
     """The smallest budget a tier needs on a device that computes anything: its workspace (with
     every weight and all KV on the CPU)."""
-    return compute_nbytes(spec, tier, w.n_ctx, w.flash_attn, 0)
+    return compute_nbytes(spec, tier, w.n_ctx, w.flash_attn, 0, target)
 
 
 def viable_tiers(
-    spec: ModelSpec, w: Workload, tiers: list[int], budget_bytes: int | list[int]
+    spec: ModelSpec,
+    w: Workload,
+    tiers: list[int],
+    budget_bytes: int | list[int],
+    target: str = "refengine",
 ) -> list[int]:
     """The tiers whose workspace fits some device's budget (pshard marks the others not_viable; a
     prompt then runs in ubatches of the largest viable tier)."""
     budgets = [budget_bytes] if isinstance(budget_bytes, int) else budget_bytes
-    return [t for t in tiers if minimum_budget_bytes(spec, w, t) <= max(budgets)]
+    return [t for t in tiers if minimum_budget_bytes(spec, w, t, target) <= max(budgets)]
 
 
 def excluded_devices(spec: ModelSpec, w: Workload, tier: int, budgets: list[int]) -> dict:
@@ -229,7 +233,7 @@ def solve_plan(
     if min(tiers) not in viable:
         need = minimum_budget_bytes(spec, w, min(tiers))
         raise UserError(
-            f"a budget of {budgets[0] / 2**20:.0f} MiB is below the {need / 2**20:.0f} MiB any "
+            f"a budget of {budgets[0] / 2**20:.2f} MiB is below the {need / 2**20:.2f} MiB any "
             "placement needs here; raise --budget"
         )
     chosen, _, facts = solve(

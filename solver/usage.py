@@ -77,7 +77,9 @@ def device_usage(
     # holds a compute buffer too); llama.cpp's op-offload computes on the first GPU
     holds = any(here(loc) for loc in mine.values()) or any(here(loc) for loc in place.kv.values())
     offloads = target == "llamacpp" and device == 0 and tier >= OP_OFFLOAD_MIN_TOKENS
-    compute = compute_nbytes(spec, tier, w.n_ctx, w.flash_attn, rows) if holds or offloads else 0
+    compute = (
+        compute_nbytes(spec, tier, w.n_ctx, w.flash_attn, rows, target) if holds or offloads else 0
+    )
     if target == "refengine":
         scratch = PREFETCH_DEPTH * max(streamed_units, default=0)
     else:  # llama.cpp copies one CPU-held weight at a time into its compute buffer

@@ -93,11 +93,13 @@ def tiny_gguf(path, arch: str, tensors: dict, **writer_calls):
     return path
 
 
-def refengine(*args, timeout_seconds: int = 600):
-    """Run the `refengine` command as a user does, in a subprocess."""
+def refengine(*args, timeout_seconds: int = 600, env: dict | None = None):
+    """Run the `refengine` command as a user does, in a subprocess (`env`: its whole
+    environment)."""
     return subprocess.run(
         [sys.executable, "-m", "refengine", *map(str, args)],
         capture_output=True,
         text=True,
         timeout=timeout_seconds,
+        env=env,
     )

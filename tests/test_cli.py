@@ -175,3 +175,52 @@ def test_dump_logits_to_a_missing_folder(small_models, tmp_path):
 )
 def test_synth_refuses_impossible_models(tmp_path, args, message):
     assert_one_line_error(refengine("synth", tmp_path / "m.gguf", *args), message)
+
+
+def test_the_plan_engines_from_the_command_line(small_models, tmp_path):
+    """run, diff and bench on the stand-in device: a plan solved for --budget and cached next to
+    the model, reused the second time, a trace with its Gantt chart."""
+    model = small_models["llama"]
+    args = ("--engine", "standin", "--budget", "1MiB", "--tiers", "1,4", "-c", "64")
+    r = refengine("run", model, "--tokens", "3,4,5", "-n", "3", "--temp", "0", *args,
+                  "--trace", tmp_path / "t.json")  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    assert "plan cached at" in r.stderr and "TTFT" in r.stderr and "TPS" in r.stderr
+    assert (tmp_path / "t.png").stat().st_size > 1000
+    trace = json.loads((tmp_path / "t.json").read_text())["traceEvents"]
+    assert {e["args"]["name"] for e in trace if e["ph"] == "M"} == {"copy", "compute", "cpu"}
+    want = refengine("run", model, "--tokens", "3,4,5", "-n", "3", "--temp", "0")
+    again = refengine("run", model, "--tokens", "3,4,5", "-n", "3", "--temp", "0", *args)
+    assert "reusing the plan" in again.stderr
+    assert again.stdout == r.stdout == want.stdout  # greedy: the same tokens as the NumPy engine
+    r = refengine("diff", model, "--tokens", "3,4,5", *args)
+    assert r.returncode == 0, r.stderr
+    assert "blk.1.out" in r.stdout and "first layer that diverges: none" in r.stdout
+    r = refengine("bench", model, "-p", "8", "-n", "4", "--depth", "0,8", "--baseline", "fit",
+                  *args)  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    for text in ("pp8 @ d0", "tg4 @ d8", "pred t/s", "bound t/s", "fit t/s", "speedup"):
+        assert text in r.stdout, r.stdout
+
+
+def test_plan_engine_mistakes_are_one_line(small_models, tmp_path):
+    import os
+
+    model = small_models["llama"]
+    r = refengine("run", model, "--tokens", "3", "--engine", "standin", "--budget", "0.001MiB")
+    assert_one_line_error(r, "raise --budget")
+    r = refengine("run", model, "--tokens", "3", "--budget", "1GiB")
+    assert_one_line_error(r, "--engine cuda")
+    plan = tmp_path / "p.json"
+    assert refengine("solve", small_models["qwen2"], "--budget", "1GiB", "--profile", "h100",
+                     "--ctx", "64", "--gen-tokens", "8", "-o", plan).returncode == 0  # fmt: skip
+    r = refengine("run", model, "--tokens", "3", "--engine", "standin", "--plan", plan)
+    assert_one_line_error(r, "solve again")
+    env = {k: v for k, v in os.environ.items() if k != "NUMBA_ENABLE_CUDASIM"}
+    from cudarun.driver import gpu_present
+
+    if not gpu_present():
+        r = refengine(
+            "run", model, "--tokens", "3", "--engine", "cuda", "--budget", "1GiB", env=env
+        )
+        assert_one_line_error(r, "no NVIDIA GPU", "--engine standin")

@@ -139,7 +139,8 @@ def decode_partial(q, k, v, q_pos, k_pos, scale, window, chunk, partial):
                 for h in range(group):
                     o = acc[h, r] * shrink[h]
                     for jj in range(min(TILE, stop - tile)):
-                        o += ps[h, jj] * float32(v[tile + jj, g, i])
+                        if ps[h, jj] != 0.0:  # a masked key's V may be anything, NaN included
+                            o += ps[h, jj] * float32(v[tile + jj, g, i])
                     acc[h, r] = o
         cuda.syncthreads()
     for h in range(group):

@@ -55,8 +55,8 @@ def gpu_kernel(qtype):
                     partial[tid, t] += partial[tid + step, t]
             cuda.syncthreads()
             step //= 2
-        if tid < n_tokens:
-            out[tid, row] = partial[0, tid]
+        for t in range(tid, n_tokens, THREADS):  # THREADS may be fewer than the tokens (simulator)
+            out[t, row] = partial[0, t]
 
     return matvec
 

@@ -1,0 +1,43 @@
+"""The runtime's small kernels between the big ones: the embedding scale, a bias added to every
+row, and the KV store (fp32 rows into fp16 ring cells, and into a staging strip that goes to the
+host mirror). Each is checked against NumPy in tests/test_devicemath.py."""
+
+from __future__ import annotations
+
+from .. import compat  # noqa: F401  (before numba.cuda)
+
+from numba import cuda  # noqa: E402
+
+from . import THREADS  # noqa: E402
+
+
+@cuda.jit
+def scale_rows(x, s):
+    """x [T, n] *= s in place; a thread block per row."""
+    t, i0 = cuda.blockIdx.x, cuda.threadIdx.x
+    for i in range(i0, x.shape[1], THREADS):
+        x[t, i] = x[t, i] * s
+
+
+@cuda.jit
+def add_bias(x, b):
+    """x [T, n] += b [n] in place; a thread block per row."""
+    t, i0 = cuda.blockIdx.x, cuda.threadIdx.x
+    for i in range(i0, x.shape[1], THREADS):
+        x[t, i] = x[t, i] + b[i]
+
+
+@cuda.jit
+def store_kv(k, v, pos, k_cache, v_cache, k_stage, v_stage):
+    """Token t's K [T, n] and V [T, m] (fp32, heads flattened) into ring cell pos[t] % cells of
+    k_cache [cells, n] and v_cache [cells, m] (fp16), and into row t of the staging strips."""
+    t, i0 = cuda.blockIdx.x, cuda.threadIdx.x
+    cell = pos[t] % k_cache.shape[0]
+    for i in range(i0, k.shape[1], THREADS):
+        h = k[t, i]
+        k_cache[cell, i] = h
+        k_stage[t, i] = h
+    for i in range(i0, v.shape[1], THREADS):
+        h = v[t, i]
+        v_cache[cell, i] = h
+        v_stage[t, i] = h

@@ -1,0 +1,98 @@
+"""Our runtime's workspace: every device array one ubatch needs, laid out in the memory map's
+`workspace` region, so the engine allocates nothing after warm-up (CONTRACTS.md, Budget). The
+memory model of a `refengine` plan reserves exactly this (`memory.compute_nbytes`), and cudarun
+carves its arrays from it (`arrays`): one layout, so the two cannot disagree.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from refengine.spec import ModelSpec
+
+from .memory import pad_cells
+
+ALIGN = 256
+PANEL_ROWS = 256  # rows of a weight dequantized to fp16 at a time for the prefill GEMM
+MAX_DECODE_TOKENS = 16  # the matvec kernels' most tokens (cudarun.kernels.matvec.MAX_TOKENS)
+SPLIT_BLOCKS_PER_SM, SMS = 4, 132  # split-KV decode attention's target (kernels.attention)
+GPU_TILE = 32  # keys per tile of decode attention on a GPU (a warp)
+
+
+@dataclass(frozen=True)
+class Slice:
+    offset: int
+    shape: tuple[int, ...]
+    dtype: str
+
+
+def layout(spec: ModelSpec, tokens: int, logit_rows: int, n_ctx: int) -> dict[str, Slice]:
+    """name -> where it lives in the workspace, for ubatches of up to `tokens` tokens over a
+    context of n_ctx."""
+    hp = spec.hparams
+    t = tokens
+    d, q_dim = hp.n_embd, hp.n_head * hp.head_dim
+    k_dim, v_dim = hp.n_head_kv * hp.head_dim, hp.n_head_kv * hp.head_dim_v
+    used = max(hp.n_expert_used, 1)
+    ff_rows, n_ff = (t * used, hp.n_ff_exp) if spec.arch.moe else (t, hp.n_ff)
+    want = {
+        "tokens": ((t,), "int64"),
+        "pos": ((t,), "int64"),
+        "x": ((t, d), "float32"),
+        "h": ((t, d), "float32"),
+        "f": ((t, d), "float32"),
+        "q": ((t, hp.n_head, hp.head_dim), "float32"),
+        "k": ((t, hp.n_head_kv, hp.head_dim), "float32"),
+        "v": ((t, hp.n_head_kv, hp.head_dim_v), "float32"),
+        "a": ((t, hp.n_head, hp.head_dim_v), "float32"),
+        "k_stage": ((t, k_dim), "float16"),
+        "v_stage": ((t, v_dim), "float16"),
+        "gate": ((ff_rows, n_ff), "float32"),
+        "up": ((ff_rows, n_ff), "float32"),
+        "act": ((ff_rows, n_ff), "float32"),
+        "logits": ((logit_rows, hp.n_vocab), "float32"),
+        # the position each KV cell holds, for full-context and sliding-window rings
+        "k_pos": ((pad_cells(n_ctx),), "int64"),
+        "k_pos_swa": ((pad_cells(n_ctx) if hp.n_swa else 0,), "int64"),
+    }
+    if spec.arch.moe:
+        want["router"] = ((t, hp.n_expert), "float32")
+        want["ids"] = ((t, used), "int32")
+        want["gates"] = ((t, used), "float32")
+        want["down"] = ((ff_rows, d), "float32")
+    if t <= MAX_DECODE_TOKENS:  # split-KV decode attention's partial results
+        splits = max_splits(hp.n_head_kv, t, n_ctx)
+        want["partial"] = ((t, splits, hp.n_head, hp.head_dim_v + 2), "float32")
+    else:  # the prefill GEMM's fp16 panels
+        widest = max(d, q_dim, v_dim, n_ff)
+        want["panel16"] = ((PANEL_ROWS, widest), "float16")
+        want["x16"] = ((t * max(used, 1), widest), "float16")
+    out, offset = {}, 0
+    for name, (shape, dtype) in want.items():
+        out[name] = Slice(offset, shape, dtype)
+        offset += -(-int(np.prod(shape)) * np.dtype(dtype).itemsize // ALIGN) * ALIGN
+    return out
+
+
+def max_splits(n_kv_heads: int, tokens: int, n_ctx: int) -> int:
+    """The most KV splits decode attention uses on a GPU (kernels.attention.decode_splits, with
+    its tile of 32 keys); the engine never uses more than the workspace holds."""
+    want = -(-SPLIT_BLOCKS_PER_SM * SMS // (n_kv_heads * tokens))
+    return max(1, min(want, -(-pad_cells(n_ctx) // GPU_TILE)))
+
+
+def nbytes(slices: dict[str, Slice]) -> int:
+    return max(
+        s.offset + int(np.prod(s.shape)) * np.dtype(s.dtype).itemsize for s in slices.values()
+    )
+
+
+def arrays(region, slices: dict[str, Slice]) -> dict:
+    """Device arrays over `region` (a device uint8 array: the workspace) at the layout's places."""
+    out = {}
+    for name, s in slices.items():
+        n = int(np.prod(s.shape)) * np.dtype(s.dtype).itemsize
+        out[name] = region[s.offset : s.offset + n].view(np.dtype(s.dtype)).reshape(s.shape)
+    return out
