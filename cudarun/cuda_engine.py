@@ -69,6 +69,7 @@ class CudaEngine(PlanExecutor):
         self.dmath = DeviceMath(spec, self.streams[0].ptr if self.streams else 0)
         self.graphs: dict[tuple[int, int], object] = {}  # (tier, tokens) -> captured decode
         self.graph_nodes: dict[tuple[int, int], int | None] = {}
+        self.ran_eagerly: set[tuple[int, int]] = set()
         self.use_graphs = not simulated()
         self.cpu_math = HostMath(spec, False, threads)
         self.layouts = {}  # tier -> workspace layout
@@ -174,7 +175,7 @@ class CudaEngine(PlanExecutor):
         for key, cells in self._cell_counts(tier).items():
             ws[key][:cells].copy_to_device(ring_positions(cells, start + n), stream=self.compute)
         key = (tier.tier, n)
-        if self._graphable(tier, st):
+        if self._graphable(tier, st) and key in self.ran_eagerly:  # kernels compiled by then
             if key not in self.graphs:
                 self.graphs[key] = self._capture(tier, st, ws)
             self.graphs[key].launch(self.streams[0])
@@ -182,6 +183,7 @@ class CudaEngine(PlanExecutor):
             ws["logits"][:1].copy_to_host(st.logits, stream=self.compute)
         else:
             self._issue(tier, st, ws, host, capturing=False)
+            self.ran_eagerly.add(key)
         self.synchronize()
 
     def _graphable(self, tier: Tier, st: Act) -> bool:

@@ -45,9 +45,10 @@ class DeviceMath:
         if x.shape[0] <= MAX_DECODE_TOKENS:
             matvec.matvec_gpu(w[name], x, out, t.qtype, t.shape, stream)
         else:
-            n_in = t.shape[1]
-            panel = ws["panel16"][:, :n_in]
-            x16 = ws["x16"][: x.shape[0], :n_in]
+            n_in, rows = t.shape[1], ws["panel16"].shape[0]
+            # contiguous [rows, n_in] and [T, n_in] views: cuBLAS reads them with ld = n_in
+            panel = ws["panel16"].reshape(-1)[: rows * n_in].reshape(rows, n_in)
+            x16 = ws["x16"].reshape(-1)[: x.shape[0] * n_in].reshape(x.shape[0], n_in)
             prefill.matmul_prefill(w[name], x, out, t.qtype, t.shape, panel, x16, stream,
                                    self.stream_ptr)  # fmt: skip
         bias = name.replace(".weight", ".bias")

@@ -21,7 +21,7 @@ import numpy as np
 from refengine.engine import check_tokens, finish
 from refengine.errors import UserError
 from refengine.spec import ModelSpec
-from solver.cost import CPU, PINNED, STREAMED, TierPlacement, Workload
+from solver.cost import PINNED, TierPlacement, Workload
 from solver.groups import tensor_groups
 from solver.memory import kv_cell_nbytes, kv_layer_nbytes
 from solver.plan import Region, fingerprint_hash, placements_from_json
@@ -89,8 +89,6 @@ class Tier:
 class PlanExecutor:
     """The device-independent half of the runtime: plan, tiers, host memory, the Engine API."""
 
-    n_slots = 0
-
     def __init__(self, spec: ModelSpec, plan: dict, progress: bool = False):
         from .hostweights import HostWeights
         from .kvstore import KVMirror
@@ -102,10 +100,6 @@ class PlanExecutor:
         self.cell_nbytes = kv_cell_nbytes(spec, "f16")
         self.groups = {g.name: g for g in tensor_groups(spec)}
         self.placements = placements_from_json(plan, spec)
-        for t, place in self.placements.items():
-            for il, loc in place.kv.items():
-                if loc.kind not in (PINNED, STREAMED, CPU):
-                    raise PlanError(f"tier {t}: layer {il} KV location {loc} is not executable")
         self.maps = {
             t: [Region(*r) for r in plan["tiers"][str(t)]["memory_map"]["0"]]
             for t in self.placements

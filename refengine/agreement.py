@@ -79,7 +79,8 @@ class Agreement:
         return (
             f"{len(self.tokens)} tokens: greedy {'identical' if self.greedy_identical else 'DIFFERS'}"
             f" up to the first near-tie ({'none' if tie is None else f'position {tie}'}), "
-            f"teacher-forced top-1 {self.forced_top1:.1%}, mean KL {self.mean_kl:.2e}, "
+            f"teacher-forced top-1 {self.forced_top1:.1%} (top-1 equal at "
+            f"{sum(self.top1_equal)}/{len(self.top1_equal)} positions), mean KL {self.mean_kl:.2e}, "
             f"final logits error {self.errors[-1]:.2e} (tolerance {self.tolerance:g})"
         )
 

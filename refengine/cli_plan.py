@@ -13,7 +13,7 @@ from .agreement import normwise
 from .cli import _parse_tokens, _plan_options, _spec, cli
 from .errors import UserError
 
-PLAN_ENGINES = ("cuda", "standin")
+PLAN_ENGINES = ("cuda", "standin")  # cudarun.session's, without importing it at startup
 
 
 def _engine(name, spec, n_ctx, plan_args, n_prompt, n_predict):
