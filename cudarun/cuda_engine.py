@@ -13,6 +13,8 @@ CUDA simulator in CI (tiny models, tiers of at most 16 tokens) and on a GPU.
 from __future__ import annotations
 
 import os
+import time
+from contextlib import contextmanager
 
 import numpy as np
 
@@ -194,6 +196,7 @@ class CudaEngine(PlanExecutor):
             and st.tokens.size <= MAX_DECODE_TOKENS
             and not st.all_logits
             and not self.requested
+            and self.trace_events is None  # a traced run is timed op by op, eagerly
             and all(p.queue == "compute" for p in tier.parts)
             and all(loc.kind != STREAMED for loc in tier.place.kv.values())
         )
@@ -218,6 +221,7 @@ class CudaEngine(PlanExecutor):
         stream, CPU parts on this thread, events between them."""
         events: dict[str, object] = {}
         parts = {p.name: p for p in tier.parts}
+        timer = _Timer(self) if self.trace_events is not None and not capturing else None
         for op in tier.schedule:
             if isinstance(op, Record):
                 # untimed events are cheaper; the simulator's take no arguments
@@ -229,14 +233,20 @@ class CudaEngine(PlanExecutor):
                 else:
                     events[op.event].wait(self.copy if op.queue == "copy" else self.compute)
             elif isinstance(op, Copy):
-                self._copy_unit(tier, op.tensor, op.slot)
+                with _span(timer, "copy", f"copy {op.tensor}", self.copy):
+                    self._copy_unit(tier, op.tensor, op.slot)
             elif isinstance(op, Compute):
                 part = parts[op.name]
                 slot = next((s for _, s in op.reads if s.startswith("slot:")), None)
                 if part.queue == "cpu":
-                    self._cpu_part(tier, part, st, host, ws)
+                    with _span(timer, "cpu", op.name, None):
+                        self._cpu_part(tier, part, st, host, ws)
                 else:
-                    self._device_part(tier, part, st, ws, slot, capturing)
+                    with _span(timer, "compute", op.name, self.compute):
+                        self._device_part(tier, part, st, ws, slot, capturing)
+        if timer is not None:
+            self.synchronize()
+            self.trace_events.extend(timer.events())
 
     def _cell_counts(self, tier: Tier) -> dict[str, int]:
         out = {}
@@ -350,6 +360,48 @@ class CudaEngine(PlanExecutor):
         lo = max(0, start - hp.n_swa + 1) if self.spec.is_swa(il) else 0
         k, v = self.mirror.k[il][lo:end], self.mirror.v[il][lo:end]
         self.cpu_math.attention(host, il, k, v, np.arange(lo, end, dtype=np.int64))
+
+
+class _Timer:
+    """Spans of a traced ubatch: device work timed by CUDA events on its stream (against one
+    event recorded, and waited for, when the host clock is read), CPU parts by the host clock.
+    Under the simulator, whose streams run as they are issued, the host clock times everything."""
+
+    def __init__(self, engine: CudaEngine):
+        self.engine, self.spans = engine, []
+        if not simulated():
+            self.base = engine.cuda.event()
+            self.base.record(engine.compute)
+            self.base.synchronize()
+        self.host0 = time.perf_counter()
+
+    def events(self) -> list[tuple[str, str, float, float]]:
+        out = []
+        for lane, name, a, b in self.spans:
+            if isinstance(a, float):
+                out.append((lane, name, a, b))
+            else:
+                start = self.host0 + self.engine.cuda.event_elapsed_time(self.base, a) / 1e3
+                out.append((lane, name, start, self.host0 +
+                            self.engine.cuda.event_elapsed_time(self.base, b) / 1e3))  # fmt: skip
+        return out
+
+
+@contextmanager
+def _span(timer: _Timer | None, lane: str, name: str, stream):
+    if timer is None:
+        yield
+        return
+    if stream is None or simulated():
+        start = time.perf_counter()
+        yield
+        timer.spans.append((lane, name, start, time.perf_counter()))
+        return
+    a, b = timer.engine.cuda.event(), timer.engine.cuda.event()
+    a.record(stream)
+    yield
+    b.record(stream)
+    timer.spans.append((lane, name, a, b))
 
 
 def require_gpu() -> None:

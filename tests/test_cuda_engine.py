@@ -54,6 +54,7 @@ def tiny(request, tmp_path_factory):
 def test_the_cuda_engine_agrees_with_numpy_across_tier_switches(tiny):
     spec, plan = tiny
     engine = CudaEngine(spec, plan)
+    engine.trace_events = []
     reference = NumpyEngine(spec, n_ctx=N_CTX)
     steps = [("prefill", [5, 9, 2]), ("decode", 7), ("prefill", [3, 1])]  # 4 -> 1 -> 4
     for call, arg in steps:
@@ -73,6 +74,9 @@ def test_the_cuda_engine_agrees_with_numpy_across_tier_switches(tiny):
             <= 5e-2 * np.abs(ref_acts["blk.0.out"]).max()
         )
     assert engine.n_past == reference.n_past == 6
+    lanes = {lane for lane, *_ in engine.trace_events}  # `--trace` on the CUDA engine
+    assert lanes == {"copy", "compute", "cpu"}
+    assert all(end >= start for *_, start, end in engine.trace_events)
 
 
 @pytest.mark.gpu
