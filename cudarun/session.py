@@ -51,7 +51,7 @@ def plan_for_run(
     say=print,
 ) -> dict:
     """The plan to run: `plan_path`, or the plan cached under the fingerprint of this request
-    (model, workload, profile, budget, tiers), or a new one, solved and cached."""
+    (model, context, KV type, threads, profile, budget, tiers), or a new one, solved and cached."""
     from solver import budget as B
     from solver.cost import Workload
     from solver.plan import fingerprint, fingerprint_hash, load_plan
