@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from solver.cost import CPU, STREAMED, CostModel, TierPlacement
-from solver.groups import tensor_groups
+from solver.groups import EMBD, tensor_groups
 from solver.memory import kv_layer_nbytes
 from solver.usage import kv_shape
 
@@ -38,9 +38,9 @@ def bound_seconds(engine, place: TierPlacement, tier: int, profile) -> float:
     for g in tensor_groups(spec):
         loc = place.groups[g.name]
         if loc.kind == CPU:
-            host += g.nbytes if g.kind != "embd" else 0
+            host += g.nbytes if g.kind != EMBD else 0
         else:
-            device += g.nbytes if g.kind != "embd" else 0
+            device += g.nbytes if g.kind != EMBD else 0
             streamed += g.nbytes if loc.kind == STREAMED else 0
     for il, loc in place.kv.items():
         if loc.kind == STREAMED:

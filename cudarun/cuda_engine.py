@@ -25,7 +25,7 @@ from solver.workspace import MAX_DECODE_TOKENS, arrays, layout
 from .devicemath import DeviceMath, device_tensors
 from .executor import PlanExecutor, Tier, group_bytes, weight_steps
 from .hostmath import Act, HostMath
-from .kvstore import ring_chunks, ring_positions
+from .kvstore import ring_chunks, ring_positions, ring_views
 from .schedule import Compute, Copy, Record, Wait
 
 # what each part reads and writes of the activations (handed between device and host)
@@ -74,9 +74,7 @@ class CudaEngine(PlanExecutor):
         self.ran_eagerly: set[tuple[int, int]] = set()
         self.use_graphs = not simulated()
         self.cpu_math = HostMath(spec, False, threads)
-        self.layouts = {}  # tier -> workspace layout
-        hp = spec.hparams
-        self.k_shape, self.v_shape = (hp.n_head_kv, hp.head_dim), (hp.n_head_kv, hp.head_dim_v)
+        self.workspaces: dict[int, dict] = {}  # tier -> its workspace arrays
 
     def host_alloc(self, nbytes: int) -> np.ndarray:
         """Pinned host memory: copies from it are asynchronous, and nothing streams from pageable
@@ -84,10 +82,6 @@ class CudaEngine(PlanExecutor):
         if simulated():
             return np.empty(nbytes, np.uint8)
         return self.cuda.pinned_array(nbytes, np.uint8)
-
-    def region(self, tier: Tier, name: str):
-        r = tier.regions[name]
-        return self.arena[r.offset_bytes : r.offset_bytes + r.nbytes]
 
     def memory_report(self) -> list[str]:
         out = super().memory_report()
@@ -150,10 +144,7 @@ class CudaEngine(PlanExecutor):
             v[cell : cell + n].copy_to_host(self.mirror.v[il][p : p + n])
 
     def _ring(self, buf, cells: int):
-        k_n = cells * int(np.prod(self.k_shape))
-        v_n = cells * int(np.prod(self.v_shape))
-        f16 = buf[: 2 * (k_n + v_n)].view(np.float16)
-        return f16[:k_n].reshape(cells, *self.k_shape), f16[k_n:].reshape(cells, *self.v_shape)
+        return ring_views(buf, cells, self.mirror.k_shape, self.mirror.v_shape)
 
     def synchronize(self) -> None:
         self.compute.synchronize()
@@ -162,11 +153,11 @@ class CudaEngine(PlanExecutor):
     # -- one ubatch ------------------------------------------------------------------------------
 
     def workspace(self, tier: Tier) -> dict:
-        if tier.tier not in self.layouts:
+        if tier.tier not in self.workspaces:
             rows = 1 if tier.place.groups["output"].kind != CPU else 0
-            self.layouts[tier.tier] = layout(self.spec, tier.tier, rows, self.n_ctx)
-        region = self.region(tier, "workspace")
-        return arrays(region, self.layouts[tier.tier])
+            slices = layout(self.spec, tier.tier, rows, self.n_ctx)
+            self.workspaces[tier.tier] = arrays(self.region(tier, "workspace"), slices)
+        return self.workspaces[tier.tier]
 
     def execute(self, tier: Tier, st: Act) -> None:
         n, start = st.tokens.size, int(st.pos[0])
@@ -318,23 +309,22 @@ class CudaEngine(PlanExecutor):
             self.compute.synchronize()
 
     def _cpu_part(self, tier: Tier, part, st: Act, host: Act, ws: dict) -> None:
-        reads, writes = FIELDS[part.kind]
+        reads, writes = (
+            [f for f in fields if self.spec.arch.moe or f not in ("ids", "gates")]
+            for fields in FIELDS[part.kind]
+        )
         n = st.tokens.size
         for f in reads:
-            if f in ("ids", "gates") and not self.spec.arch.moe:
-                continue
             setattr(host, f, self._download(f, ws, n))
         self.compute.synchronize()
         if part.kind == "kq":
-            self._cpu_kq(part.layer, host)
+            self.cpu_math.kq_on_host(host, part.layer, self.mirror)
         else:
             w = self.host.tensors(part.group)
             host.record = st.record
             self.cpu_math.run(part.kind, part.layer, host, w)
         for f in writes:
-            if f in ("ids", "gates") and not self.spec.arch.moe:
-                continue
-            self._upload(f, getattr(host, f), ws, n)
+            self._upload(f, getattr(host, f), ws)
         if part.kind == "output":
             st.logits = host.logits
 
@@ -345,21 +335,10 @@ class CudaEngine(PlanExecutor):
         out = ws[field][:n].copy_to_host(stream=self.compute)
         return out.astype(np.int64) if field == "ids" else out
 
-    def _upload(self, field: str, value: np.ndarray, ws: dict, n: int) -> None:
-        dst = ws[field]
-        value = np.ascontiguousarray(value, dtype=dst.dtype)
-        dst[: value.reshape(-1, *dst.shape[1:]).shape[0]].copy_to_device(
-            value.reshape(-1, *dst.shape[1:]), stream=self.compute
-        )
-
-    def _cpu_kq(self, il: int, host: Act) -> None:
-        hp = self.spec.hparams
-        start, n = int(host.pos[0]), host.tokens.size
-        end = start + n
-        self.mirror.write(il, start, host.k.astype(np.float16), host.v.astype(np.float16))
-        lo = max(0, start - hp.n_swa + 1) if self.spec.is_swa(il) else 0
-        k, v = self.mirror.k[il][lo:end], self.mirror.v[il][lo:end]
-        self.cpu_math.attention(host, il, k, v, np.arange(lo, end, dtype=np.int64))
+    def _upload(self, field: str, value: np.ndarray, ws: dict) -> None:
+        dst = ws[field]  # MoE's [T, k, n] host arrays are [T * k, n] rows on the device
+        rows = np.ascontiguousarray(value, dtype=dst.dtype).reshape(-1, *dst.shape[1:])
+        dst[: rows.shape[0]].copy_to_device(rows, stream=self.compute)
 
 
 class _Timer:

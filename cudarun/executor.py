@@ -134,6 +134,11 @@ class PlanExecutor:
         )
         return 5e-2 if on_cpu else 1e-3
 
+    def region(self, tier: Tier, name: str):
+        """A region of the tier's memory map, as a view of the arena (host or device bytes)."""
+        r = tier.regions[name]
+        return self.arena[r.offset_bytes : r.offset_bytes + r.nbytes]
+
     def unit_nbytes(self, tier: Tier) -> dict[str, int]:
         out = {name: g.nbytes for name, g in self.groups.items()}
         for il, cells in tier.kv_cells.items():

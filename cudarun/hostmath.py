@@ -127,6 +127,15 @@ class HostMath:
                 st.pos, np.ascontiguousarray(k_pos), hp.attn_scale, window,
             )  # fmt: skip
 
+    def kq_on_host(self, st: Act, il: int, mirror) -> None:
+        """The attention of a layer whose KV is in host memory: st.k, st.v into the mirror (fp16),
+        then st.q over the positions a query of the ubatch can see."""
+        start, end = int(st.pos[0]), int(st.pos[-1]) + 1
+        mirror.write(il, start, st.k.astype(np.float16), st.v.astype(np.float16))
+        lo = max(0, start - self.hp.n_swa + 1) if self.spec.is_swa(il) else 0
+        k, v = mirror.k[il][lo:end], mirror.v[il][lo:end]
+        self.attention(st, il, k, v, np.arange(lo, end, dtype=np.int64))
+
     # -- parts ---------------------------------------------------------------------------------
 
     def run(self, kind: str, il: int | None, st: Act, w: dict) -> None:

@@ -36,10 +36,6 @@ class StandInEngine(PlanExecutor):
         self.seed, self.ubatches = seed, 0
         self.delays = FAST_DELAYS if delays is None else delays
 
-    def region(self, tier: Tier, name: str) -> np.ndarray:
-        r = tier.regions[name]
-        return self.arena[r.offset_bytes : r.offset_bytes + r.nbytes]
-
     # -- tier switch -----------------------------------------------------------------------------
 
     def switch(self, tier: Tier) -> None:
@@ -47,17 +43,19 @@ class StandInEngine(PlanExecutor):
         apply_steps(self.arena, steps, _GroupBytes(self))
         for il, loc in tier.place.kv.items():
             if loc.kind == PINNED:
-                buf = self.region(tier, f"kv:{il}")
-                buf[:] = 0  # cells never written must not hold NaN (0 x NaN in the masked sum)
-                fill_ring(self.mirror, il, buf, buf.nbytes // self.cell_nbytes, self.n_past)
+                self._lay_kv(il, self.region(tier, f"kv:{il}"), tier.kv_cells[il])
         self.current = tier
+
+    def _lay_kv(self, il: int, buf: np.ndarray, cells: int) -> np.ndarray:
+        buf[:] = 0  # cells never written must not hold NaN (0 x NaN in the masked sum)
+        fill_ring(self.mirror, il, buf, cells, self.n_past)
+        return buf
 
     def _host_bytes(self, tier: Tier, unit: str) -> np.ndarray:
         if unit.startswith("kv:"):
             il = int(unit[3:])
-            buf = np.zeros(tier.kv_cells[il] * self.cell_nbytes, np.uint8)
-            fill_ring(self.mirror, il, buf, tier.kv_cells[il], self.n_past)
-            return buf
+            return self._lay_kv(il, np.empty(tier.kv_cells[il] * self.cell_nbytes, np.uint8),
+                                tier.kv_cells[il])  # fmt: skip
         return self.host.group(unit)
 
     # -- one ubatch ------------------------------------------------------------------------------
@@ -98,17 +96,14 @@ class StandInEngine(PlanExecutor):
         return tensors_of(self.host.layouts[group], buf)
 
     def _kq(self, tier: Tier, il: int, st: Act, views) -> None:
-        hp = self.spec.hparams
+        loc = tier.place.kv[il]
+        if loc.kind == CPU:
+            self.math["cpu"].kq_on_host(st, il, self.mirror)
+            return
         start, n = int(st.pos[0]), st.tokens.size
         end = start + n
         k16, v16 = st.k.astype(np.float16), st.v.astype(np.float16)
-        self.mirror.write(il, start, k16, v16)  # the host copy (write-through on a device)
-        loc = tier.place.kv[il]
-        if loc.kind == CPU:
-            lo = max(0, start - hp.n_swa + 1) if self.spec.is_swa(il) else 0
-            k, v = self.mirror.k[il][lo:end], self.mirror.v[il][lo:end]
-            self.math["cpu"].attention(st, il, k, v, np.arange(lo, end, dtype=np.int64))
-            return
+        self.mirror.write(il, start, k16, v16)  # the host copy, written through
         buf = self.region(tier, f"kv:{il}") if loc.kind == PINNED else next(iter(views.values()))
         cells = tier.kv_cells[il]
         k, v = ring_views(buf, cells, self.mirror.k_shape, self.mirror.v_shape)

@@ -185,18 +185,16 @@ def _plan_options(f):
     return f
 
 
-def _make_engine(name: str, spec: ModelSpec, n_ctx: int, plan_args: dict, n_prompt: int,
+def _plan_engine(name: str, spec: ModelSpec, n_ctx: int, plan_args: dict, n_prompt: int,
                  n_predict: int):  # fmt: skip
-    from .engine import NumpyEngine
-
-    if name == "numpy":
-        return NumpyEngine(spec, n_ctx=n_ctx)
+    """(a plan engine, its plan) from the options of `_plan_options`."""
     from cudarun.session import make_engine, plan_for_run
 
-    threads = plan_args.pop("threads")
+    args = dict(plan_args)
+    threads = args.pop("threads")
     plan = plan_for_run(spec, name, n_ctx=n_ctx, prompt_tokens=n_prompt, gen_tokens=n_predict,
-                        say=lambda m: click.echo(m, err=True), **plan_args)  # fmt: skip
-    return make_engine(name, spec, plan, threads)
+                        say=lambda m: click.echo(m, err=True), **args)  # fmt: skip
+    return make_engine(name, spec, plan, threads), plan
 
 
 @cli.command()
@@ -276,7 +274,12 @@ def run(
     if engine_name == "numpy" and (trace or any(plan_args[k] for k in ("budget", "plan_path"))):
         raise UserError("--budget, --plan and --trace are for the plan engines: add --engine cuda")
     load_seconds = time.perf_counter()
-    engine = _make_engine(engine_name, spec, ctx_size, plan_args, len(ids), n_predict)
+    if engine_name == "numpy":
+        from .engine import NumpyEngine
+
+        engine = NumpyEngine(spec, n_ctx=ctx_size)
+    else:
+        engine, _ = _plan_engine(engine_name, spec, ctx_size, plan_args, len(ids), n_predict)
     load_seconds = time.perf_counter() - load_seconds
     if trace:
         engine.trace_events = []

@@ -10,20 +10,10 @@ import numpy as np
 
 from . import defaults
 from .agreement import normwise
-from .cli import _parse_tokens, _plan_options, _spec, cli
+from .cli import ENGINES, _parse_tokens, _plan_engine, _plan_options, _spec, cli
 from .errors import UserError
 
-PLAN_ENGINES = ("cuda", "standin")  # cudarun.session's, without importing it at startup
-
-
-def _engine(name, spec, n_ctx, plan_args, n_prompt, n_predict):
-    from cudarun.session import make_engine, plan_for_run
-
-    args = dict(plan_args)
-    threads = args.pop("threads")
-    plan = plan_for_run(spec, name, n_ctx=n_ctx, prompt_tokens=n_prompt, gen_tokens=n_predict,
-                        say=lambda m: click.echo(m, err=True), **args)  # fmt: skip
-    return make_engine(name, spec, plan, threads), plan
+PLAN_ENGINES = tuple(e for e in ENGINES if e != "numpy")
 
 
 def _prompt_ids(spec, prompt, tokens) -> list[int]:
@@ -60,7 +50,7 @@ def diff(model, prompt, tokens, n_predict, ctx_size, engine_name, **plan_args) -
 
     spec = _spec(model)
     ids = _prompt_ids(spec, prompt, tokens)
-    engine, plan = _engine(engine_name, spec, ctx_size, plan_args, len(ids), n_predict)
+    engine, plan = _plan_engine(engine_name, spec, ctx_size, plan_args, len(ids), n_predict)
     reference = NumpyEngine(spec, n_ctx=engine.n_ctx)
     names = [f"blk.{il}.out" for il in range(spec.hparams.n_layer)] + ["output_norm", "logits"]
     record = set(names)
@@ -116,7 +106,7 @@ def bench(model, n_prompt, n_gen, depth, ctx_size, baseline, engine_name, trace,
         raise UserError(f"--depth takes comma-separated token counts, not {depth!r}") from None
     spec = _spec(model)
     n_ctx = ctx_size or max(depths) + max(n_prompt, n_gen + 1)
-    engine, plan = _engine(engine_name, spec, n_ctx, plan_args, n_prompt, n_gen)
+    engine, plan = _plan_engine(engine_name, spec, n_ctx, plan_args, n_prompt, n_gen)
     profile = load_profile(plan_args["profile_name"])
     if trace:
         engine.trace_events = []
@@ -124,7 +114,7 @@ def bench(model, n_prompt, n_gen, depth, ctx_size, baseline, engine_name, trace,
     base_rows = None
     if baseline:
         base_args = dict(plan_args, strategy=baseline, plan_path=None)
-        base_engine, _ = _engine(engine_name, spec, n_ctx, base_args, n_prompt, n_gen)
+        base_engine, _ = _plan_engine(engine_name, spec, n_ctx, base_args, n_prompt, n_gen)
         base_rows = run_bench(base_engine, profile, n_prompt, n_gen, depths)
     con = Console()
     con.print(f"{spec.name}: {plan['strategy']} plan on {engine.name}, budget "
