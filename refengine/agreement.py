@@ -20,10 +20,11 @@ def normwise(a: np.ndarray, b: np.ndarray) -> float:
     return float(np.abs(a - b).max() / max(np.abs(b).max(), 1e-30))
 
 
-def _log_softmax(x: np.ndarray) -> np.ndarray:
-    x = x.astype(np.float64)
-    m = x.max()
-    return x - m - np.log(np.exp(x - m).sum())
+def log_softmax(rows: np.ndarray) -> np.ndarray:
+    """log softmax over the last axis, in fp64."""
+    rows = rows.astype(np.float64)
+    m = rows.max(axis=-1, keepdims=True)
+    return rows - m - np.log(np.exp(rows - m).sum(axis=-1, keepdims=True))
 
 
 @dataclass
@@ -91,7 +92,7 @@ class Agreement:
         token = int(np.argmax(ref))
         self.tokens.append(token)
         self.top1_equal.append(int(np.argmax(ours)) == token)
-        lp, lq = _log_softmax(ref), _log_softmax(ours)
+        lp, lq = log_softmax(ref), log_softmax(ours)
         self.kl.append(float(np.sum(np.exp(lp) * (lp - lq))))
         self.errors.append(normwise(ours, ref))
         return token

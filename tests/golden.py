@@ -20,6 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
+from refengine.agreement import log_softmax
 from refengine.defaults import cache_dir
 from refengine.synthetic import SyntheticConfig
 
@@ -135,12 +136,6 @@ def load_fixture(name: str) -> tuple[dict, dict]:
     z = np.load(FIXTURE_DIR / f"{name}.npz")
     meta = json.loads(str(z["meta"]))
     return meta, {k: z[k] for k in z.files if k != "meta"}
-
-
-def log_softmax(rows: np.ndarray) -> np.ndarray:
-    rows = rows.astype(np.float64)
-    m = rows.max(axis=-1, keepdims=True)
-    return rows - m - np.log(np.exp(rows - m).sum(axis=-1, keepdims=True))
 
 
 @dataclass

@@ -4,14 +4,11 @@ import numpy as np
 from gguf import GGMLQuantizationType as Q
 
 from cudarun.blocks import LAYOUTS
+from refengine.agreement import normwise  # noqa: F401  (the kernel tests' error measure)
 from refengine.quants import quantize
 from refengine.synthetic import random_kquant_blocks
 
 TYPES = sorted(LAYOUTS, key=lambda t: t.name)
-
-
-def normwise(a, b):
-    return float(np.max(np.abs(a - b)) / np.max(np.abs(b)))
 
 
 def weights(rng, qtype, n_rows, n_cols):
