@@ -42,6 +42,7 @@ def plan_for_run(
     engine: str,
     plan_path: Path | None,
     budget: str | None,
+    reserve: str,
     profile_name: str,
     n_ctx: int,
     tiers: str | None,
@@ -64,7 +65,9 @@ def plan_for_run(
     if plan_path is not None:
         return load_plan(plan_path)
     prof = load_profile(profile_name)
-    budgets = B.parse_budget(budget) if budget else [default_budget_bytes(engine)]
+    budgets = B.apply_reserve(
+        B.parse_budget(budget) if budget else [default_budget_bytes(engine)], reserve
+    )
     n_ctx = min(n_ctx, spec.hparams.n_ctx_train)
     tier_list = B.parse_tiers(tiers) if tiers else B.default_tiers(n_ctx, 1)
     w = Workload(

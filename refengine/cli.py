@@ -170,6 +170,8 @@ def _plan_options(f):
     """The options that choose a plan for the plan engines (run, diff, bench)."""
     options = [
         click.option("--budget", help="Device memory the engine may use: 12000 (MiB), 12GiB."),
+        click.option("--reserve", default="0", show_default=True,
+                     help="Subtracted from the budget, for device memory that is not ours."),
         click.option(
             "--plan", "plan_path", type=click.Path(dir_okay=False, path_type=Path),
             help="Run this plan (from `solve -o`) instead of solving.",
@@ -609,11 +611,7 @@ def solve(
             f"{len(budgets)} budgets but profile {prof.name} describes {len(prof.gpus)} GPU(s); "
             "give one budget per GPU of the profile (`refengine profile` measures yours)"
         )
-    reserves = B.parse_budget(reserve)
-    if len(reserves) not in (1, len(budgets)):
-        raise UserError(f"give one --reserve for every device or one per device ({len(budgets)})")
-    reserves = reserves * len(budgets) if len(reserves) == 1 else reserves
-    budgets = [b - r for b, r in zip(budgets, reserves)]
+    budgets = B.apply_reserve(budgets, reserve)
     budget_bytes = budgets[0]
     per_user = n_ctx // max(users, 1)  # one unified KV cache of --ctx cells, shared by the users
     prompt = prompt_tokens if prompt_tokens is not None else per_user - gen_tokens

@@ -26,6 +26,15 @@ def parse_budget(text: str) -> list[int]:
     return [parse_bytes(part) for part in text.split(",")]
 
 
+def apply_reserve(budgets: list[int], reserve: str) -> list[int]:
+    """The budgets less `--reserve` (CONTRACTS.md): one size for every device, or one per device."""
+    reserves = parse_budget(reserve)
+    if len(reserves) not in (1, len(budgets)):
+        raise UserError(f"give one --reserve for every device or one per device ({len(budgets)})")
+    reserves = reserves * len(budgets) if len(reserves) == 1 else reserves
+    return [b - r for b, r in zip(budgets, reserves)]
+
+
 def default_tiers(n_ctx: int, users: int = 1, n_batch: int = DEFAULT_N_BATCH) -> list[int]:
     """Decode {1, 16} ({1, 4, 16, 32, 64} with several users), then prefill 512 * 2^k up to
     min(max(n_batch, 16384), n_ctx) (PSHARD.md)."""

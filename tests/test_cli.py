@@ -209,6 +209,9 @@ def test_plan_engine_mistakes_are_one_line(small_models, tmp_path):
     model = small_models["llama"]
     r = refengine("run", model, "--tokens", "3", "--engine", "standin", "--budget", "0.001MiB")
     assert_one_line_error(r, "raise --budget")
+    r = refengine("run", model, "--tokens", "3", "--engine", "standin", "--budget", "1GiB",
+                  "--reserve", "1GiB")  # fmt: skip
+    assert_one_line_error(r, "raise --budget")
     r = refengine("run", model, "--tokens", "3", "--budget", "1GiB")
     assert_one_line_error(r, "--engine cuda")
     plan = tmp_path / "p.json"
