@@ -17,6 +17,7 @@ device to host and back). `w` is the group's tensors as `hostweights.tensors_of`
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -49,11 +50,25 @@ class Act:
     record: dict = field(default_factory=dict)  # activation name -> [T, ...] of this ubatch
 
 
+def panel_cache_nbytes() -> int:
+    """Host memory the fp32 panels of the BLAS path may keep (a third of physical memory): a
+    prompt's ubatches then dequantize each weight once per process, not once per ubatch."""
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // 3
+    except (ValueError, OSError):
+        return 4 << 30
+
+
 class HostMath:
     def __init__(self, spec: ModelSpec, exact: bool, threads: int = 0, reference=None):
         self.spec, self.exact, self.threads = spec, exact, threads
         self.hp, self.tr = spec.hparams, spec.arch
         self.reference = (reference or GGUFWeights(spec)) if exact else None
+        # the q8 activations of the last matmul input: q, k, v (and gate, up, the router) read the
+        # same normed activations, quantized once; inputs are never changed in place
+        self._q8_of: tuple[np.ndarray | None, tuple] = (None, ())
+        self.panels: dict[str, np.ndarray] = {}
+        self.panel_room_nbytes = panel_cache_nbytes()
 
     # -- primitives ----------------------------------------------------------------------------
 
@@ -65,11 +80,31 @@ class HostMath:
         elif raw.dtype == np.float32:  # an F32 matrix
             y = ref.matmul(x, raw)
         else:
-            y = cpu.matmul(raw.reshape(-1), x, t.qtype, t.shape, self.threads, exact=self.exact)
+            y = self._mm_int8(x, raw.reshape(-1), t)
         bias = name.replace(".weight", ".bias")
         if bias in w:
             y = y + self._dense(w, bias)
         return y
+
+    def _mm_int8(self, x: np.ndarray, raw: np.ndarray, t) -> np.ndarray:
+        """The named int8 path: q8 rows below BLAS_TOKENS tokens, else fp32 panels (cached while
+        there is room) and BLAS."""
+        kind = cpu.path(t.qtype, x.shape[0])
+        if kind == "q8" and not self.threads:
+            if self._q8_of[0] is not x:
+                self._q8_of = (x, cpu.quantize_activations(np.ascontiguousarray(x, np.float32)))
+            out = np.empty((x.shape[0], t.shape[0]), np.float32)
+            cpu.q8_matvec(raw, self._q8_of[1], t.qtype, t.shape, out)
+            return out
+        if kind == "blas":
+            panel = self.panels.get(t.name)
+            if panel is None and 4 * t.shape[0] * t.shape[1] <= self.panel_room_nbytes:
+                with cpu.threads_set(self.threads):
+                    panel = self.panels[t.name] = cpu.dense_panel(raw, t.qtype, t.shape)
+                self.panel_room_nbytes -= panel.nbytes
+            if panel is not None:
+                return np.matmul(np.ascontiguousarray(x, np.float32), panel.T)
+        return cpu.matmul(raw, x, t.qtype, t.shape, self.threads)
 
     def _checked(self, name: str, raw: np.ndarray, dense_w: np.ndarray, e=None) -> np.ndarray:
         want = self.reference.raw(name)

@@ -163,6 +163,23 @@ class threads_set:
         numba.set_num_threads(self.previous)
 
 
+def q8_matvec(raw: np.ndarray, q8, qtype, shape: tuple[int, int], out: np.ndarray) -> None:
+    """out [T, n_rows] = the activations quantized by `quantize_activations` (`q8`: x8, xd, xs)
+    times the weight, T < BLAS_TOKENS, on the calling thread's Numba threads."""
+    _q8_kernel(qtype, q8[0].shape[0])(raw, *q8, out, shape[0], shape[1])
+
+
+def dense_panel(raw: np.ndarray, qtype, shape: tuple[int, int]) -> np.ndarray:
+    """The whole weight [n_rows, n_cols] dequantized to fp32 (what the BLAS path multiplies)."""
+    n_rows, n_cols = shape
+    panel = np.empty((n_rows, n_cols), np.float32)
+    if qtype in FLOAT_TYPES:
+        _float_panel(raw, qtype, 0, panel)
+    else:
+        _dequantize_kernel(qtype)(raw, 0, panel, n_cols)
+    return panel
+
+
 def matmul(
     raw: np.ndarray,
     x: np.ndarray,

@@ -1,6 +1,8 @@
 """The CPU side of a layer beyond its matmuls (`cpu.matmul`): RMSNorm, RoPE, attention over the
 KV cache, SiLU/GELU gating, softmax — Numba `parallel=True` over rows or (token, head), fp32
-storage with fp32 accumulation (fp64 inside the norm's sum). Semantics are the reference's
+storage with fp32 accumulation (fp64 inside the norm's sum). Each is compiled twice, parallel and
+serial: a decode token's norm or gating is a few microseconds of work, less than waking the
+thread team costs, so below `PARALLEL_WORK` the serial twin runs. Semantics are the reference's
 (`refengine.reference`), against which each is tested; a plan that computes a whole layer on the
 host runs these on the activations it downloads.
 """
@@ -8,6 +10,7 @@ host runs these on the activations it downloads.
 from __future__ import annotations
 
 import math
+import types
 from functools import lru_cache
 
 import numpy as np
@@ -17,9 +20,24 @@ from numba.extending import register_jitable
 from .simd import half_bits
 
 
-@njit(parallel=True, fastmath=True, cache=True)
-def rms_norm(x, weight, eps):
-    """x [R, n] (rows: tokens, or tokens x heads) -> x / rms(x) * weight (weight may be empty)."""
+# values touched (times a rough cost per value) below which a kernel runs serially
+PARALLEL_WORK = 1 << 15
+
+
+def _twins(fastmath: bool = False):
+    """(parallel, serial) compilations of one kernel body written with prange."""
+
+    def compile_both(fn):
+        # a twin under its own name, so Numba's on-disk cache keeps the two apart
+        twin = types.FunctionType(fn.__code__, fn.__globals__, fn.__name__ + "_serial")
+        twin.__qualname__ = twin.__name__
+        return (njit(parallel=True, fastmath=fastmath, cache=True)(fn),
+                njit(fastmath=fastmath, cache=True)(twin))  # fmt: skip
+
+    return compile_both
+
+
+def _rms_norm(x, weight, eps):
     rows, n = x.shape
     out = np.empty_like(x)
     for r in prange(rows):
@@ -32,9 +50,15 @@ def rms_norm(x, weight, eps):
     return out
 
 
-@njit(parallel=True, cache=True)
-def rope(x, positions, n_rot, base, scale, neox):
-    """x [T, H, D]: rotate the first n_rot dims of each head (pairs, or NeoX halves)."""
+_RMS_NORM = _twins(fastmath=True)(_rms_norm)
+
+
+def rms_norm(x, weight, eps):
+    """x [R, n] (rows: tokens, or tokens x heads) -> x / rms(x) * weight (weight may be empty)."""
+    return _RMS_NORM[x.size < PARALLEL_WORK](x, weight, eps)
+
+
+def _rope(x, positions, n_rot, base, scale, neox):
     n_tokens, n_heads, dim = x.shape
     half = n_rot // 2
     out = x.copy()
@@ -50,6 +74,16 @@ def rope(x, positions, n_rot, base, scale, neox):
     return out
 
 
+_ROPE = _twins()(_rope)
+
+
+def rope(x, positions, n_rot, base, scale, neox):
+    """x [T, H, D]: rotate the first n_rot dims of each head (pairs, or NeoX halves)."""
+    return _ROPE[x.shape[0] * x.shape[1] * n_rot * 8 < PARALLEL_WORK](
+        x, positions, n_rot, base, scale, neox
+    )
+
+
 @register_jitable
 def _f32(a):
     return np.float32(a)
@@ -61,10 +95,10 @@ def _f16(a):
 
 
 @lru_cache(maxsize=None)
-def _attention_kernel(f16: bool):
+def _attention_kernel(f16: bool, parallel: bool):
     read = _f16 if f16 else _f32
 
-    @njit(parallel=True, fastmath=True)
+    @njit(parallel=parallel, fastmath=True)
     def attention(q, k, v, q_pos, k_pos, scale, window):
         n_tokens, n_heads, dim = q.shape
         n_keys, n_kv, dv = k.shape[0], k.shape[1], v.shape[2]
@@ -103,12 +137,11 @@ def attention(q, k, v, q_pos, k_pos, scale: float, window: int = 0):
     f16 = k.dtype == np.float16
     if f16:
         k, v = k.view(np.uint16), v.view(np.uint16)
-    return _attention_kernel(f16)(q, k, v, q_pos, k_pos, scale, window)
+    work = q.shape[0] * q.shape[1] * k.shape[0] * (q.shape[2] + v.shape[2])
+    return _attention_kernel(f16, work >= PARALLEL_WORK)(q, k, v, q_pos, k_pos, scale, window)
 
 
-@njit(parallel=True, fastmath=True, cache=True)
-def gated(gate, up, use_gelu):
-    """act(gate) * up over [T, n]: SiLU, or GELU in ggml's tanh form."""
+def _gated(gate, up, use_gelu):
     out = np.empty_like(gate)
     for t in prange(gate.shape[0]):
         for i in range(gate.shape[1]):
@@ -119,6 +152,14 @@ def gated(gate, up, use_gelu):
                 a = g / (1.0 + math.exp(-g))
             out[t, i] = a * up[t, i]
     return out
+
+
+_GATED = _twins(fastmath=True)(_gated)
+
+
+def gated(gate, up, use_gelu):
+    """act(gate) * up over [T, n]: SiLU, or GELU in ggml's tanh form."""
+    return _GATED[gate.size * 16 < PARALLEL_WORK](gate, up, use_gelu)
 
 
 @njit(parallel=True, cache=True)

@@ -1,0 +1,138 @@
+"""The `cpu` engine: every part of the forward pass (`program.parts`) on the host's own kernels —
+what a user without a GPU runs, and the CPU half of every hybrid plan (`hostmath.HostMath`, the
+named int8 path), with the fp16 KV of every layer in host memory (`kvstore.KVMirror`).
+
+The weights are read in place from the memory-mapped GGUF: nothing is copied at load. A plan, when
+given, supplies its context, workload and tiers; its placement does not matter here, since every
+part runs on the host.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from refengine import defaults
+from refengine.engine import check_tokens, finish
+from refengine.spec import ModelSpec
+from solver.cost import CPU, Loc, TierPlacement, Workload
+from solver.groups import tensor_groups
+
+from . import program
+from .hostmath import Act, HostMath
+from .hostweights import Placed, group_layout, tensors_of
+from .kvstore import KVMirror
+
+
+@dataclass
+class HostTier:
+    """A tier of the cpu engine: its size, an all-CPU placement and its parts."""
+
+    tier: int
+    place: TierPlacement
+    parts: list
+
+
+def all_cpu(spec: ModelSpec) -> TierPlacement:
+    cpu = Loc(CPU)
+    return TierPlacement(
+        {g.name: cpu for g in tensor_groups(spec)}, dict.fromkeys(range(spec.hparams.n_layer), cpu)
+    )
+
+
+class CpuEngine:
+    name = "cpu"
+    tolerance = 5e-2  # CONTRACTS.md: the named int8 path
+    path = "int8"
+
+    def __init__(self, spec: ModelSpec, plan: dict | None = None, threads: int = 0,
+                 n_ctx: int | None = None, tiers: list[int] | None = None, progress: bool = False):  # fmt: skip
+        from .executor import check_plan, workload_of
+
+        self.spec = spec
+        if plan is not None:
+            check_plan(plan, spec)
+            self.workload = workload_of(plan)
+            tiers = sorted(int(t) for t in plan["tiers"])
+        else:
+            n_ctx = min(n_ctx or defaults.N_CTX, spec.hparams.n_ctx_train)
+            self.workload = Workload(n_ctx, max(1, n_ctx - defaults.GEN_TOKENS),
+                                     defaults.GEN_TOKENS, threads=threads)  # fmt: skip
+        self.n_ctx = self.workload.n_ctx
+        self.tier_sizes = sorted(tiers or [1, defaults.N_UBATCH])
+        place = all_cpu(spec)
+        parts = program.parts(spec, place)
+        self.tiers = {t: HostTier(t, place, parts) for t in self.tier_sizes}
+        self.budget_bytes = 0
+        self.math = HostMath(spec, exact=False, threads=threads)
+        # a plain ndarray over the mapping: memmap slices cost a Python hook each
+        source = np.memmap(spec.path, dtype=np.uint8, mode="r").view(np.ndarray)
+        self.weights = {}  # group -> its tensors, read in place from the file
+        for g in tensor_groups(spec):
+            self.weights[g.name] = {
+                p.info.name: _in_file(source, p.info) for p in group_layout(spec, g)
+            }
+        self.mirror = KVMirror(spec, self.n_ctx)
+        self.n_past = 0
+        self.trace_events = None
+
+    # -- Engine API --------------------------------------------------------------------------------
+
+    def reset(self) -> None:
+        self.n_past = 0
+
+    def tier_for(self, n_tokens: int) -> HostTier:
+        return self.tiers[next((t for t in self.tier_sizes if t >= n_tokens), self.tier_sizes[-1])]
+
+    def prefill(self, tokens, all_logits: bool = False, record=None):
+        ids = check_tokens(tokens, self.spec, self.n_past, self.n_ctx)
+        rec = {} if record is not None else None
+        step, out = self.tier_sizes[-1], []
+        for start in range(0, ids.size, step):
+            last = start + step >= ids.size
+            out.append(self._ubatch(ids[start : start + step], all_logits, rec, record,
+                                    all_logits or last))  # fmt: skip
+        result = np.concatenate(out) if all_logits else out[-1][-1]
+        return finish(result, rec, record)
+
+    def decode(self, token: int, record=None):
+        ids = check_tokens([token], self.spec, self.n_past, self.n_ctx)
+        rec = {} if record is not None else None
+        return finish(self._ubatch(ids, False, rec, record, True)[-1], rec, record)
+
+    def _ubatch(self, ids, all_logits, rec, record, want):
+        tier = self.tier_for(ids.size)
+        pos = np.arange(self.n_past, self.n_past + ids.size, dtype=np.int64)
+        st = Act(ids, pos, all_logits)
+        math = self.math
+        for part in tier.parts:
+            if part.kind == "kq":
+                math.kq_on_host(st, part.layer, self.mirror)
+            else:
+                math.run(part.kind, part.layer, st, self.weights[part.group])
+        self.n_past += ids.size
+        if record is not None:
+            for name, x in st.record.items():
+                if name in record:
+                    rec[name] = np.concatenate([rec[name], x]) if name in rec else x.copy()
+        return st.logits if want else None
+
+    def warm_up(self) -> None:
+        """Compile every kernel a tier runs before the first token: one token, then one ubatch of
+        the smallest tier that takes the BLAS path, then reset."""
+        for size in sorted({1, min(self.tier_sizes[-1], 8)}):
+            self.prefill(np.zeros(size, np.int64))
+            self.reset()
+
+    def memory_report(self) -> list[str]:
+        kv = self.mirror.buffer.nbytes
+        return [f"host: weights read in place from {self.spec.path.name}; KV {kv / 2**20:.1f} MiB"]
+
+    def launch_report(self, launch_seconds: float) -> list[str]:
+        return []
+
+
+def _in_file(source: np.ndarray, info) -> np.ndarray:
+    """A tensor's bytes in the memory-mapped file, as `tensors_of` gives a group's."""
+    return tensors_of([Placed(info, 0)], source[info.offset : info.offset + info.nbytes])[info.name]

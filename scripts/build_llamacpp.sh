@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# Build llama.cpp (CPU + RPC) from the llama-cpp-python sdist on PyPI, once, into the cache:
+# ~/.cache/refengine/llama.cpp/<version>/bin (or $REFENGINE_CACHE/llama.cpp/<version>/bin).
+# Prints that bin folder. About 12 minutes on two cores the first time; nothing after.
+set -euo pipefail
+version=${LLAMA_CPP_PYTHON_VERSION:-0.3.36}
+cache=${REFENGINE_CACHE:-$HOME/.cache/refengine}/llama.cpp/$version
+bin=$cache/bin
+targets="llama-completion llama-bench ggml-rpc-server llama-batched-bench llama-fit-params llama-quantize"
+if [ -f "$bin/.complete" ]; then echo "$bin"; exit 0; fi
+mkdir -p "$cache"
+work=$(mktemp -d)
+trap 'rm -rf "$work"' EXIT
+py=${PYTHON:-python3}
+"$py" -m pip download --quiet --disable-pip-version-check --no-deps --no-binary :all: \
+    -d "$work" "llama-cpp-python==$version" >&2
+tar -xzf "$work"/llama_cpp_python-"$version".tar.gz -C "$work"
+src="$work/llama_cpp_python-$version/vendor/llama.cpp"
+gen=()
+command -v ninja >/dev/null && gen=(-G Ninja)
+cmake -S "$src" -B "$work/build" "${gen[@]}" -DCMAKE_BUILD_TYPE=Release -DGGML_RPC=ON \
+    -DLLAMA_CURL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=OFF \
+    -DGGML_NATIVE=ON -DBUILD_SHARED_LIBS=OFF >&2
+# shellcheck disable=SC2086
+cmake --build "$work/build" -j"$(nproc)" --target $targets >&2
+mkdir -p "$bin"
+for t in $targets; do cp "$work/build/bin/$t" "$bin/"; done
+touch "$bin/.complete"
+echo "$bin"
