@@ -21,6 +21,7 @@ from solver.groups import tensor_groups
 
 from . import program
 from .hostmath import Act, HostMath
+from .kernels import cpu, cpu_layer
 from .hostweights import Placed, group_layout, tensors_of
 from .kvstore import KVMirror
 
@@ -74,8 +75,56 @@ class CpuEngine:
                 p.info.name: _in_file(source, p.info) for p in group_layout(spec, g)
             }
         self.mirror = KVMirror(spec, self.n_ctx)
+        self.layers = self._layer_calls()
+        self.requested: set[str] = set()  # activations asked for by the current call
         self.n_past = 0
         self.trace_events = None
+
+    def _layer_calls(self) -> list | None:
+        """Per layer, (its kernel, its arguments) for `cpu_layer` — None when some layer cannot
+        take it (MoE, or a matrix type without int8 rows), and the parts run one by one."""
+        spec, hp, tr = self.spec, self.spec.hparams, self.spec.arch
+        if tr.moe:
+            return None
+        empty = np.empty(0, np.float32)
+        names = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
+        out = []
+        for il in range(hp.n_layer):
+            p = f"blk.{il}."
+            t = {**self.weights[p + "attn"], **{k: v for g in ("ffn_gate", "ffn_up", "ffn_down")
+                                               for k, v in self.weights[p + g].items()}}  # fmt: skip
+            infos = [spec.by_name[p + n + ".weight"] for n in names]
+            if any(i.qtype not in cpu.Q8_ROWS for i in infos):
+                return None
+
+            def vec(name):
+                return self.math._dense(t, p + name) if p + name in t else empty
+
+            swa = spec.is_swa(il)
+            base, scale = (hp.rope_base_swa, 1.0) if swa else (hp.rope_base, hp.rope_scale)
+            ints = np.array([0, hp.n_head, hp.n_head_kv, hp.head_dim, hp.head_dim_v, hp.n_rot,
+                             tr.rope_style == "neox", hp.n_swa if swa else 0, tr.ffn_act == "gelu",
+                             spec.by_name[p + "ffn_gate.weight"].shape[0]], np.int64)  # fmt: skip
+            floats = np.array([hp.rms_eps, base, scale, hp.attn_scale], np.float64)
+            args = (
+                *(t[i.name].reshape(-1) for i in infos),
+                vec("attn_q.bias"), vec("attn_k.bias"), vec("attn_v.bias"),
+                vec("attn_norm.weight"), vec("attn_q_norm.weight"), vec("attn_k_norm.weight"),
+                vec("post_attention_norm.weight"), vec("ffn_norm.weight"),
+                vec("post_ffw_norm.weight"),
+                self.mirror.k[il].view(np.uint16), self.mirror.v[il].view(np.uint16),
+            )  # fmt: skip
+            out.append((tuple(i.qtype for i in infos), args, ints, floats))
+        return out
+
+    def _fused_layer(self, st: Act, il: int) -> None:
+        qtypes, args, ints, floats = self.layers[il]
+        x = np.ascontiguousarray(st.x, np.float32)
+        ints[0] = st.pos[0]
+        cpu_layer.layer_kernel(qtypes, x.shape[0])(x, *args, ints, floats)
+        st.x = x
+        if f"blk.{il}.out" in self.requested:
+            st.record[f"blk.{il}.out"] = x.copy()
 
     # -- Engine API --------------------------------------------------------------------------------
 
@@ -88,6 +137,7 @@ class CpuEngine:
     def prefill(self, tokens, all_logits: bool = False, record=None):
         ids = check_tokens(tokens, self.spec, self.n_past, self.n_ctx)
         rec = {} if record is not None else None
+        self.requested = set(record or ())
         step, out = self.tier_sizes[-1], []
         for start in range(0, ids.size, step):
             last = start + step >= ids.size
@@ -99,6 +149,7 @@ class CpuEngine:
     def decode(self, token: int, record=None):
         ids = check_tokens([token], self.spec, self.n_past, self.n_ctx)
         rec = {} if record is not None else None
+        self.requested = set(record or ())
         return finish(self._ubatch(ids, False, rec, record, True)[-1], rec, record)
 
     def _ubatch(self, ids, all_logits, rec, record, want):
@@ -106,8 +157,12 @@ class CpuEngine:
         pos = np.arange(self.n_past, self.n_past + ids.size, dtype=np.int64)
         st = Act(ids, pos, all_logits)
         math = self.math
+        fused = self.layers is not None and ids.size < cpu.BLAS_TOKENS
         for part in tier.parts:
-            if part.kind == "kq":
+            if fused and part.layer is not None:
+                if part.kind == "qkv":
+                    self._fused_layer(st, part.layer)
+            elif part.kind == "kq":
                 math.kq_on_host(st, part.layer, self.mirror)
             else:
                 math.run(part.kind, part.layer, st, self.weights[part.group])

@@ -59,6 +59,45 @@ def panel_cache_nbytes() -> int:
         return 4 << 30
 
 
+def _numba_owns(x: np.ndarray) -> bool:
+    """Whether Numba's thread team may run parallel regions on this ubatch (x's leading dimension
+    is its tokens): not from BLAS_TOKENS on, where BLAS's threads run the products and keep the
+    cores (two busy-waiting teams on two cores slowed a prompt 4x)."""
+    return x.shape[0] < cpu.BLAS_TOKENS
+
+
+def attention_blas(q, k, v, q_pos, k_pos, scale: float, window: int = 0,
+                   max_scores: int = 1 << 24) -> np.ndarray:  # fmt: skip
+    """`cpu_ops.attention` for a prompt's ubatch: per KV head, the scores of its query heads as one
+    BLAS product, masked, a row softmax, and the product with V, in fp32 (queries in chunks that
+    keep the scores under `max_scores` floats)."""
+    n, n_head, dim = q.shape
+    n_kv, dv = k.shape[1], v.shape[2]
+    group = n_head // n_kv
+    k32, v32 = k.astype(np.float32), v.astype(np.float32)
+    out = np.empty((n, n_head, dv), np.float32)
+    step = max(1, max_scores // max(1, group * k.shape[0]))
+    for t0 in range(0, n, step):
+        qp = q_pos[t0 : t0 + step]
+        hidden = k_pos[None, :] > qp[:, None]
+        if window > 0:
+            hidden |= qp[:, None] - k_pos[None, :] >= window
+        rows = qp.size
+        for g in range(n_kv):
+            qg = q[t0 : t0 + rows, g * group : (g + 1) * group].transpose(1, 0, 2)
+            s = (qg.reshape(group * rows, dim) @ k32[:, g].T).reshape(group, rows, -1)
+            s *= np.float32(scale)
+            s[:, hidden] = -np.inf
+            s -= s.max(axis=-1, keepdims=True)
+            np.exp(s, out=s)
+            s /= s.sum(axis=-1, keepdims=True)
+            o = s.reshape(group * rows, -1) @ v32[:, g]
+            out[t0 : t0 + rows, g * group : (g + 1) * group] = o.reshape(
+                group, rows, dv
+            ).transpose(1, 0, 2)
+    return out
+
+
 class HostMath:
     def __init__(self, spec: ModelSpec, exact: bool, threads: int = 0, reference=None):
         self.spec, self.exact, self.threads = spec, exact, threads
@@ -129,23 +168,22 @@ class HostMath:
         if self.exact:
             return ref.rms_norm(x, weight, self.hp.rms_eps)
         flat = np.ascontiguousarray(x.reshape(-1, x.shape[-1]))
-        return cpu_ops.rms_norm(flat, weight, self.hp.rms_eps).reshape(x.shape)
+        return cpu_ops.rms_norm(flat, weight, self.hp.rms_eps, _numba_owns(x)).reshape(x.shape)
 
     def rope(self, x: np.ndarray, pos: np.ndarray, il: int) -> np.ndarray:
         hp, swa = self.hp, self.spec.is_swa(il)
         base, scale = (hp.rope_base_swa, 1.0) if swa else (hp.rope_base, hp.rope_scale)
         if self.exact:
             return ref.rope(x, pos, hp.n_rot, base, self.tr.rope_style, scale)
-        return cpu_ops.rope(
-            np.ascontiguousarray(x), pos, hp.n_rot, base, scale, self.tr.rope_style == "neox"
-        )
+        return cpu_ops.rope(np.ascontiguousarray(x), pos, hp.n_rot, base, scale,
+                            self.tr.rope_style == "neox", _numba_owns(x))  # fmt: skip
 
     def gated(self, gate: np.ndarray, up: np.ndarray) -> np.ndarray:
         if self.exact:
             return ref.gated(self.tr.ffn_act, gate, up)
         shape = gate.shape
         g2, u2 = (np.ascontiguousarray(a.reshape(-1, shape[-1])) for a in (gate, up))
-        return cpu_ops.gated(g2, u2, self.tr.ffn_act == "gelu").reshape(shape)
+        return cpu_ops.gated(g2, u2, self.tr.ffn_act == "gelu", _numba_owns(gate)).reshape(shape)
 
     def attention(self, st: Act, il: int, k, v, k_pos) -> None:
         """st.q over the cache k, v [S, Hkv, D] (fp16) at positions k_pos -> st.a."""
@@ -156,6 +194,8 @@ class HostMath:
                 st.q, k.astype(np.float32), v.astype(np.float32), st.pos, k_pos, hp.attn_scale,
                 window,
             )  # fmt: skip
+        elif not _numba_owns(st.q):
+            st.a = attention_blas(st.q, k, v, st.pos, k_pos, hp.attn_scale, window)
         else:
             st.a = cpu_ops.attention(
                 np.ascontiguousarray(st.q), np.ascontiguousarray(k), np.ascontiguousarray(v),

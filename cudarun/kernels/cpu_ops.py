@@ -2,7 +2,9 @@
 KV cache, SiLU/GELU gating, softmax — Numba `parallel=True` over rows or (token, head), fp32
 storage with fp32 accumulation (fp64 inside the norm's sum). Each is compiled twice, parallel and
 serial: a decode token's norm or gating is a few microseconds of work, less than waking the
-thread team costs, so below `PARALLEL_WORK` the serial twin runs. Semantics are the reference's
+thread team costs, so below `PARALLEL_WORK` the serial twin runs; and `parallel=False` while BLAS's
+threads own the cores (`hostmath`: a prompt's ubatch), since two busy-waiting thread teams on the
+same cores slowed a prompt 4x. Semantics are the reference's
 (`refengine.reference`), against which each is tested; a plan that computes a whole layer on the
 host runs these on the activations it downloads.
 """
@@ -53,9 +55,9 @@ def _rms_norm(x, weight, eps):
 _RMS_NORM = _twins(fastmath=True)(_rms_norm)
 
 
-def rms_norm(x, weight, eps):
+def rms_norm(x, weight, eps, parallel: bool = True):
     """x [R, n] (rows: tokens, or tokens x heads) -> x / rms(x) * weight (weight may be empty)."""
-    return _RMS_NORM[x.size < PARALLEL_WORK](x, weight, eps)
+    return _RMS_NORM[not parallel or x.size < PARALLEL_WORK](x, weight, eps)
 
 
 def _rope(x, positions, n_rot, base, scale, neox):
@@ -77,9 +79,9 @@ def _rope(x, positions, n_rot, base, scale, neox):
 _ROPE = _twins()(_rope)
 
 
-def rope(x, positions, n_rot, base, scale, neox):
+def rope(x, positions, n_rot, base, scale, neox, parallel: bool = True):
     """x [T, H, D]: rotate the first n_rot dims of each head (pairs, or NeoX halves)."""
-    return _ROPE[x.shape[0] * x.shape[1] * n_rot * 8 < PARALLEL_WORK](
+    return _ROPE[not parallel or x.shape[0] * x.shape[1] * n_rot * 8 < PARALLEL_WORK](
         x, positions, n_rot, base, scale, neox
     )
 
@@ -157,9 +159,9 @@ def _gated(gate, up, use_gelu):
 _GATED = _twins(fastmath=True)(_gated)
 
 
-def gated(gate, up, use_gelu):
+def gated(gate, up, use_gelu, parallel: bool = True):
     """act(gate) * up over [T, n]: SiLU, or GELU in ggml's tanh form."""
-    return _GATED[gate.size * 16 < PARALLEL_WORK](gate, up, use_gelu)
+    return _GATED[not parallel or gate.size * 16 < PARALLEL_WORK](gate, up, use_gelu)
 
 
 @njit(parallel=True, cache=True)

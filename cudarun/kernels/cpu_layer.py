@@ -1,0 +1,244 @@
+"""One dense transformer layer for a few tokens (decode) as one Numba call: the host's forward
+pass without a return to Python between its operations.
+
+A decode token's layer is ~1 MB of weights on a small model; run as a dozen calls from Python
+(norm, three matmuls, RoPE, attention, ...) it spent as much time in dispatch and in waking the
+thread team as in its kernels. Here the layer is one function with five parallel regions (the
+Q/K/V rows together, the attention heads, the output rows, the gate and up rows together, the down
+rows), the small operations serial between them. The matmuls are the named int8 path
+(`simd.q8_row`: activations quantized to int8 per 32 as `cpu.quantize_activations` does), the
+rest the `cpu_ops` semantics: RMSNorm with an fp64 sum, RoPE in fp64 (pairs or NeoX), attention
+over the fp16 KV cache by position with an online softmax, SiLU or GELU gating. K and V are written
+into the cache (fp16, round to nearest even) before the attention reads it.
+
+`layer_kernel(qtypes, tokens)` compiles one function per tuple of the seven matrix types and the
+token count (a model has one or a few such tuples). Optional tensors (biases, Q/K norms, the
+post-norms) are passed as empty arrays when the architecture has none.
+"""
+
+from __future__ import annotations
+
+import math
+from functools import lru_cache
+
+import numpy as np
+from llvmlite import ir
+from numba import njit, prange, types
+from numba.extending import intrinsic, register_jitable
+
+from ..blocks import LAYOUTS
+from . import simd
+from .cpu import quantize_activations
+from .simd import half_bits
+
+# the integer parameters, in order, of a layer call (`ints`)
+INTS = ("pos0", "n_head", "n_kv", "head_dim", "head_dim_v", "n_rot", "neox", "window", "gelu",
+        "n_ff")
+FLOATS = ("eps", "rope_base", "rope_scale", "attn_scale")
+
+
+@intrinsic
+def f32_bits(typingctx, x):
+    """The 32 bits of a float32, as a uint32."""
+
+    def codegen(context, builder, sig, args):
+        return builder.bitcast(args[0], ir.IntType(32))
+
+    return types.uint32(types.float32), codegen
+
+
+@register_jitable
+def half_of(x):
+    """float32 -> the bits of the nearest fp16 (ties to even; overflow to inf, NaN kept), as
+    numpy's float16 conversion rounds."""
+    b = np.int64(f32_bits(np.float32(x)))
+    sign = (b >> 16) & 0x8000
+    exp = (b >> 23) & 0xFF
+    man = b & 0x7FFFFF
+    if exp == 0xFF:  # inf or NaN
+        return np.uint16(sign | 0x7C00 | (0x200 if man else 0))
+    e = exp - 127 + 15
+    if e >= 31:
+        return np.uint16(sign | 0x7C00)
+    if e <= 0:  # subnormal fp16 (or zero)
+        if e < -10:
+            return np.uint16(sign)
+        man |= 0x800000
+        shift = 14 - e
+        half = man >> shift
+        rest = man & ((1 << shift) - 1)
+        mid = 1 << (shift - 1)
+        if rest > mid or (rest == mid and half & 1):
+            half += 1
+        return np.uint16(sign | half)
+    half = (e << 10) | (man >> 13)
+    rest = man & 0x1FFF
+    if rest > 0x1000 or (rest == 0x1000 and half & 1):
+        half += 1  # may carry into the exponent: still the right rounding
+    return np.uint16(sign | half)
+
+
+@register_jitable
+def _norm_rows(x, weight, eps, out):
+    """out[r] = x[r] / rms(x[r]) * weight (weight may be empty), fp64 sum as cpu_ops.rms_norm."""
+    rows, n = x.shape
+    for r in range(rows):
+        s = 0.0
+        for i in range(n):
+            s += np.float64(x[r, i]) * x[r, i]
+        scale = np.float32(1.0 / math.sqrt(s / n + eps))
+        for i in range(n):
+            out[r, i] = x[r, i] * scale * (weight[i] if weight.size else np.float32(1.0))
+
+
+@register_jitable
+def _rope_rows(x, pos, n_heads, dim, n_rot, base, scale, neox):
+    """Rotate the first n_rot dims of each head of x [T, n_heads * dim] in place, fp64."""
+    half = n_rot // 2
+    for t in range(x.shape[0]):
+        for i in range(half):
+            theta = pos[t] * scale * base ** (-2.0 * i / n_rot)
+            c, s = math.cos(theta), math.sin(theta)
+            a_i, b_i = (i, i + half) if neox else (2 * i, 2 * i + 1)
+            for h in range(n_heads):
+                a, b = np.float64(x[t, h * dim + a_i]), np.float64(x[t, h * dim + b_i])
+                x[t, h * dim + a_i] = a * c - b * s
+                x[t, h * dim + b_i] = a * s + b * c
+
+
+@register_jitable
+def _add_bias(y, bias):
+    if bias.size:
+        for t in range(y.shape[0]):
+            for i in range(y.shape[1]):
+                y[t, i] += bias[i]
+
+
+@lru_cache(maxsize=None)
+def layer_kernel(qtypes: tuple, tokens: int):
+    """The layer function for matrices of these types (q, k, v, o, gate, up, down)."""
+    rows = [simd.q8_row(q.name, tokens) for q in qtypes]
+    rq, rk, rv, ro, rg, ru, rd = rows
+    (pq, bq), (pk, bk), (pv, bv), (po, bo), (pg, bg), (pu, bu), (pd, bd) = (
+        LAYOUTS[q][1:] for q in qtypes
+    )
+
+    @njit(parallel=True, fastmath=True)
+    def layer(x, wq, wk, wv, wo, wg, wu, wd, biases_q, biases_k, biases_v, attn_norm, q_norm,
+              k_norm, post_attn_norm, ffn_norm, post_ffw_norm, kc, vc, ints, floats):  # fmt: skip
+        n_tok, d = x.shape
+        pos0, n_head, n_kv, hd, hdv, n_rot, neox, window, gelu, n_ff = ints
+        eps, rope_base, rope_scale, attn_scale = floats
+        nq, nk, nv = n_head * hd, n_kv * hd, n_kv * hdv
+        pos = np.arange(pos0, pos0 + n_tok)
+
+        # -- attention in: norm, Q/K/V rows together, biases, Q/K norms, RoPE, the cache write
+        h = np.empty_like(x)
+        _norm_rows(x, attn_norm, eps, h)
+        x8, xd, xs = quantize_activations(h)
+        q = np.empty((n_tok, nq), np.float32)
+        k = np.empty((n_tok, nk), np.float32)
+        v = np.empty((n_tok, nv), np.float32)
+        for r in prange(nq + nk + nv):
+            if r < nq:
+                s = rq(wq, r * (d // pq) * bq, x8, xd, xs, d // pq)
+                for t in range(n_tok):
+                    q[t, r] = s[t]
+            elif r < nq + nk:
+                j = r - nq
+                s = rk(wk, j * (d // pk) * bk, x8, xd, xs, d // pk)
+                for t in range(n_tok):
+                    k[t, j] = s[t]
+            else:
+                j = r - nq - nk
+                s = rv(wv, j * (d // pv) * bv, x8, xd, xs, d // pv)
+                for t in range(n_tok):
+                    v[t, j] = s[t]
+        _add_bias(q, biases_q)
+        _add_bias(k, biases_k)
+        _add_bias(v, biases_v)
+        if q_norm.size:
+            q3, k3 = q.reshape(n_tok * n_head, hd), k.reshape(n_tok * n_kv, hd)
+            _norm_rows(q3, q_norm, eps, q3)
+            _norm_rows(k3, k_norm, eps, k3)
+        _rope_rows(q, pos, n_head, hd, n_rot, rope_base, rope_scale, neox)
+        _rope_rows(k, pos, n_kv, hd, n_rot, rope_base, rope_scale, neox)
+        for t in range(n_tok):
+            for i in range(nk):
+                kc[pos[t], i // hd, i % hd] = half_of(k[t, i])
+            for i in range(nv):
+                vc[pos[t], i // hdv, i % hdv] = half_of(v[t, i])
+
+        # -- attention over the cache, per (token, head): online softmax in fp32
+        a = np.empty((n_tok, n_head * hdv), np.float32)
+        group = n_head // n_kv
+        for th in prange(n_tok * n_head):
+            t, hh = th // n_head, th % n_head
+            g = hh // group
+            acc = np.zeros(hdv, np.float32)
+            m, total = -np.inf, np.float32(0.0)
+            first = max(0, pos[t] - window + 1) if window > 0 else 0
+            for j in range(first, pos[t] + 1):
+                score = np.float32(0.0)
+                for i in range(hd):
+                    score += q[t, hh * hd + i] * half_bits(kc[j, g, i])
+                score *= attn_scale
+                new_m = max(m, score)
+                shrink = np.float32(math.exp(m - new_m)) if m > -np.inf else np.float32(0.0)
+                p = np.float32(math.exp(score - new_m))
+                total = total * shrink + p
+                for i in range(hdv):
+                    acc[i] = acc[i] * shrink + p * half_bits(vc[j, g, i])
+                m = new_m
+            for i in range(hdv):
+                a[t, hh * hdv + i] = acc[i] / total
+
+        # -- attention out: output rows, post-norm, residual; FFN norm
+        a8, ad, a_s = quantize_activations(a)
+        na = n_head * hdv
+        f = np.empty((n_tok, d), np.float32)
+        for r in prange(d):
+            s = ro(wo, r * (na // po) * bo, a8, ad, a_s, na // po)
+            for t in range(n_tok):
+                f[t, r] = s[t]
+        if post_attn_norm.size:
+            _norm_rows(f, post_attn_norm, eps, f)
+        for t in range(n_tok):
+            for i in range(d):
+                x[t, i] += f[t, i]
+        _norm_rows(x, ffn_norm, eps, h)
+        x8, xd, xs = quantize_activations(h)
+
+        # -- FFN: gate and up rows together, gating, down rows, post-norm, residual
+        gate = np.empty((n_tok, n_ff), np.float32)
+        up = np.empty((n_tok, n_ff), np.float32)
+        for r in prange(2 * n_ff):
+            if r < n_ff:
+                s = rg(wg, r * (d // pg) * bg, x8, xd, xs, d // pg)
+                for t in range(n_tok):
+                    gate[t, r] = s[t]
+            else:
+                j = r - n_ff
+                s = ru(wu, j * (d // pu) * bu, x8, xd, xs, d // pu)
+                for t in range(n_tok):
+                    up[t, j] = s[t]
+        for t in range(n_tok):
+            for i in range(n_ff):
+                gv = np.float64(gate[t, i])
+                if gelu:
+                    act = 0.5 * gv * (1.0 + math.tanh(0.7978845608028654 * (gv + 0.044715 * gv**3)))
+                else:
+                    act = gv / (1.0 + math.exp(-gv))
+                gate[t, i] = act * up[t, i]
+        g8, gd, gs = quantize_activations(gate)
+        for r in prange(d):
+            s = rd(wd, r * (n_ff // pd) * bd, g8, gd, gs, n_ff // pd)
+            for t in range(n_tok):
+                f[t, r] = s[t]
+        if post_ffw_norm.size:
+            _norm_rows(f, post_ffw_norm, eps, f)
+        for t in range(n_tok):
+            for i in range(d):
+                x[t, i] += f[t, i]
+
+    return layer
