@@ -20,14 +20,38 @@ from solver.usage import kv_shape
 @dataclass
 class Row:
     test: str  # "pp512 @ d0", "tg128 @ d4096"
-    tokens: int
-    measured_seconds: float
+    n_prompt: int
+    n_gen: int
+    depth: int
+    runs_seconds: list[float]  # one per repetition
     predicted_seconds: float
     bound_seconds: float
 
     @property
+    def tokens(self) -> int:
+        return self.n_prompt or self.n_gen
+
+    @property
+    def measured_seconds(self) -> float:
+        return float(np.mean(self.runs_seconds))
+
+    @property
     def tps(self) -> float:
-        return self.tokens / self.measured_seconds
+        """llama-bench's avg_ts: the mean of the runs' t/s."""
+        return float(np.mean([self.tokens / s for s in self.runs_seconds]))
+
+    @property
+    def tps_stddev(self) -> float:
+        rates = [self.tokens / s for s in self.runs_seconds]
+        return float(np.std(rates, ddof=1)) if len(rates) > 1 else 0.0
+
+    def llama_bench_record(self) -> dict:
+        """The record llama-bench -o json writes for this test (its keys, ours beside)."""
+        return {"n_prompt": self.n_prompt, "n_gen": self.n_gen, "n_depth": self.depth,
+                "avg_ts": self.tps, "stddev_ts": self.tps_stddev,
+                "samples_ts": [self.tokens / s for s in self.runs_seconds],
+                "predicted_ts": self.tokens / self.predicted_seconds,
+                "bound_ts": self.tokens / self.bound_seconds}  # fmt: skip
 
 
 def bound_seconds(engine, place: TierPlacement, tier: int, profile) -> float:
@@ -58,18 +82,22 @@ def _fill(engine, depth: int, rng) -> None:
         engine.prefill(rng.integers(0, engine.spec.hparams.n_vocab, depth))
 
 
-def run_bench(engine, profile, n_prompt: int, n_gen: int, depths: list[int], seed: int = 0):
-    """Rows of pp{n_prompt} and tg{n_gen} at each depth (the cache filled untimed first)."""
+def run_bench(engine, profile, n_prompt: int, n_gen: int, depths: list[int], seed: int = 0,
+              repetitions: int = 1):  # fmt: skip
+    """Rows of pp{n_prompt} and tg{n_gen} at each depth (the cache filled untimed first), each
+    timed `repetitions` times."""
     rng = np.random.default_rng(seed)
     cm = CostModel(engine.spec, profile, engine.workload, "refengine")
     rows = []
     for depth in depths:
         if n_prompt:
-            _fill(engine, depth, rng)
-            ids = rng.integers(0, engine.spec.hparams.n_vocab, n_prompt)
-            start = time.perf_counter()
-            engine.prefill(ids)
-            seconds = time.perf_counter() - start
+            seconds = []
+            for _ in range(repetitions):
+                _fill(engine, depth, rng)
+                ids = rng.integers(0, engine.spec.hparams.n_vocab, n_prompt)
+                start = time.perf_counter()
+                engine.prefill(ids)
+                seconds.append(time.perf_counter() - start)
             predicted = bound = 0.0
             step = engine.tier_sizes[-1]
             for first in range(0, n_prompt, step):
@@ -77,19 +105,22 @@ def run_bench(engine, profile, n_prompt: int, n_gen: int, depths: list[int], see
                 tier = engine.tier_for(n)
                 predicted += cm.ubatch_terms(tier.place, n, depth + first).total
                 bound += bound_seconds(engine, tier.place, tier.tier, profile)
-            rows.append(Row(f"pp{n_prompt} @ d{depth}", n_prompt, seconds, predicted, bound))
+            rows.append(Row(f"pp{n_prompt} @ d{depth}", n_prompt, 0, depth, seconds, predicted,
+                            bound))  # fmt: skip
         if n_gen:
-            _fill(engine, depth, rng)
-            token = int(rng.integers(0, engine.spec.hparams.n_vocab))
-            engine.decode(token)  # the first decode after the prefill tier is the switch
-            start = time.perf_counter()
-            for _ in range(n_gen):
-                engine.decode(token)
-            seconds = time.perf_counter() - start
+            seconds = []
+            for _ in range(repetitions):
+                _fill(engine, depth, rng)
+                token = int(rng.integers(0, engine.spec.hparams.n_vocab))
+                engine.decode(token)  # the first decode after the prefill tier is the switch
+                start = time.perf_counter()
+                for _ in range(n_gen):
+                    engine.decode(token)
+                seconds.append(time.perf_counter() - start)
             tier = engine.tier_for(1)
             predicted = sum(
                 cm.ubatch_terms(tier.place, 1, depth + 1 + i).total for i in range(n_gen)
             )
             bound = n_gen * bound_seconds(engine, tier.place, tier.tier, profile)
-            rows.append(Row(f"tg{n_gen} @ d{depth}", n_gen, seconds, predicted, bound))
+            rows.append(Row(f"tg{n_gen} @ d{depth}", 0, n_gen, depth, seconds, predicted, bound))
     return rows

@@ -66,7 +66,11 @@ class CpuEngine:
         parts = program.parts(spec, place)
         self.tiers = {t: HostTier(t, place, parts) for t in self.tier_sizes}
         self.budget_bytes = 0
-        self.math = HostMath(spec, exact=False, threads=threads)
+        if threads:  # once, on the thread that runs the engine (Numba's count is per thread)
+            import numba
+
+            numba.set_num_threads(min(threads, numba.config.NUMBA_NUM_THREADS))
+        self.math = HostMath(spec, exact=False)
         # a plain ndarray over the mapping: memmap slices cost a Python hook each
         source = np.memmap(spec.path, dtype=np.uint8, mode="r").view(np.ndarray)
         self.weights = {}  # group -> its tensors, read in place from the file

@@ -11,7 +11,7 @@ from refengine import defaults
 from refengine.errors import UserError
 from refengine.spec import ModelSpec
 
-PLAN_ENGINES = ("cuda", "standin")
+PLAN_ENGINES = ("cpu", "cuda", "standin")
 
 
 def default_budget_bytes(engine: str) -> int:
@@ -89,7 +89,9 @@ def plan_for_run(
 
 def make_engine(name: str, spec: ModelSpec, plan: dict, threads: int = 0, **kw):
     """The plan engine, warmed up: kernels compiled and every tier prepared."""
-    if name == "standin":
+    if name == "cpu":
+        from .cpu_engine import CpuEngine as Engine
+    elif name == "standin":
         from .standin_engine import StandInEngine as Engine
     elif name == "cuda":
         from .cuda_engine import CudaEngine as Engine

@@ -163,7 +163,7 @@ def _parse_tokens(s: str) -> list[int]:
         raise UserError(f"--tokens takes comma-separated integers, not {s!r}") from None
 
 
-ENGINES = ("numpy", "cuda", "standin")
+ENGINES = ("numpy", "cpu", "cuda", "standin")
 
 
 def _plan_options(f):
@@ -194,6 +194,17 @@ def _plan_engine(name: str, spec: ModelSpec, n_ctx: int, plan_args: dict, n_prom
 
     args = dict(plan_args)
     threads = args.pop("threads")
+    if name == "cpu" and args["plan_path"] is None:
+        if args["budget"] is not None:
+            raise UserError("--engine cpu runs every part on the host: --budget does not apply "
+                            "(--plan takes a plan's context and tiers)")  # fmt: skip
+        from cudarun.cpu_engine import CpuEngine
+        from solver import budget as B
+
+        tiers = B.parse_tiers(args["tiers"]) if args["tiers"] else None
+        engine = CpuEngine(spec, threads=threads, n_ctx=n_ctx, tiers=tiers)
+        engine.warm_up()
+        return engine, {"strategy": "all-host"}
     plan = plan_for_run(spec, name, n_ctx=n_ctx, prompt_tokens=n_prompt, gen_tokens=n_predict,
                         say=lambda m: click.echo(m, err=True), **args)  # fmt: skip
     return make_engine(name, spec, plan, threads), plan

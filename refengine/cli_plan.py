@@ -90,8 +90,13 @@ def diff(model, prompt, tokens, n_predict, ctx_size, engine_name, **plan_args) -
               show_default=True)  # fmt: skip
 @click.option("--trace", type=click.Path(dir_okay=False, path_type=Path),
               help="Chrome trace of the plan's runs, and a Gantt PNG next to it.")  # fmt: skip
+@click.option("-r", "--repetitions", default=1, show_default=True, help="Runs of each test.")
+@click.option("-o", "--output", "output_format", type=click.Choice(("md", "json")), default="md",
+              show_default=True, help="json: llama-bench's records (n_prompt, n_gen, avg_ts, "
+              "stddev_ts), one list on stdout.")  # fmt: skip
 @_plan_options
-def bench(model, n_prompt, n_gen, depth, ctx_size, baseline, engine_name, trace, **plan_args):
+def bench(model, n_prompt, n_gen, depth, ctx_size, baseline, engine_name, trace, repetitions,
+          output_format, **plan_args):  # fmt: skip
     """llama-bench for a plan: t/s of each test next to the plan's prediction and the physical
     bound, and the speedup over a --baseline plan run on the same engine and budget."""
     from rich.console import Console
@@ -110,15 +115,26 @@ def bench(model, n_prompt, n_gen, depth, ctx_size, baseline, engine_name, trace,
     profile = load_profile(plan_args["profile_name"])
     if trace:
         engine.trace_events = []
-    rows = run_bench(engine, profile, n_prompt, n_gen, depths)
+    if repetitions < 1:
+        raise UserError("-r takes 1 or more runs")
+    rows = run_bench(engine, profile, n_prompt, n_gen, depths, repetitions=repetitions)
     base_rows = None
     if baseline:
         base_args = dict(plan_args, strategy=baseline, plan_path=None)
         base_engine, _ = _plan_engine(engine_name, spec, n_ctx, base_args, n_prompt, n_gen)
-        base_rows = run_bench(base_engine, profile, n_prompt, n_gen, depths)
+        base_rows = run_bench(base_engine, profile, n_prompt, n_gen, depths,
+                              repetitions=repetitions)  # fmt: skip
+    if output_format == "json":
+        import json
+
+        click.echo(json.dumps([dict(r.llama_bench_record(), engine=engine.name,
+                                    model=spec.name, strategy=plan["strategy"]) for r in rows],
+                              indent=1))  # fmt: skip
+        return
     con = Console()
-    con.print(f"{spec.name}: {plan['strategy']} plan on {engine.name}, budget "
-              f"{engine.budget_bytes / 2**20:.1f} MiB")  # fmt: skip
+    where = ("every part on the host" if engine.name == "cpu"
+             else f"budget {engine.budget_bytes / 2**20:.1f} MiB")  # fmt: skip
+    con.print(f"{spec.name}: {plan['strategy']} plan on {engine.name}, {where}")
     table = Table()
     cols = ["test", "t/s", "pred t/s", "bound t/s", "meas/pred"]
     cols += [f"{baseline} t/s", "speedup"] if baseline else []

@@ -133,20 +133,24 @@ def matrix_type(t: GGMLQuantizationType, n_in: int) -> GGMLQuantizationType:
     raise AssertionError("F32 takes any row length")
 
 
+def slot_type(cfg: SyntheticConfig, hp: HParams, slot) -> GGMLQuantizationType:
+    """A tensor's type: F32 for vectors; the mix's choice (llama.cpp's Q4_K_M) or `cfg.qtype` for
+    matrices, falling back where rows are not whole blocks."""
+    if slot.kind != QUANTIZED:
+        return Q.F32
+    mix = cfg.qtype.upper() if cfg.qtype.upper() in MIXES else None
+    if mix:
+        want = mixed_type(mix, slot.name, layer_of(slot.name), hp, cfg.arch, cfg.tied_output)
+        return fit_rows(want, slot.shape[-1])
+    return matrix_type(qtype(cfg.qtype).ggml, slot.shape[-1])
+
+
 def spec_from_hparams(cfg: SyntheticConfig) -> ModelSpec:
     """A ModelSpec for a model described by hyperparameters alone (no file, no weights)."""
     traits, hp = arch_traits(cfg.arch), cfg.hparams()
-    mix = cfg.qtype.upper() if cfg.qtype.upper() in MIXES else None
-    q = None if mix else qtype(cfg.qtype).ggml
     tensors = []
     for slot in tensor_layout(traits, hp, cfg.tied_output):
-        if slot.kind != QUANTIZED:
-            tt = Q.F32
-        elif mix:
-            want = mixed_type(mix, slot.name, layer_of(slot.name), hp, cfg.arch, cfg.tied_output)
-            tt = fit_rows(want, slot.shape[-1])
-        else:
-            tt = matrix_type(q, slot.shape[-1])
+        tt = slot_type(cfg, hp, slot)
         tensors.append(
             TensorInfo(
                 slot.name,
@@ -252,7 +256,9 @@ ROUTER_LOGIT_STD = 4.0
 def write_synthetic(path: str | Path, cfg: SyntheticConfig) -> Path:
     """Write a random-weight GGUF for `cfg`; the same cfg always gives the same bytes."""
     traits, hp = arch_traits(cfg.arch), cfg.hparams()
-    t = qtype(cfg.qtype).ggml
+    mix = cfg.qtype.upper() in MIXES
+    # llama.cpp's file types: 15 is LLAMA_FTYPE_MOSTLY_Q4_K_M
+    file_type = 15 if mix else int(qtype(cfg.qtype).ggml)
     rng = np.random.default_rng(cfg.seed)
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -275,7 +281,7 @@ def write_synthetic(path: str | Path, cfg: SyntheticConfig) -> Path:
         w.add_expert_count(hp.n_expert)
         w.add_expert_used_count(hp.n_expert_used)
         w.add_expert_feed_forward_length(hp.n_ff_exp)
-    w.add_file_type(int(t))
+    w.add_file_type(file_type)
 
     tokens, types, merges = vocabulary(hp.n_vocab)
     w.add_tokenizer_model("gpt2")
@@ -291,6 +297,7 @@ def write_synthetic(path: str | Path, cfg: SyntheticConfig) -> Path:
     for slot in tensor_layout(traits, hp, cfg.tied_output):
         n_in = slot.shape[-1]
         std = 1.0 / np.sqrt(n_in)
+        t = slot_type(cfg, hp, slot)
         if slot.name.endswith(".bias"):
             data, tt = (
                 quantize(rng.normal(0.0, 0.1, size=slot.shape).astype(np.float32), Q.F32),

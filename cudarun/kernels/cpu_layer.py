@@ -8,7 +8,7 @@ Q/K/V rows together, the attention heads, the output rows, the gate and up rows 
 rows), the small operations serial between them. The matmuls are the named int8 path
 (`simd.q8_row`: activations quantized to int8 per 32 as `cpu.quantize_activations` does), the
 rest the `cpu_ops` semantics: RMSNorm with an fp64 sum, RoPE in fp64 (pairs or NeoX), attention
-over the fp16 KV cache by position with an online softmax, SiLU or GELU gating. K and V are written
+over the fp16 KV cache by position (scores, one softmax, then V), SiLU or GELU gating. K and V are written
 into the cache (fp16, round to nearest even) before the attention reads it.
 
 `layer_kernel(qtypes, tokens)` compiles one function per tuple of the seven matrix types and the
@@ -169,27 +169,32 @@ def layer_kernel(qtypes: tuple, tokens: int):
             for i in range(nv):
                 vc[pos[t], i // hdv, i % hdv] = half_of(v[t, i])
 
-        # -- attention over the cache, per (token, head): online softmax in fp32
+        # -- attention over the cache, per (token, head), in fp32: all the scores first, then one
+        # softmax and one pass over V (an online softmax rescales the output at every key)
         a = np.empty((n_tok, n_head * hdv), np.float32)
         group = n_head // n_kv
         for th in prange(n_tok * n_head):
             t, hh = th // n_head, th % n_head
             g = hh // group
-            acc = np.zeros(hdv, np.float32)
-            m, total = -np.inf, np.float32(0.0)
             first = max(0, pos[t] - window + 1) if window > 0 else 0
+            scores = np.empty(pos[t] + 1 - first, np.float32)
+            top = np.float32(-np.inf)
             for j in range(first, pos[t] + 1):
                 score = np.float32(0.0)
                 for i in range(hd):
                     score += q[t, hh * hd + i] * half_bits(kc[j, g, i])
                 score *= attn_scale
-                new_m = max(m, score)
-                shrink = np.float32(math.exp(m - new_m)) if m > -np.inf else np.float32(0.0)
-                p = np.float32(math.exp(score - new_m))
-                total = total * shrink + p
+                scores[j - first] = score
+                top = max(top, score)
+            total = np.float32(0.0)
+            for j in range(scores.size):
+                scores[j] = np.exp(scores[j] - top)
+                total += scores[j]
+            acc = np.zeros(hdv, np.float32)
+            for j in range(first, pos[t] + 1):
+                p = scores[j - first]
                 for i in range(hdv):
-                    acc[i] = acc[i] * shrink + p * half_bits(vc[j, g, i])
-                m = new_m
+                    acc[i] += p * half_bits(vc[j, g, i])
             for i in range(hdv):
                 a[t, hh * hdv + i] = acc[i] / total
 

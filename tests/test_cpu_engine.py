@@ -1,0 +1,108 @@
+"""The `cpu` engine against the NumPy engine: every architecture, prompts through the BLAS path
+and decode through the fused layer kernel, several ubatches per prompt; the fused layer against
+the part-by-part host path it replaces; its fp16 conversion and BLAS attention against NumPy and
+the reference."""
+
+import numpy as np
+import pytest
+
+from cudarun.cpu_engine import CpuEngine
+from cudarun.hostmath import attention_blas
+from cudarun.kernels import cpu_layer
+from refengine import reference as ref
+from refengine.agreement import agreement_along, normwise, reference_run
+from refengine.engine import NumpyEngine
+from refengine.spec import load_spec
+from tests.conftest import refengine
+
+ARCHS = ("llama", "qwen2", "qwen3", "qwen3moe", "gemma3")
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_every_architecture_agrees_with_numpy(small_models, arch):
+    spec = load_spec(str(small_models[arch]))
+    engine = CpuEngine(spec, n_ctx=64, tiers=[1, 8])
+    # 11 tokens: a BLAS ubatch of 8 and one of 3 (the q8 rows), then greedy decode steps
+    prompt = np.random.default_rng(1).integers(0, spec.hparams.n_vocab, 11)
+    rows = reference_run(NumpyEngine(spec, n_ctx=64), prompt, 12)
+    agreement = agreement_along(engine, prompt, rows, engine.tolerance)
+    assert agreement.ok, agreement.summary()
+    # the dense architectures decode through the fused kernel, MoE part by part
+    assert (engine.layers is None) == (arch in ("qwen3moe", "qwen3"))  # qwen3 here is F16
+
+
+@pytest.mark.parametrize("arch", ("llama", "qwen2", "gemma3"))
+def test_the_fused_layer_equals_the_parts_it_replaces(small_models, arch):
+    """Same int8 arithmetic, one call instead of a dozen: the activations of every block agree to
+    fp32 rounding (only the attention's order of summation differs)."""
+    spec = load_spec(str(small_models[arch]))
+    prompt = np.random.default_rng(2).integers(0, spec.hparams.n_vocab, 5)
+    record = {f"blk.{il}.out" for il in range(spec.hparams.n_layer)} | {"logits"}
+    fused, parts = (CpuEngine(spec, n_ctx=32, tiers=[8]) for _ in range(2))
+    parts.layers = None
+    assert fused.layers is not None
+    for engine in (fused, parts):
+        engine.prefill(prompt[:3])
+    for token in prompt[3:]:
+        (_, a), (_, b) = (e.decode(int(token), record=record) for e in (fused, parts))
+        for name in record:
+            assert normwise(a[name], b[name]) < 1e-4, name
+    for il in range(spec.hparams.n_layer):  # the same fp16 cache, written by the fused kernel
+        for a, b in ((fused.mirror.k[il], parts.mirror.k[il]),
+                     (fused.mirror.v[il], parts.mirror.v[il])):  # fmt: skip
+            assert normwise(a[: prompt.size].astype(np.float32), b[: prompt.size]) < 1e-3
+
+
+def test_half_of_rounds_as_numpy_does():
+    rng = np.random.default_rng(3)
+    values = np.concatenate([
+        rng.standard_normal(20000).astype(np.float32) * 10.0 ** rng.integers(-9, 6, 20000),
+        np.float32([0.0, -0.0, 65504.0, 65520.0, 1e6, -1e6, 6e-8, 3e-8, 2.9802322e-08, np.inf,
+                    -np.inf, 1.0009765625, 1.00048828125, 1.00146484375]),
+    ]).astype(np.float32)  # fmt: skip
+
+    from numba import njit
+
+    @njit
+    def convert(x, out):
+        for i in range(x.size):
+            out[i] = cpu_layer.half_of(x[i])
+
+    got = np.empty(values.size, np.uint16)
+    convert(values, got)
+    with np.errstate(over="ignore"):  # the overflow to inf is what is compared
+        want = values.astype(np.float16).view(np.uint16)
+    assert np.array_equal(got, want)
+    nan = np.empty(1, np.uint16)
+    convert(np.float32([np.nan]), nan)
+    assert np.isnan(nan.view(np.float16)[0])
+
+
+@pytest.mark.parametrize("window", [0, 5])
+def test_the_blas_attention_of_a_prompt_matches_the_reference(window):
+    rng = np.random.default_rng(4)
+    q = rng.standard_normal((9, 6, 16)).astype(np.float32)
+    k = rng.standard_normal((20, 2, 16)).astype(np.float16)
+    v = rng.standard_normal((20, 2, 16)).astype(np.float16)
+    q_pos, k_pos = np.arange(11, 20), np.arange(20)
+    want = ref.attention(q, k.astype(np.float32), v.astype(np.float32), q_pos, k_pos, 0.25, window)
+    got = attention_blas(q, k, v, q_pos, k_pos, 0.25, window, max_scores=2 * 20 * 3)  # chunked
+    assert normwise(got, want) < 1e-5
+
+
+def test_cli_runs_and_benches_the_cpu_engine(small_models):
+    model = str(small_models["llama"])
+    out = refengine("run", model, "--tokens", "5,6,7", "-n", "4", "--engine", "cpu", "-c", "64")
+    assert out.returncode == 0, out.stderr
+    assert "[cpu]" in out.stderr
+    out = refengine("bench", model, "--engine", "cpu", "-p", "16", "-n", "4", "-r", "2",
+                    "-o", "json")  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    import json
+
+    records = json.loads(out.stdout)
+    assert [(r["n_prompt"], r["n_gen"]) for r in records] == [(16, 0), (0, 4)]
+    assert all(r["avg_ts"] > 0 and len(r["samples_ts"]) == 2 and "stddev_ts" in r
+               for r in records)  # fmt: skip
+    out = refengine("bench", model, "--engine", "cpu", "--budget", "1GiB")
+    assert out.returncode == 2 and "--budget does not apply" in out.stderr
