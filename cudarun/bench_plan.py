@@ -85,19 +85,20 @@ def _fill(engine, depth: int, rng) -> None:
 def run_bench(engine, profile, n_prompt: int, n_gen: int, depths: list[int], seed: int = 0,
               repetitions: int = 1):  # fmt: skip
     """Rows of pp{n_prompt} and tg{n_gen} at each depth (the cache filled untimed first), each
-    timed `repetitions` times."""
+    timed `repetitions` times after one untimed run, as llama-bench warms up."""
     rng = np.random.default_rng(seed)
     cm = CostModel(engine.spec, profile, engine.workload, "refengine")
     rows = []
     for depth in depths:
         if n_prompt:
             seconds = []
-            for _ in range(repetitions):
+            for _ in range(repetitions + 1):
                 _fill(engine, depth, rng)
                 ids = rng.integers(0, engine.spec.hparams.n_vocab, n_prompt)
                 start = time.perf_counter()
                 engine.prefill(ids)
                 seconds.append(time.perf_counter() - start)
+            seconds = seconds[1:]
             predicted = bound = 0.0
             step = engine.tier_sizes[-1]
             for first in range(0, n_prompt, step):
@@ -109,7 +110,7 @@ def run_bench(engine, profile, n_prompt: int, n_gen: int, depths: list[int], see
                             bound))  # fmt: skip
         if n_gen:
             seconds = []
-            for _ in range(repetitions):
+            for _ in range(repetitions + 1):
                 _fill(engine, depth, rng)
                 token = int(rng.integers(0, engine.spec.hparams.n_vocab))
                 engine.decode(token)  # the first decode after the prefill tier is the switch
@@ -117,6 +118,7 @@ def run_bench(engine, profile, n_prompt: int, n_gen: int, depths: list[int], see
                 for _ in range(n_gen):
                     engine.decode(token)
                 seconds.append(time.perf_counter() - start)
+            seconds = seconds[1:]
             tier = engine.tier_for(1)
             predicted = sum(
                 cm.ubatch_terms(tier.place, 1, depth + 1 + i).total for i in range(n_gen)
