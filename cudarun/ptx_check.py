@@ -1,22 +1,38 @@
-"""Compile every CUDA kernel to PTX for a real GPU architecture, without a GPU.
+"""Compile every CUDA kernel to PTX for a real GPU architecture, without a GPU, and read what the
+GPU would run.
 
 The simulator runs the kernels' Python, which accepts code that Numba cannot compile for a device
 (typing, local array shapes, unsupported calls); this compiles each kernel with the argument types
 the runtime launches it with, through NVVM (the `nvidia-nvvm` and `nvidia-cuda-nvrtc` wheels),
 so such code fails in CI rather than on the GPU machine. Run it with the simulator off:
 
-    NUMBA_ENABLE_CUDASIM=0 python -m cudarun.ptx_check
+    NUMBA_ENABLE_CUDASIM=0 python -m cudarun.ptx_check [--out DIR] [-k NAME]
+
+With `--out`, each kernel's PTX goes to DIR/<kernel>.ptx, `ptxas -arch=sm_90 -v` (from the
+`nvidia-cuda-nvcc` wheel) assembles it, and a table per kernel gives registers, shared memory,
+stack frame, spills, f64 instructions and parameters and the widest global load, with the gate
+(`gate_failures`) each must pass; DIR/report.json holds the same rows for tests/test_ptx_gates.py.
+A stack frame is local memory and an f64 instruction runs at 1/64 of the fp32 rate on a GeForce
+(1/2 on an H100, still double the registers): in a kernel that streams weights either is a bug.
+It does not run a kernel or time one.
 """
 
 from __future__ import annotations
 
+import argparse
+import json
+import re
+import subprocess
 import sys
+from dataclasses import asdict, dataclass
+from pathlib import Path
 
 from numba import types as t
 
 from . import compat  # noqa: F401  (before numba.cuda)
 
 CC = (9, 0)  # the H100 of GPU_NOTES.md
+ARCH = f"sm_{CC[0]}{CC[1]}"
 
 
 def arr(dtype, ndim):
@@ -120,27 +136,217 @@ def kernels():
     return out
 
 
-def main() -> int:
-    from numba import config, cuda
+# -- what ptxas and the PTX say --------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Resources:
+    """ptxas -v for a PTX file holding one kernel: its entry's registers and static shared memory;
+    the deepest stack (the entry's frame or the cumulative size with its non-inlined callees) and
+    the spills of the entry and every function it calls."""
+
+    registers: int
+    shared_bytes: int
+    stack_bytes: int
+    spill_store_bytes: int
+    spill_load_bytes: int
+
+
+_ENTRY = re.compile(r"Compiling entry function '([^']+)'")
+_FRAME = re.compile(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads")
+_USED = re.compile(r"Used (\d+) registers")
+_SMEM = re.compile(r"(\d+) bytes smem")
+_CUMULATIVE = re.compile(r"(\d+) bytes cumulative stack size")
+
+
+def parse_ptxas(text: str) -> Resources:
+    """The resources of the one entry function in ptxas's `-v` output."""
+    entries = _ENTRY.findall(text)
+    if len(entries) != 1:
+        raise ValueError(f"ptxas output names {len(entries)} entry functions, expected 1")
+    frames = [tuple(map(int, m)) for m in _FRAME.findall(text)]
+    used = [line for line in text.splitlines() if _USED.search(line)]
+    if not frames or len(used) != 1:
+        raise ValueError("ptxas output has no 'Used N registers' or stack frame line")
+    smem, cumulative = _SMEM.search(used[0]), _CUMULATIVE.search(used[0])
+    return Resources(
+        registers=int(_USED.search(used[0]).group(1)),
+        shared_bytes=int(smem.group(1)) if smem else 0,
+        stack_bytes=max([f[0] for f in frames] + [int(cumulative.group(1)) if cumulative else 0]),
+        spill_store_bytes=sum(f[1] for f in frames),
+        spill_load_bytes=sum(f[2] for f in frames),
+    )
+
+
+@dataclass(frozen=True)
+class PtxStats:
+    """What the PTX text of one kernel shows: instructions on f64 values (arithmetic, moves, loads
+    and `cvt` to or from f64, in the kernel and the functions it calls), f64 kernel parameters, and
+    the widest `ld.global` (its vector and type suffix, e.g. `v4.u32`, and its bits)."""
+
+    f64_instructions: int
+    f64_params: int
+    widest_load: str
+    widest_load_bits: int
+
+
+# an instruction line: optional guard predicate, then the opcode with its dotted suffixes
+_INSTRUCTION = re.compile(r"^\s*(?:@!?%\w+\s+)?([a-z][\w:.]*)")
+_ENTRY_PARAMS = re.compile(r"\.entry\s+[\w$]+\s*\((.*?)\)", re.S)
+_TYPE_BITS = re.compile(r"^[busf](8|16|32|64|128)$")
+
+
+def parse_ptx(ptx: str) -> PtxStats:
+    f64 = 0
+    widest, widest_bits = "-", 0
+    for line in ptx.splitlines():
+        m = _INSTRUCTION.match(line)
+        if m is None:  # directives (.reg .f64 ...), labels, comments, braces
+            continue
+        parts = m.group(1).split(".")
+        if "f64" in parts[1:]:
+            f64 += 1
+        if parts[:2] == ["ld", "global"]:
+            lanes = [int(p[1:]) for p in parts if re.fullmatch(r"v\d+", p)]
+            bits = [int(b.group(1)) for p in parts if (b := _TYPE_BITS.match(p))]
+            if bits:
+                width = (lanes[0] if lanes else 1) * bits[-1]
+                if width > widest_bits:
+                    kept = [p for p in parts[2:] if re.fullmatch(r"v\d+", p) or _TYPE_BITS.match(p)]
+                    widest, widest_bits = ".".join(kept), width
+    params = _ENTRY_PARAMS.search(ptx)
+    f64_params = len(re.findall(r"\.param\s+\.f64\b", params.group(1))) if params else 0
+    return PtxStats(f64, f64_params, widest, widest_bits)
+
+
+def gate_failures(res: Resources, ptx: PtxStats) -> list[str]:
+    """Why a kernel fails the static gate of issue 16 (empty when it passes): no stack frame (local
+    memory is device-memory traffic), no spills, no f64 arithmetic and no f64 parameter."""
+    out = []
+    if res.stack_bytes:
+        out.append(f"{res.stack_bytes} B stack frame")
+    if res.spill_store_bytes or res.spill_load_bytes:
+        out.append(f"spills {res.spill_store_bytes}/{res.spill_load_bytes} B")
+    if ptx.f64_instructions:
+        out.append(f"{ptx.f64_instructions} f64 instructions")
+    if ptx.f64_params:
+        out.append(f"{ptx.f64_params} f64 parameters")
+    return out
+
+
+def file_stem(name: str) -> str:
+    """`matvec[Q4_K]` -> `matvec_Q4_K`: a kernel's name as a file name."""
+    return name.replace("[", "_").replace("]", "")
+
+
+def ptxas_path() -> Path:
+    """ptxas from the installed `nvidia-cuda-nvcc` wheel (the test extra)."""
+    from importlib import metadata
+
+    try:
+        dist = metadata.distribution("nvidia-cuda-nvcc")
+    except metadata.PackageNotFoundError:
+        raise SystemExit(
+            "ptx_check --out needs ptxas: pip install 'nvidia-cuda-nvcc>=13' (the test extra)"
+        ) from None
+    found = [f for f in dist.files or () if f.name in ("ptxas", "ptxas.exe")]
+    if not found:
+        raise SystemExit(f"nvidia-cuda-nvcc {dist.version} holds no ptxas")
+    return Path(dist.locate_file(found[0]))
+
+
+def assemble(ptxas: Path, ptx_file: Path) -> Resources:
+    r = subprocess.run(
+        [str(ptxas), f"-arch={ARCH}", "-v", str(ptx_file), "-o", "/dev/null"],
+        capture_output=True,
+        text=True,
+    )
+    if r.returncode:
+        raise RuntimeError(f"ptxas failed: {(r.stderr or r.stdout).strip().splitlines()[-1]}")
+    return parse_ptxas(r.stdout + r.stderr)  # -v goes to stdout, older ptxas wrote stderr
+
+
+# -- the command -----------------------------------------------------------------------------------
+
+
+def check(out: Path | None, only: str | None) -> dict[str, dict]:
+    """name -> its row: `error` when it did not compile, else (with `out`) its resources, PTX stats
+    and gate failures."""
+    from numba import cuda
+    from numba.cuda import dispatcher
+
+    # A kernel's device functions are compiled for "the current device", which needs a driver;
+    # here that device is the target architecture.
+    dispatcher.get_current_device = lambda: type("Target", (), {"compute_capability": CC})()
+    ptxas = ptxas_path() if out else None
+    rows: dict[str, dict] = {}
+    for name, kernel, argtypes in kernels():
+        if only and only not in name:
+            continue
+        try:
+            ptx, _ = cuda.compile_ptx(kernel.py_func, argtypes, cc=CC)
+            if out is None:
+                rows[name] = {}
+                continue
+            path = out / f"{file_stem(name)}.ptx"
+            path.write_text(ptx)
+            res, stats = assemble(ptxas, path), parse_ptx(ptx)
+            rows[name] = {**asdict(res), **asdict(stats), "gate": gate_failures(res, stats)}
+        except Exception as e:  # report every kernel, not just the first
+            rows[name] = {"error": f"{type(e).__name__}: {(str(e).splitlines() or [''])[0]}"}
+    return rows
+
+
+def print_table(rows: dict[str, dict]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=f"CUDA kernels assembled for {ARCH} (ptxas -v)")
+    heads = ("kernel", "regs", "smem B", "stack B", "spill st/ld B", "f64 ins", "f64 params",
+             "widest ld.global", "gate")  # fmt: skip
+    for i, h in enumerate(heads):
+        table.add_column(h, justify="left" if i in (0, 7, 8) else "right")
+    for name, r in rows.items():
+        if "error" in r:
+            table.add_row(name, *[""] * 7, f"[red]did not compile: {r['error']}")
+            continue
+        load = f"{r['widest_load']} ({r['widest_load_bits']}b)" if r["widest_load_bits"] else "-"
+        gate = "[red]" + "; ".join(r["gate"]) if r["gate"] else "ok"
+        table.add_row(name, str(r["registers"]), str(r["shared_bytes"]), str(r["stack_bytes"]),
+                      f"{r['spill_store_bytes']}/{r['spill_load_bytes']}",
+                      str(r["f64_instructions"]), str(r["f64_params"]), load, gate)  # fmt: skip
+    console = Console()
+    if not console.is_terminal:  # a log or a pipe: wide enough that no row wraps
+        console = Console(width=200)
+    console.print(table)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(
+        prog="python -m cudarun.ptx_check", description=__doc__.split("\n\n")[0]
+    )
+    p.add_argument(
+        "--out", type=Path, help="write each kernel's PTX here, run ptxas, print a table"
+    )
+    p.add_argument("-k", dest="only", help="only the kernels whose name contains this")
+    args = p.parse_args(argv)
+    from numba import config
 
     if config.ENABLE_CUDASIM:
         print("ptx_check: the simulator is on (NUMBA_ENABLE_CUDASIM=1); nothing to compile")
         return 2
-    # A kernel's device functions are compiled for "the current device", which needs a driver;
-    # here that device is the target architecture.
-    from numba.cuda import dispatcher
-
-    dispatcher.get_current_device = lambda: type("Target", (), {"compute_capability": CC})()
-    failed = 0
-    for name, kernel, argtypes in kernels():
-        try:
-            cuda.compile_ptx(kernel.py_func, argtypes, cc=CC)
-        except Exception as e:  # report every kernel, not just the first
-            failed += 1
-            print(f"FAILED {name}: {type(e).__name__}: {str(e).splitlines()[0]}")
-    print(
-        f"ptx_check: {len(kernels()) - failed} kernels compiled for sm_{CC[0]}{CC[1]}, {failed} failed"
-    )
+    if args.out:
+        args.out.mkdir(parents=True, exist_ok=True)
+    rows = check(args.out, args.only)
+    failed = [name for name, r in rows.items() if "error" in r]
+    for name in failed:
+        print(f"FAILED {name}: {rows[name]['error']}")
+    if args.out:
+        (args.out / "report.json").write_text(json.dumps(rows, indent=1))
+        print_table(rows)
+        gated = sum(1 for r in rows.values() if r.get("gate"))
+        print(f"ptx_check: {gated} kernels fail the gate (stack, spills, f64); PTX in {args.out}")
+    print(f"ptx_check: {len(rows) - len(failed)} kernels compiled for {ARCH}, {len(failed)} failed")
     return 1 if failed else 0
 
 
