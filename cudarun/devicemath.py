@@ -56,14 +56,15 @@ class DeviceMath:
             glue.add_bias[x.shape[0], THREADS, stream](out, w[bias])
 
     def norm(self, x, weight, out, stream) -> None:
-        elementwise.rms_norm[x.shape[0], THREADS, stream](x, weight, out, self.hp.rms_eps, True)
+        eps = np.float32(self.hp.rms_eps)  # a Python float would compile an f64 kernel
+        elementwise.rms_norm[x.shape[0], THREADS, stream](x, weight, out, eps, True)
 
     def rope(self, x, pos, il: int, stream) -> None:
         hp, swa = self.hp, self.spec.is_swa(il)
         base, scale = (hp.rope_base_swa, 1.0) if swa else (hp.rope_base, hp.rope_scale)
         neox = self.tr.rope_style == "neox"
         elementwise.rope[(x.shape[0], x.shape[1]), THREADS, stream](
-            x, pos, x, hp.n_rot, base, scale, neox
+            x, pos, x, hp.n_rot, *elementwise.rope_constants(hp.n_rot, base, scale), neox
         )
 
     def residual(self, ws, n: int, f, w: dict, norm_name: str | None, stream) -> None:
@@ -81,7 +82,7 @@ class DeviceMath:
         elementwise.launch_rows(elementwise.get_rows_kernel(t.qtype), n, w[t.name],
                                 ws["tokens"][:n], x, t.shape[1], stream=stream)  # fmt: skip
         if self.tr.embed_scale:
-            glue.scale_rows[n, THREADS, stream](x, math.sqrt(self.hp.n_embd))
+            glue.scale_rows[n, THREADS, stream](x, np.float32(math.sqrt(self.hp.n_embd)))
 
     def qkv(self, ws, n, w, il, stream) -> None:
         p = f"blk.{il}."

@@ -50,13 +50,13 @@ def kernels():
         (
             "rms_norm",
             elementwise.rms_norm,
-            (arr(f32, 2), arr(f32, 1), arr(f32, 2), t.float64, t.boolean),
+            (arr(f32, 2), arr(f32, 1), arr(f32, 2), f32, t.boolean),
         ),
         ("softmax", elementwise.softmax, (arr(f32, 2), arr(f32, 2))),
         (
             "rope",
             elementwise.rope,
-            (arr(f32, 3), arr(i64, 1), arr(f32, 3), i64, t.float64, t.float64, t.boolean),
+            (arr(f32, 3), arr(i64, 1), arr(f32, 3), i64, f32, f32, f32, f32, t.boolean),
         ),
         ("gated", elementwise.gated, (arr(f32, 2), arr(f32, 2), arr(f32, 2), t.boolean)),
         ("add", elementwise.add, (arr(f32, 2),) * 3),
@@ -93,7 +93,7 @@ def kernels():
         ("route", moe.route, (arr(f32, 2), i64, t.boolean, arr(i32, 2), arr(f32, 2))),
         ("combine", moe.combine, (arr(f32, 2), arr(f32, 2), arr(f32, 2))),
         ("to_half", prefill.to_half, (arr(f32, 2), arr(f16, 2))),
-        ("scale_rows", glue.scale_rows, (arr(f32, 2), t.float64)),
+        ("scale_rows", glue.scale_rows, (arr(f32, 2), f32)),
         ("add_bias", glue.add_bias, (arr(f32, 2), arr(f32, 1))),
         (
             "store_kv",

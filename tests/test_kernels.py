@@ -143,7 +143,8 @@ def test_rms_norm(with_weight):
     x = rng.standard_normal((3, 96)).astype(np.float32)
     w = rng.standard_normal(96).astype(np.float32)
     out = poisoned(x.shape)
-    launch_rows(rms_norm, 3, cuda.to_device(x), cuda.to_device(w), out, 1e-6, with_weight)
+    eps = np.float32(1e-6)  # float32, as the runtime launches it
+    launch_rows(rms_norm, 3, cuda.to_device(x), cuda.to_device(w), out, eps, with_weight)
     assert normwise(out.copy_to_host(), ref(x, w if with_weight else None, 1e-6)) < 1e-3
 
 
@@ -151,17 +152,34 @@ def test_rms_norm(with_weight):
 def test_rope_with_a_per_layer_base_and_pass_through_dims(style):
     from numba import cuda
 
-    from cudarun.kernels.elementwise import THREADS, rope
+    from cudarun.kernels.elementwise import THREADS, rope, rope_constants
     from refengine.reference import rope as ref
 
     rng = np.random.default_rng(12)
     x = rng.standard_normal((3, 2, 48)).astype(np.float32)
-    pos = np.array([0, 7, 300], np.float32)
+    pos = np.array([0, 7, 300], np.int64)
     out = poisoned(x.shape)
-    rope[(3, 2), THREADS](
-        cuda.to_device(x), cuda.to_device(pos), out, 32, 1e4, 1.0, style == "neox"
-    )
+    rope[(3, 2), THREADS](cuda.to_device(x), cuda.to_device(pos), out, 32,
+                          *rope_constants(32, 1e4, 1.0), style == "neox")  # fmt: skip
     assert normwise(out.copy_to_host(), ref(x, pos, 32, 1e4, style)) < 1e-3
+
+
+@pytest.mark.parametrize("base,scale", [(1e4, 1.0), (1e6, 0.25)])
+def test_rope_angles_in_fp32_hold_at_long_contexts(base, scale):
+    """fp32 angles as ggml computes them (pos * theta_scale^i) are 2-4e-3 rad off at 32K; the
+    kernel's split angle holds the reference's to ~1e-6 up to 32K and a linear scale."""
+    from numba import cuda
+
+    from cudarun.kernels.elementwise import THREADS, rope, rope_constants
+    from refengine.reference import rope as ref
+
+    rng = np.random.default_rng(17)
+    pos = np.concatenate([[32767, 32768 - 53, 30011], rng.integers(16384, 32768, 3)])
+    x = rng.standard_normal((len(pos), 1, 128)).astype(np.float32)
+    out = poisoned(x.shape)
+    rope[(len(pos), 1), THREADS](cuda.to_device(x), cuda.to_device(pos), out, 128,
+                                 *rope_constants(128, base, scale), False)  # fmt: skip
+    assert normwise(out.copy_to_host(), ref(x, pos, 128, base, "norm", scale)) < 1e-5
 
 
 @pytest.mark.parametrize("act", ["silu", "gelu"])
@@ -179,6 +197,29 @@ def test_gating_and_residual_add(act):
     out = poisoned(g.shape)
     launch_rows(add, 2, cuda.to_device(g), cuda.to_device(u), out)
     assert normwise(out.copy_to_host(), g + u) < 1e-6
+
+
+def test_glue_scale_bias_and_the_kv_store_into_ring_cells():
+    from numba import cuda
+
+    from cudarun.kernels.elementwise import THREADS
+    from cudarun.kernels.glue import add_bias, scale_rows, store_kv
+
+    rng = np.random.default_rng(18)
+    x, b = rng.standard_normal((3, 40)).astype(np.float32), rng.standard_normal(40)
+    d = cuda.to_device(x)
+    scale_rows[3, THREADS](d, np.float32(8.0))
+    add_bias[3, THREADS](d, cuda.to_device(b.astype(np.float32)))
+    assert normwise(d.copy_to_host(), x * 8 + b.astype(np.float32)) < 1e-6
+    k, v = (rng.standard_normal((2, n)).astype(np.float32) for n in (24, 16))
+    pos = np.array([9, 2], np.int64)  # ring of 4 cells: cells 1 and 2
+    caches = [cuda.to_device(np.full((4, n), np.nan, np.float16)) for n in (24, 16, 24, 16)]
+    store_kv[2, THREADS](cuda.to_device(k), cuda.to_device(v), cuda.to_device(pos), *caches)
+    k_cache, v_cache, k_stage, v_stage = (c.copy_to_host() for c in caches)
+    for cache, stage, want in ((k_cache, k_stage, k), (v_cache, v_stage, v)):
+        assert np.array_equal(cache[[1, 2]], want.astype(np.float16))
+        assert np.array_equal(stage[:2], want.astype(np.float16))
+        assert np.isnan(cache[[0, 3]]).all()  # the other cells untouched
 
 
 @pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q8_0, Q.F16], ids=lambda t: t.name)

@@ -1,26 +1,53 @@
 """Row-wise and element-wise CUDA kernels of the forward pass: RMSNorm (with or without a
-weight), softmax (over the vocabulary's logits, for sampling), RoPE (adjacent pairs or NeoX halves, per-layer base and scale), SiLU/GELU gating, the
-residual add, and the embedding row gather from a quantized table (`blocks.LAYOUTS`). Each
-kernel writes every element of its output, in fp32."""
+weight), softmax (over the vocabulary's logits, for sampling), RoPE (adjacent pairs or NeoX halves,
+per-layer base and scale), SiLU/GELU gating, the residual add, and the embedding row gather from a
+quantized table (`blocks.LAYOUTS`). Each kernel writes every element of its output, in fp32.
+
+All arithmetic is fp32 (scalars arrive as float32: a Python float would compile an f64 kernel), a
+row is one warp whose lanes stride over it and reduce by shuffles, and nothing lives in local
+memory: `python -m cudarun.ptx_check --out DIR` shows each with no stack frame and no f64."""
 
 from __future__ import annotations
 
 import math
 from functools import lru_cache
 
-from .. import compat  # noqa: F401  (before numba.cuda)
+import numpy as np
+
+from .. import compat  # before numba.cuda
 from ..blocks import LAYOUTS
 
 # module level: the simulator swaps this global for its fake module
-from numba import cuda, float32  # noqa: E402
+from numba import config, cuda, float32  # noqa: E402
 
 from . import THREADS  # noqa: E402
+
+compat.simulator_intrinsics()  # warp shuffles and a fused fma for the simulator
+
+FULL_MASK = 0xFFFFFFFF  # every lane of the warp takes part in a shuffle
+TWO_PI_HI = float32(6.2831854820251465)  # 2*pi = TWO_PI_HI + TWO_PI_LO to about 1e-14
+TWO_PI_LO = float32(-1.7484555314695172e-07)
+INV_TWO_PI = float32(0.15915493667125702)
+
+if config.ENABLE_CUDASIM:  # the simulator has no libdevice; the same values through math
+
+    def _sin(x):
+        return math.sin(x)
+
+    def _cos(x):
+        return math.cos(x)
+
+else:
+    # sin.approx/cos.approx: 2^-21 absolute error on [-pi, pi], where RoPE reduces its angle
+    # first. The accurate sinf/cosf carry a Payne-Hanek path for huge arguments that keeps its
+    # digits in local memory, a stack frame in every kernel that calls them.
+    from numba.cuda.libdevice import fast_cosf as _cos, fast_sinf as _sin
 
 
 @cuda.jit(device=True)
 def block_reduce(partial, tid, use_max):
     """The max or sum of partial[0:THREADS], which each thread has just written its share of;
-    every thread gets it. The row kernels here, MoE and decode attention reduce through this."""
+    every thread gets it. MoE and decode attention reduce through this."""
     cuda.syncthreads()
     step = THREADS // 2
     while step > 0:
@@ -36,17 +63,35 @@ def block_reduce(partial, tid, use_max):
     return value
 
 
+@cuda.jit(device=True)
+def warp_sum(v):
+    """The sum of v over the THREADS lanes of a warp (a butterfly: every lane gets it)."""
+    step = THREADS // 2
+    while step > 0:
+        v += cuda.shfl_xor_sync(FULL_MASK, v, step)
+        step //= 2
+    return v
+
+
+@cuda.jit(device=True)
+def warp_max(v):
+    step = THREADS // 2
+    while step > 0:
+        v = max(v, cuda.shfl_xor_sync(FULL_MASK, v, step))
+        step //= 2
+    return v
+
+
 @cuda.jit
 def rms_norm(x, weight, out, eps, has_weight):
-    """One thread block per row of x [T, n]."""
+    """One warp per row of x [T, n]; eps is a float32."""
     row, tid = cuda.blockIdx.x, cuda.threadIdx.x
     n = x.shape[1]
-    partial = cuda.shared.array(THREADS, float32)
     s = float32(0.0)
     for i in range(tid, n, THREADS):
-        s += x[row, i] * x[row, i]
-    partial[tid] = s
-    scale = 1.0 / math.sqrt(block_reduce(partial, tid, False) / n + eps)
+        v = x[row, i]
+        s += v * v
+    scale = float32(1.0) / math.sqrt(warp_sum(s) / float32(n) + eps)
     for i in range(tid, n, THREADS):
         v = x[row, i] * scale
         out[row, i] = v * weight[i] if has_weight else v
@@ -54,35 +99,81 @@ def rms_norm(x, weight, out, eps, has_weight):
 
 @cuda.jit
 def softmax(x, out):
-    """Row-wise softmax of x [T, n] (one thread block per row), max-subtracted."""
+    """Row-wise softmax of x [T, n] (one warp per row), max-subtracted."""
     row, tid = cuda.blockIdx.x, cuda.threadIdx.x
     n = x.shape[1]
-    partial = cuda.shared.array(THREADS, float32)
-    top = -math.inf
+    top = float32(-math.inf)
     for i in range(tid, n, THREADS):
         top = max(top, x[row, i])
-    partial[tid] = top
-    top = block_reduce(partial, tid, True)
+    top = warp_max(top)
     s = float32(0.0)
     for i in range(tid, n, THREADS):
         e = math.exp(x[row, i] - top)
         out[row, i] = e
         s += e
-    partial[tid] = s
-    total = block_reduce(partial, tid, False)
+    inv = float32(1.0) / warp_sum(s)
     for i in range(tid, n, THREADS):
-        out[row, i] = out[row, i] / total
+        out[row, i] = out[row, i] * inv
+
+
+# -- RoPE's angle in fp32 without losing it at long contexts --------------------------------------
+#
+# ggml computes theta = pos * theta_scale^i in fp32: at position 32K that is 2-4e-3 rad off the exact
+# angle (theta's own rounding, 2^-9 at 32K, and theta_scale's, times i, times 32K; measured against
+# fp64). Here the frequency scale * theta_scale^i is carried as a float32 pair (hi + lo, ~44 bits),
+# pos * frequency split exactly by an fma, and the angle reduced to [-pi, pi] against 2*pi as a pair:
+# about 1e-6 rad at any position below 2^24, with no f64.
+
+
+@cuda.jit(device=True)
+def _mul_pair(ah, al, bh, bl):
+    """(ah + al) * (bh + bl) as a float32 pair (Dekker's product; the fma gives the exact error)."""
+    p = ah * bh
+    e = cuda.fma(ah, bh, -p) + (ah * bl + al * bh)
+    hi = p + e
+    return hi, e - (hi - p)
+
+
+@cuda.jit(device=True)
+def rope_angle(pos, i, theta_hi, theta_lo, scale_hi, scale_lo):
+    """pos * scale * theta_scale^i, reduced to [-pi, pi] (theta_scale = base^(-2/n_rot), both it
+    and scale given as float32 pairs: `rope_constants`)."""
+    fh, fl = scale_hi, scale_lo
+    bh, bl = theta_hi, theta_lo
+    e = i
+    while e > 0:  # theta_scale^i by squaring
+        if e & 1:
+            fh, fl = _mul_pair(fh, fl, bh, bl)
+        bh, bl = _mul_pair(bh, bl, bh, bl)
+        e >>= 1
+    p = float32(pos)  # exact below 2^24
+    th = p * fh
+    tl = cuda.fma(p, fh, -th) + p * fl
+    k = float32(math.floor(th * INV_TWO_PI + float32(0.5)))
+    return cuda.fma(-k, TWO_PI_LO, cuda.fma(-k, TWO_PI_HI, th)) + tl
+
+
+def rope_constants(n_rot: int, base: float, scale: float) -> tuple:
+    """The float32 pairs rope() takes for theta_scale = base^(-2/n_rot) and the frequency scale,
+    split on the host in float64."""
+
+    def pair(v: float):
+        hi = np.float32(v)
+        return hi, np.float32(v - float(hi))
+
+    return (*pair(base ** (-2.0 / n_rot)), *pair(scale))
 
 
 @cuda.jit
-def rope(x, positions, out, n_rot, base, scale, neox):
-    """x [T, H, D]: one thread block per (token, head); dims past n_rot pass through."""
+def rope(x, positions, out, n_rot, theta_hi, theta_lo, scale_hi, scale_lo, neox):
+    """x [T, H, D]: one warp per (token, head); dims past n_rot pass through. The four float32
+    scalars are `rope_constants(n_rot, base, scale)`."""
     t, h, tid = cuda.blockIdx.x, cuda.blockIdx.y, cuda.threadIdx.x
     d = x.shape[2]
     half = n_rot // 2
     for i in range(tid, half, THREADS):
-        theta = positions[t] * scale * base ** (-2.0 * i / n_rot)
-        c, s = math.cos(theta), math.sin(theta)
+        theta = rope_angle(positions[t], i, theta_hi, theta_lo, scale_hi, scale_lo)
+        c, s = _cos(theta), _sin(theta)
         a_i, b_i = (i, i + half) if neox else (2 * i, 2 * i + 1)
         a, b = x[t, h, a_i], x[t, h, b_i]
         out[t, h, a_i] = a * c - b * s
@@ -98,9 +189,10 @@ def gated(gate, up, out, use_gelu):
     for i in range(i0, gate.shape[1], THREADS):
         g = gate[t, i]
         if use_gelu:
-            a = 0.5 * g * (1.0 + math.tanh(0.7978845608028654 * (g + 0.044715 * g * g * g)))
+            inner = float32(0.7978845608028654) * (g + float32(0.044715) * g * g * g)
+            a = float32(0.5) * g * (float32(1.0) + math.tanh(inner))
         else:
-            a = g / (1.0 + math.exp(-g))
+            a = g / (float32(1.0) + math.exp(-g))
         out[t, i] = a * up[t, i]
 
 
@@ -117,15 +209,13 @@ def get_rows_kernel(qtype):
 
     @cuda.jit
     def get_rows(raw, ids, out, n_cols):
-        """out [len(ids), n_cols] = rows ids of the quantized table; a thread block per row."""
+        """out [len(ids), n_cols] = rows ids of the quantized table; a warp per row, a lane per
+        block, decoded straight into the output row (no local copy of the block)."""
         r, tid = cuda.blockIdx.x, cuda.threadIdx.x
-        vals = cuda.local.array(per_block, float32)
         blocks = n_cols // per_block
         row_base = ids[r] * blocks * block_nbytes
         for b in range(tid, blocks, THREADS):
-            decode(raw, row_base + b * block_nbytes, vals)
-            for j in range(per_block):
-                out[r, b * per_block + j] = vals[j]
+            decode(raw, row_base + b * block_nbytes, out[r, b * per_block : (b + 1) * per_block])
 
     return get_rows
 

@@ -1,6 +1,7 @@
 """The runtime's small kernels between the big ones: the embedding scale, a bias added to every
 row, and the KV store (fp32 rows into fp16 ring cells, and into a staging strip that goes to the
-host mirror). Each is checked against NumPy in tests/test_devicemath.py."""
+host mirror). Each is checked against NumPy in tests/test_kernels.py; all fp32 (and fp16 stores),
+no f64 and no stack frame (`python -m cudarun.ptx_check --out DIR`)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from . import THREADS  # noqa: E402
 
 @cuda.jit
 def scale_rows(x, s):
-    """x [T, n] *= s in place; a thread block per row."""
+    """x [T, n] *= s (a float32) in place; a warp per row."""
     t, i0 = cuda.blockIdx.x, cuda.threadIdx.x
     for i in range(i0, x.shape[1], THREADS):
         x[t, i] = x[t, i] * s
@@ -21,7 +22,7 @@ def scale_rows(x, s):
 
 @cuda.jit
 def add_bias(x, b):
-    """x [T, n] += b [n] in place; a thread block per row."""
+    """x [T, n] += b [n] in place; a warp per row."""
     t, i0 = cuda.blockIdx.x, cuda.threadIdx.x
     for i in range(i0, x.shape[1], THREADS):
         x[t, i] = x[t, i] + b[i]
