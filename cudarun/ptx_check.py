@@ -130,7 +130,7 @@ def kernels():
             (
                 f"dequantize[{name}]",
                 prefill.dequantize_kernel(qtype),
-                (raw, t.Array(f16, 2, "A"), i64),
+                (raw, arr(f16, 2), i64),  # a C-contiguous panel (matmul_prefill)
             ),
         ]
     return out

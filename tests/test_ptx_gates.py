@@ -129,3 +129,71 @@ def test_ptx_check_out_writes_each_kernels_ptx_and_prints_its_row(tmp_path):
     row = json.loads((tmp_path / "report.json").read_text())["matvec[Q8_0]"]
     assert row["registers"] > 0 and row["widest_load_bits"] >= 8
     assert "matvec[Q8_0]" in r.stdout and "2 kernels compiled for sm_90, 0 failed" in r.stdout
+
+
+# -- ptx_check compiles what the runtime launches ----------------------------------------------------
+
+
+def test_ptx_check_compiles_the_signatures_the_cuda_engine_launches(tmp_path, monkeypatch):
+    """Every kernel the CUDA engine launches (a decode token and a prompt past the matvec tokens,
+    on gemma3, qwen2 (biases) and qwen3moe with every part on the device) is in ptx_check's list with the
+    argument types it was launched with: a Python float where the entry says float32 compiles a
+    second, f64, kernel that no gate has seen. Launches are recorded, not run (the simulator would
+    take minutes), and the cuBLAS product is skipped."""
+    import numba
+    from numba.cuda.simulator.kernel import FakeCUDAKernel, _kernel_context
+
+    from cudarun import ptx_check
+    from cudarun.cuda_engine import CudaEngine
+    from cudarun.kernels import prefill
+    from refengine.spec import load_spec
+    from refengine.synthetic import SyntheticConfig, write_synthetic
+    from solver.cost import PINNED, Loc, TierPlacement, Workload, evaluate
+    from solver.groups import tensor_groups
+    from solver.plan import plan_json
+    from solver.solve import load_profile
+
+    launched = {}  # (id(kernel), argument types) -> kernel
+    run_kernel = FakeCUDAKernel.__call__
+
+    def record(self, *args):
+        if self._device or _kernel_context:  # a device function, or a call inside a kernel
+            return run_kernel(self, *args)
+        launched[id(self), tuple(numba.typeof(a) for a in args)] = self
+
+    monkeypatch.setattr(FakeCUDAKernel, "__call__", record)
+    monkeypatch.setattr(prefill, "gemm_fp16", lambda *a, **k: None)
+    models = {
+        "gemma3": SyntheticConfig("gemma3", n_layer=1, n_embd=32, n_ff=64, n_head=2, n_head_kv=1,
+                                  head_dim=16, n_vocab=260, qtype="Q8_0", n_swa=3),
+        "qwen2": SyntheticConfig("qwen2", n_layer=1, n_embd=32, n_ff=64, n_head=2, n_head_kv=1,
+                                 n_vocab=260, qtype="Q4_1"),
+        "qwen3moe": SyntheticConfig("qwen3moe", n_layer=1, n_embd=32, n_ff=64, n_head=2,
+                                    n_head_kv=1, head_dim=16, n_vocab=260, qtype="Q4_K",
+                                    n_expert=4, n_expert_used=2, n_ff_exp=32),
+    }  # fmt: skip
+    for arch, config in models.items():
+        spec = load_spec(str(write_synthetic(tmp_path / f"{arch}.gguf", config)))
+        resident = TierPlacement({g.name: Loc(PINNED) for g in tensor_groups(spec)},
+                                 {il: Loc(PINNED) for il in range(config.n_layer)})  # fmt: skip
+        tiers = {1: resident, 32: resident}
+        w = Workload(n_ctx=64, prompt_tokens=20, gen_tokens=1, threads=2)
+        prof = load_profile("h100")
+        plan = plan_json(spec, w, prof.name, [3 * spec.weights_nbytes + (16 << 20)], tiers,
+                         evaluate(tiers, spec, prof, w), "test", "refengine")  # fmt: skip
+        engine = CudaEngine(spec, plan)
+        engine.prefill(list(range(3, 23)))  # 20 tokens: the fp16 GEMM path
+        engine.decode(7)
+    entries = {}
+    for name, kernel, argtypes in ptx_check.kernels():
+        entries.setdefault(id(kernel), (name, set()))[1].add(tuple(argtypes))
+    missing = []
+    for (kid, argtypes), kernel in sorted(launched.items(), key=lambda kv: kv[1].__name__):
+        name, compiled = entries.get(kid, (kernel.py_func.__qualname__, set()))
+        if argtypes not in compiled:
+            missing.append(
+                f"{name} launched with {argtypes}; ptx_check compiles {compiled or 'none'}"
+            )
+    assert not missing, "\n".join(missing)
+    names = {kernel.__name__ for kernel in launched.values()}
+    assert len(names) >= 16  # the recorder saw the engine's launches (17 kernels when written)
