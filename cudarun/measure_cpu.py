@@ -1,8 +1,9 @@
-"""The CPU side of a hardware profile, measured on this machine with the CPU kernels the runtime
-uses (`cudarun.kernels.cpu`): the q8 matvec (int8 activations, as llama.cpp) for 1 token and the
-dequantized-panel BLAS product for prefill token counts. The memory figure is a Numba parallel
-read of at least 1 GiB on the same threads. Weights rotate over more than twice the last-level
-cache and inputs are fresh, so no rate is a cache hit (PSHARD.md, reason 2).
+"""The CPU side of a hardware profile (`solver.profile.CPUProfile`), measured on this machine by
+the runtime with its own CPU kernels (`cudarun.kernels.cpu`): the q8 matvec (int8 activations, as
+llama.cpp) for 1 token and the dequantized-panel BLAS product for prefill token counts. The memory
+figure is a Numba parallel read of at least 1 GiB on the same threads. Weights rotate over more
+than twice the last-level cache and inputs are fresh, so no rate is a cache hit (PSHARD.md,
+reason 2).
 """
 
 from __future__ import annotations
@@ -12,9 +13,9 @@ from datetime import date
 from pathlib import Path
 from typing import Callable
 
-from cudarun.bench_cpu import GIB, host_read_gbps, last_level_cache_nbytes, matmul_rate
+from solver.profile import ANY_TYPE, CPUProfile, Figure, RateTable
 
-from .profile import ANY_TYPE, CPUProfile, Figure, RateTable
+from .bench_cpu import GIB, host_read_gbps, last_level_cache_nbytes, matmul_rate
 
 KERNEL = "cudarun CPU kernels (q8 matvec, fp32-panel BLAS matmul)"
 MATVEC_TYPES = ("F16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q4_K", "Q6_K")

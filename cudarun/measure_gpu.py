@@ -1,7 +1,7 @@
-"""The GPU side of a hardware profile, measured on this machine with the runtime's own kernels and
-copies (`cudarun.bench_gpu`): the D2D copy ceiling, matvec rates by type and token count, the
-prefill path's rate, PCIe both ways, per-copy latency, H2D while the CPU computes, and the launch,
-graph-kernel and synchronization costs.
+"""The GPU side of a hardware profile (`solver.profile.GPUProfile`), measured on this machine by
+the runtime with its own kernels and copies (`cudarun.bench_gpu`): the D2D copy ceiling, matvec
+rates by type and token count, the prefill path's rate, PCIe both ways, per-copy latency, H2D
+while the CPU computes, and the launch, graph-kernel and synchronization costs.
 """
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from __future__ import annotations
 from datetime import date
 from typing import Callable
 
-from .profile import ANY_TYPE, Figure, GPUProfile, RateTable
+from solver.profile import ANY_TYPE, Figure, GPUProfile, RateTable
 
 TYPES = ("F16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_K", "Q4_K", "Q6_K")
 MATVEC_TOKENS = (1, 16)
@@ -17,7 +17,7 @@ PREFILL_TOKENS = (64, 512)
 
 
 def device_name() -> str:
-    from cudarun.driver import _driver, check, init
+    from .driver import _driver, check, init
 
     init()
     drv = _driver()
@@ -28,7 +28,7 @@ def device_name() -> str:
 
 def measure_gpu(quick: bool = False, progress: Callable[[str], None] = lambda s: None):
     """(GPUProfile, seconds of one CPU<->GPU synchronization)."""
-    from cudarun import bench_gpu, driver
+    from . import bench_gpu, driver
     from refengine.quants import qtype
 
     src = f"measured: refengine profile {date.today().isoformat()}, cudarun kernels"

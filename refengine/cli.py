@@ -410,7 +410,7 @@ def profile(output: Path, gpu_from: Path | None, threads: int | None, quick: boo
     from rich.progress import Progress
 
     from cudarun.driver import gpu_present
-    from solver.measure_cpu import measure_cpu
+    from cudarun.measure_cpu import measure_cpu
     from solver.profile import HardwareProfile
 
     if gpu_from is None and not gpu_present():
@@ -427,7 +427,7 @@ def profile(output: Path, gpu_from: Path | None, threads: int | None, quick: boo
             bar.update(task, description=what)
 
         if base is None:
-            from solver.measure_gpu import measure_gpu
+            from cudarun.measure_gpu import measure_gpu
 
             gpu, sync = measure_gpu(quick, step)
             gpus, gpu_name = (gpu,), gpu.name
