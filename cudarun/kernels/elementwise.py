@@ -127,8 +127,11 @@ def softmax(x, out):
 
 @cuda.jit(device=True)
 def _mul_pair(ah, al, bh, bl):
-    """(ah + al) * (bh + bl) as a float32 pair (Dekker's product; the fma gives the exact error)."""
-    p = ah * bh
+    """(ah + al) * (bh + bl) as a float32 pair (Dekker's product; the fma gives the exact error).
+    Products that must stay rounded products are written as fma(a, b, +0): the compiler may fuse a
+    plain product into a later add or subtract (PTX's mul.f32 + add.f32 -> fma), which here would
+    count the product's rounding error twice."""
+    p = cuda.fma(ah, bh, float32(0.0))
     e = cuda.fma(ah, bh, -p) + (ah * bl + al * bh)
     hi = p + e
     return hi, e - (hi - p)
@@ -147,7 +150,7 @@ def rope_angle(pos, i, theta_hi, theta_lo, scale_hi, scale_lo):
         bh, bl = _mul_pair(bh, bl, bh, bl)
         e >>= 1
     p = float32(pos)  # exact below 2^24
-    th = p * fh
+    th = cuda.fma(p, fh, float32(0.0))  # a rounded product, not fusable: see _mul_pair
     tl = cuda.fma(p, fh, -th) + p * fl
     k = float32(math.floor(th * INV_TWO_PI + float32(0.5)))
     return cuda.fma(-k, TWO_PI_LO, cuda.fma(-k, TWO_PI_HI, th)) + tl
