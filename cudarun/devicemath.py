@@ -111,18 +111,17 @@ class DeviceMath:
             v_cache.reshape(v_cache.shape[0], -1), ws["k_stage"][:n], ws["v_stage"][:n],
         )  # fmt: skip
         window = hp.n_swa if self.spec.is_swa(il) else 0
+        scale = np.float32(hp.attn_scale)  # a Python float would compile an f64 kernel
         q, a = ws["q"][:n], ws["a"][:n]
         k_cache, v_cache, k_pos = k_cache[:used], v_cache[:used], k_pos[:used]
         if n <= MAX_DECODE_TOKENS:
             splits = min(attention.decode_splits(k_cache.shape[0], hp.n_head_kv, n),
                          ws["partial"].shape[1])  # fmt: skip
             partial = ws["partial"][:n, :splits]
-            attention.attention_decode(q, k_cache, v_cache, pos, k_pos, a, hp.attn_scale, window,
+            attention.attention_decode(q, k_cache, v_cache, pos, k_pos, a, scale, window,
                                        splits, partial, stream)  # fmt: skip
         else:
-            attention.attention[(n, hp.n_head), THREADS, stream](
-                q, k_cache, v_cache, pos, k_pos, a, hp.attn_scale, window
-            )
+            attention.attention_prefill(q, k_cache, v_cache, pos, k_pos, a, scale, window, stream)
 
     def o(self, ws, n, w, il, stream) -> None:
         p = f"blk.{il}."

@@ -60,36 +60,6 @@ def kernels():
         ),
         ("gated", elementwise.gated, (arr(f32, 2), arr(f32, 2), arr(f32, 2), t.boolean)),
         ("add", elementwise.add, (arr(f32, 2),) * 3),
-        (
-            "attention",
-            attention.attention,
-            (
-                arr(f32, 3),
-                arr(f16, 3),
-                arr(f16, 3),
-                arr(i64, 1),
-                arr(i64, 1),
-                arr(f32, 3),
-                t.float64,
-                i64,
-            ),
-        ),
-        (
-            "decode_partial",
-            attention.decode_partial,
-            (
-                arr(f32, 3),
-                arr(f16, 3),
-                arr(f16, 3),
-                arr(i64, 1),
-                arr(i64, 1),
-                t.float64,
-                i64,
-                i64,
-                arr(f32, 4),
-            ),
-        ),
-        ("decode_merge", attention.decode_merge, (arr(f32, 4), arr(f32, 3))),
         ("route", moe.route, (arr(f32, 2), i64, t.boolean, arr(i32, 2), arr(f32, 2))),
         ("combine", moe.combine, (arr(f32, 2), arr(f32, 2), arr(f32, 2))),
         ("to_half", prefill.to_half, (arr(f32, 2), arr(f16, 2))),
@@ -109,6 +79,21 @@ def kernels():
             ),
         ),  # fmt: skip
     ]
+    # attention reads the fp16 caches as 64-bit words (four values), or as 32-bit pairs where the
+    # head dim is not a multiple of 4 (attention._words); decode's partial is a slice of the
+    # workspace's splits, C-contiguous for one token only
+    positions = (arr(i64, 1), arr(i64, 1))
+    for word, bits in ((t.uint64, 64), (t.uint32, 32)):
+        q_k_v = (arr(f32, 3), arr(word, 3), arr(word, 3))
+        prefill_args = (*q_k_v, *positions, arr(f32, 3), f32, i64, i64)
+        out.append((f"attention[KV{bits}]", attention.attention, prefill_args))
+        for layout in "CA":
+            decode_args = (*q_k_v, *positions, f32, i64, i64, i64, t.Array(f32, 4, layout))
+            name = f"decode_partial[KV{bits}_{layout}]"
+            out.append((name, attention.decode_partial, decode_args))
+    for layout in "CA":
+        merge_args = (t.Array(f32, 4, layout), arr(f32, 3))
+        out.append((f"decode_merge[{layout}]", attention.decode_merge, merge_args))
     for qtype in sorted(LAYOUTS, key=lambda q: q.name):
         name = qtype.name
         out += [
@@ -130,7 +115,7 @@ def kernels():
             (
                 f"dequantize[{name}]",
                 prefill.dequantize_kernel(qtype),
-                (raw, arr(f16, 2), i64),  # a C-contiguous panel (matmul_prefill)
+                (arr(t.uint16, 1), arr(i64, 1), i64),  # bytes as uint16, the panel as int64 words
             ),
         ]
     return out
@@ -284,7 +269,8 @@ def check(out: Path | None, only: str | None) -> dict[str, dict]:
         if only and only not in name:
             continue
         try:
-            ptx, _ = cuda.compile_ptx(kernel.py_func, argtypes, cc=CC)
+            bounds = kernel.targetoptions.get("launch_bounds")  # as the kernel runs
+            ptx, _ = cuda.compile_ptx(kernel.py_func, argtypes, cc=CC, launch_bounds=bounds)
             if out is None:
                 rows[name] = {}
                 continue

@@ -238,30 +238,6 @@ def test_embedding_rows_from_a_quantized_table(qtype):
     assert normwise(out.copy_to_host(), get_rows(raw, qtype, (6, n_cols), ids)) < 1e-6
 
 
-@pytest.mark.parametrize(
-    "tokens,keys,window",
-    [(1, 40, 0), (4, 40, 0), (4, 40, 6)],
-    ids=["decode", "prefill", "sliding-window"],
-)
-def test_attention_grouped_heads(tokens, keys, window):
-    from numba import cuda
-
-    from cudarun.kernels.attention import THREADS, attention
-    from refengine.reference import attention as ref
-
-    rng = np.random.default_rng(15)
-    q = rng.standard_normal((tokens, 4, 16)).astype(np.float32)
-    k = rng.standard_normal((keys, 2, 16)).astype(np.float16)  # an f16 cache
-    v = rng.standard_normal((keys, 2, 16)).astype(np.float16)
-    k_pos = np.arange(keys, dtype=np.int64)
-    q_pos = np.arange(keys - tokens, keys, dtype=np.int64)
-    out = poisoned((tokens, 4, 16))
-    dev = [cuda.to_device(a) for a in (q, k, v, q_pos, k_pos)]
-    attention[(tokens, 4), THREADS](*dev, out, 0.25, window)
-    want = ref(q, k, v, q_pos, k_pos, 0.25, window)
-    assert normwise(out.copy_to_host(), want) < 1e-3
-
-
 def test_softmax_over_a_vocabulary_row():
     from numba import cuda
 
@@ -272,22 +248,6 @@ def test_softmax_over_a_vocabulary_row():
     out = poisoned(x.shape)
     launch_rows(softmax, 2, cuda.to_device(x), out)
     assert normwise(out.copy_to_host(), ref(x)) < 1e-5
-
-
-@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
-def test_prefill_dequantizes_a_panel_to_fp16(qtype):
-    from numba import cuda
-
-    from cudarun.kernels.prefill import dequantize
-    from refengine.quants import dequantize as ref
-
-    rng = np.random.default_rng(17 + int(qtype))
-    n_cols = cols(qtype, 64)
-    raw = weights(rng, qtype, 6, n_cols)
-    out = cuda.to_device(np.full((3, n_cols), np.nan, np.float16))
-    dequantize(cuda.to_device(raw), out, qtype, first_row=2)  # rows 2..4 of 6
-    want = ref(raw, qtype, (6, n_cols))[2:5]
-    assert normwise(out.copy_to_host().astype(np.float32), want) < 1e-3  # fp16 rounding
 
 
 @pytest.mark.gpu
@@ -307,28 +267,6 @@ def test_prefill_matmul_on_the_tensor_cores(qtype):
     matmul_prefill(cuda.to_device(raw), cuda.to_device(x), out, qtype, (n_rows, n_cols), panel, x16)
     cuda.synchronize()
     assert normwise(out.copy_to_host(), matmul_q(x, raw, qtype, (n_rows, n_cols))) < 1e-2
-
-
-@pytest.mark.parametrize("tokens,window,splits", [(1, 0, 3), (2, 0, 1), (2, 9, 4)])
-def test_decode_attention_split_over_the_kv_length(tokens, window, splits):
-    from numba import cuda
-
-    from cudarun.kernels.attention import attention_decode
-    from refengine.reference import attention as ref
-
-    rng = np.random.default_rng(19)
-    keys, heads, kv_heads, dim = 37, 4, 2, 16
-    q = rng.standard_normal((tokens, heads, dim)).astype(np.float32)
-    k = rng.standard_normal((keys, kv_heads, dim)).astype(np.float16)
-    v = rng.standard_normal((keys, kv_heads, dim)).astype(np.float16)
-    k_pos = np.arange(keys, dtype=np.int64)
-    q_pos = np.arange(keys - tokens, keys, dtype=np.int64)
-    out = poisoned((tokens, heads, dim))
-    partial = poisoned((tokens, splits, heads, dim + 2))
-    dev = [cuda.to_device(a) for a in (q, k, v, q_pos, k_pos)]
-    attention_decode(*dev, out, 0.25, window, splits, partial)
-    want = ref(q, k, v, q_pos, k_pos, 0.25, window)
-    assert normwise(out.copy_to_host(), want) < 1e-3
 
 
 def test_every_cuda_kernel_compiles_for_the_h100():

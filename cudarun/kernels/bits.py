@@ -1,0 +1,77 @@
+"""Floats from and to their bit patterns inside CUDA kernels: an fp16 or an fp32 read as an integer
+(a GGUF block's scale, two fp16 KV values in one 32-bit word) becomes a float32 by a bitcast and the
+hardware's conversion (`cvt.f32.f16`), and four float32 go out as four fp16 packed in one 64-bit
+word (`cvt.rn.f16.f32`, round to nearest even) for one wide store.
+
+Numba has no bitcast between integers and floats, so these are LLVM intrinsics; no arithmetic,
+no f64, nothing in local memory. Under the CUDA simulator the same functions are NumPy views, with
+NumPy's round-to-nearest-even fp16 conversion."""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import config
+
+if config.ENABLE_CUDASIM:
+
+    def half_to_float(bits):
+        """The fp16 in the low 16 bits of an integer, as a float32 (subnormals, inf, NaN kept)."""
+        return np.float32(np.uint16(int(bits) & 0xFFFF).view(np.float16))
+
+    def float_from_bits(bits):
+        """The float32 whose bits are the low 32 bits of an integer."""
+        return np.uint32(int(bits) & 0xFFFFFFFF).view(np.float32)
+
+    def pack_halves(a, b, c, d):
+        """Four float32 rounded to fp16, a in the low 16 bits: one int64 word to store."""
+        return np.array([a, b, c, d], np.float32).astype(np.float16).view(np.int64)[0]
+
+else:
+    from llvmlite import ir
+    from numba import types
+    from numba.cuda.extending import intrinsic
+
+    def _int_to(builder, value, bits):
+        """An integer value truncated or zero-extended to `bits` bits."""
+        have = value.type.width
+        if have > bits:
+            return builder.trunc(value, ir.IntType(bits))
+        if have < bits:
+            return builder.zext(value, ir.IntType(bits))
+        return value
+
+    @intrinsic
+    def half_to_float(typingctx, bits):
+        if not isinstance(bits, types.Integer):
+            return None
+
+        def codegen(context, builder, signature, args):
+            h = builder.bitcast(_int_to(builder, args[0], 16), ir.HalfType())
+            return builder.fpext(h, ir.FloatType())
+
+        return types.float32(bits), codegen
+
+    @intrinsic
+    def float_from_bits(typingctx, bits):
+        if not isinstance(bits, types.Integer):
+            return None
+
+        def codegen(context, builder, signature, args):
+            return builder.bitcast(_int_to(builder, args[0], 32), ir.FloatType())
+
+        return types.float32(bits), codegen
+
+    @intrinsic
+    def pack_halves(typingctx, a, b, c, d):
+        if not all(x == types.float32 for x in (a, b, c, d)):
+            return None
+
+        def codegen(context, builder, signature, args):
+            vec = ir.Constant(ir.VectorType(ir.HalfType(), 4), None)
+            for i, x in enumerate(args):
+                vec = builder.insert_element(
+                    vec, builder.fptrunc(x, ir.HalfType()), ir.Constant(ir.IntType(32), i)
+                )
+            return builder.bitcast(vec, ir.IntType(64))
+
+        return types.int64(a, b, c, d), codegen
