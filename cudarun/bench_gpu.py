@@ -2,7 +2,8 @@
 
 - the device-to-device copy of at least 1 GiB, counting bytes read plus written (GPU_NOTES.md);
 - the library's fp16 GEMM (cuBLAS through CuPy) at the prefill shape;
-- the kernels: matvec per type and token count, prefill, decode attention;
+- the kernels: matvec per type and token count, prefill (and its dequantization alone), decode
+  and prefill attention;
 - PCIe: pinned H2D/D2H bandwidth, per-copy latency, H2D while the CPU computes;
 - the cost of a synchronization, of a Numba launch from Python, of a kernel inside a CUDA graph.
 
@@ -135,6 +136,48 @@ def prefill(stream, timer, qtype, shape, tokens: int, gemm_ceiling: Rate) -> Rat
     return Rate(what, s, flops / s / 1e12, "TFLOP/s", gemm_ceiling.value)
 
 
+def dequantize(stream, timer, qtype, shape, ceiling: Rate) -> Rate:
+    """The prefill path's fp16 panel alone: bytes read plus written beside the D2D copy's."""
+    from numba import cuda
+
+    from .kernels.prefill import dequantize as run
+
+    rng = np.random.default_rng(4)
+    one = random_weights(qtype.name, *shape, rng)
+    count = rotation(one.nbytes)
+    weights = [cuda.to_device(one) for _ in range(count)]
+    panel = cuda.device_array(shape, np.float16)
+    ns = stream.numba_stream()
+    s = timer.per_launch(lambda i: run(weights[i % count], panel, qtype, 0, ns))
+    nbytes = one.nbytes + panel.nbytes
+    what = f"dequantize {qtype.name} {shape[0]}x{shape[1]} to fp16 (read + write)"
+    return Rate(what, s, nbytes / s / 1e9, "GB/s", ceiling.value)
+
+
+def attention_prefill(stream, timer, ctx=4096, tokens=512, heads=32, kv_heads=8, dim=128) -> Rate:
+    """A ubatch of `tokens` at the end of a `ctx` context, causal: the multiply-adds of the
+    visible scores and of their V rows, per second."""
+    from numba import cuda
+
+    from .kernels.attention import attention_prefill as run
+
+    rng = np.random.default_rng(5)
+    k, v = (
+        cuda.to_device(rng.standard_normal((ctx, kv_heads, dim)).astype(np.float16))
+        for _ in range(2)
+    )
+    q = cuda.to_device(rng.standard_normal((tokens, heads, dim)).astype(np.float32))
+    k_pos = cuda.to_device(np.arange(ctx, dtype=np.int64))
+    q_pos = cuda.to_device(np.arange(ctx - tokens, ctx, dtype=np.int64))
+    out = cuda.device_array((tokens, heads, dim), np.float32)
+    ns = stream.numba_stream()
+    s = timer.per_launch(lambda i: run(q, k, v, q_pos, k_pos, out, dim**-0.5, 0, ns), launches=10)
+    visible = tokens * (ctx - tokens) + tokens * (tokens + 1) // 2  # (query, key) pairs
+    flops = 2 * 2 * visible * heads * dim
+    what = f"prefill attention {tokens} tokens at {ctx} ctx, {heads}/{kv_heads} heads, d {dim}"
+    return Rate(what, s, flops / s / 1e12, "TFLOP/s")
+
+
 def attention_decode(
     stream, timer, ceiling: Rate, ctx=32768, heads=32, kv_heads=8, dim=128
 ) -> Rate:
@@ -258,8 +301,12 @@ def run_all(types, tokens=(1, 16), shapes=MATVEC_SHAPES, progress=lambda s: None
                 rates.append(matvec(stream, timer, as_qtype(name).ggml, shape, n, ceiling))
     progress("prefill Q4_K")
     rates.append(prefill(stream, timer, as_qtype("Q4_K").ggml, (4096, 14336), 512, gemm))
+    progress("dequantize Q4_K")
+    rates.append(dequantize(stream, timer, as_qtype("Q4_K").ggml, (4096, 14336), ceiling))
     progress("decode attention")
     rates.append(attention_decode(stream, timer, ceiling))
+    progress("prefill attention")
+    rates.append(attention_prefill(stream, timer))
     progress("PCIe")
     rates += pcie(stream, timer)
     progress("launch and sync overheads")
