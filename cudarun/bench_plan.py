@@ -88,6 +88,8 @@ def run_bench(engine, profile, n_prompt: int, n_gen: int, depths: list[int], see
     timed `repetitions` times after one untimed run, as llama-bench warms up."""
     rng = np.random.default_rng(seed)
     cm = CostModel(engine.spec, profile, engine.workload, "refengine")
+    if getattr(engine, "tally", None) is not None:  # count these runs, not the warm-up
+        engine.tally.clear()
     rows = []
     for depth in depths:
         if n_prompt:

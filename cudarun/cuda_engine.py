@@ -1,13 +1,16 @@
 """The runtime on a GPU: the plan's arena as one device allocation of the budget, weights and KV
 copied from pinned host memory, the tier's schedule issued on a compute stream and a copy stream
 ordered by CUDA events, the compute parts as Numba CUDA kernels (`devicemath`), the CPU parts on
-the host thread with the CPU kernels (`hostmath`).
+the host thread with the CPU kernels (`hostmath`), a segment at a time.
 
-The CPU queue is the host thread itself: its waits synchronize on the events they name, it
-downloads what its part reads (on the compute stream), computes, and uploads what the part writes,
-so the compute stream's later work is ordered after it by issue; meanwhile the copy stream goes on
-prefetching. It runs on numba.cuda's streams, events and arrays, so the same code runs under the
-CUDA simulator in CI (tiny models, tiers of at most 16 tokens) and on a GPU.
+The CPU queue is the host thread itself. Consecutive CPU parts run as one segment
+(`segments.py`): the activations it reads go down from the device once, into pinned staging on
+the compute stream, and the host waits once; its parts run back to back on the host; what the
+device reads next goes up once, on the compute stream, so the device's later work is ordered
+after it by issue, without a wait. Meanwhile the copy stream goes on prefetching. The engine counts
+its kernel launches and host synchronizations per ubatch (`counts.py`, `tally`). It runs on
+numba.cuda's streams, events and arrays, so the same code runs under the CUDA simulator in CI
+(tiny models, tiers of at most 16 tokens) and on a GPU.
 """
 
 from __future__ import annotations
@@ -19,29 +22,16 @@ from contextlib import contextmanager
 import numpy as np
 
 from refengine.spec import ModelSpec
-from solver.cost import CPU, PINNED, STREAMED
-from solver.workspace import MAX_DECODE_TOKENS, arrays, layout
+from solver.cost import CPU, PINNED
+from solver.workspace import arrays, layout
 
+from . import counts
 from .devicemath import DeviceMath, device_tensors
 from .executor import PlanExecutor, Tier, group_bytes, weight_steps
 from .hostmath import Act, HostMath
 from .kvstore import ring_chunks, ring_positions, ring_views
 from .schedule import Compute, Copy, Record, Wait
-
-# what each part reads and writes of the activations (handed between device and host)
-FIELDS = {
-    "embed": ((), ("x",)),
-    "qkv": (("x",), ("q", "k", "v")),
-    "kq": (("q", "k", "v"), ("a",)),
-    "o": (("a", "x"), ("x", "h", "ids", "gates")),
-    "ffn_gate": (("h",), ("gate",)),
-    "ffn_up": (("h",), ("up",)),
-    "ffn_down": (("gate", "up", "x"), ("x",)),
-    "ffn_gate_exps": (("h", "ids"), ("gate",)),
-    "ffn_up_exps": (("h", "ids"), ("up",)),
-    "ffn_down_exps": (("gate", "up", "ids", "gates", "x"), ("x",)),
-    "output": (("x",), ()),
-}
+from .segments import Segment, SegmentRunner
 
 
 def simulated() -> bool:
@@ -74,7 +64,15 @@ class CudaEngine(PlanExecutor):
         self.ran_eagerly: set[tuple[int, int]] = set()
         self.use_graphs = not simulated()
         self.cpu_math = HostMath(spec, False, threads)
+        self.runner = SegmentRunner(spec, self.cpu_math, self.host, self.mirror)
         self.workspaces: dict[int, dict] = {}  # tier -> its workspace arrays
+        self.stagings: dict[int, dict] = {}  # tier -> its pinned host staging arrays
+        self.pinned: list = []  # the staging buffers' owners
+        self.copy_done = self._event()  # the copy stream's end, waited for by the compute stream
+        self.tally = counts.Tally()  # launches, syncs, segments per (tier, tokens, graph)
+        self.counted = ("launches", "syncs", "segments")
+        self.counter: counts.Counter | None = None  # the ubatch being issued
+        self.pending_logits: np.ndarray | None = None  # filled from staging after the last wait
 
     def host_alloc(self, nbytes: int) -> np.ndarray:
         """Pinned host memory: copies from it are asynchronous, and nothing streams from pageable
@@ -159,37 +157,100 @@ class CudaEngine(PlanExecutor):
             self.workspaces[tier.tier] = arrays(self.region(tier, "workspace"), slices)
         return self.workspaces[tier.tier]
 
-    def execute(self, tier: Tier, st: Act) -> None:
-        n, start = st.tokens.size, int(st.pos[0])
-        ws = self.workspace(tier)
-        host = Act(st.tokens, st.pos, st.all_logits)  # the CPU parts' activations
-        ws["tokens"][:n].copy_to_device(st.tokens, stream=self.compute)
-        ws["pos"][:n].copy_to_device(st.pos, stream=self.compute)
-        for key, cells in self._cell_counts(tier).items():
-            ws[key][:cells].copy_to_device(ring_positions(cells, start + n), stream=self.compute)
-        key = (tier.tier, n)
-        if self._graphable(tier, st) and key in self.ran_eagerly:  # kernels compiled by then
-            if key not in self.graphs:
-                self.graphs[key] = self._capture(tier, st, ws)
-            self.graphs[key].launch(self.streams[0])
-            st.logits = np.empty((1, self.spec.hparams.n_vocab), np.float32)
-            ws["logits"][:1].copy_to_host(st.logits, stream=self.compute)
+    def staging(self, tier: Tier) -> dict:
+        """Pinned host arrays, allocated once per tier, through which the activations go down and
+        up at the CPU segments' hand-offs, the inputs up and the logits down: copies from and to
+        them are asynchronous (pageable ones would wait, or be staged by the driver)."""
+        if tier.tier in self.stagings:
+            return self.stagings[tier.tier]
+        for op in tier.schedule:  # each CPU wait is on a device part's end: the hand-off's wait
+            if isinstance(op, Wait) and op.queue == "cpu":
+                name = op.event.removeprefix("done:")
+                assert any(p.name == name and p.queue == "compute" for p in tier.parts), op
+        rows = 1 if tier.place.groups["output"].kind != CPU else 0
+        slices = layout(self.spec, tier.tier, rows, self.n_ctx)
+        names = {f for seg in tier.segments for f in seg.reads + seg.writes}
+        if any(p.queue == "compute" for p in tier.parts):
+            names |= {"tokens", "pos", *self._cell_counts(tier)} | ({"logits"} if rows else set())
+        want = {n: slices[n] for n in sorted(names)}
+        sizes = {n: int(np.prod(sl.shape)) * np.dtype(sl.dtype).itemsize for n, sl in want.items()}
+        total = sum(-(-b // 256) * 256 for b in sizes.values())
+        if simulated():
+            buf = np.empty(max(total, 1), np.uint8)
         else:
-            self._issue(tier, st, ws, host, capturing=False)
-            self.ran_eagerly.add(key)
-        self.synchronize()
+            from . import driver
+
+            owner = driver.PinnedHostBuffer(max(total, 1))
+            self.pinned.append(owner)
+            buf = owner.array
+        out, offset = {}, 0
+        for n, sl in want.items():
+            out[n] = buf[offset : offset + sizes[n]].view(sl.dtype).reshape(sl.shape)
+            offset += -(-sizes[n] // 256) * 256
+        self.stagings[tier.tier] = out
+        return out
+
+    def execute(self, tier: Tier, st: Act) -> None:
+        n = st.tokens.size
+        ws, stage = self.workspace(tier), self.staging(tier)
+        host = Act(st.tokens, st.pos, st.all_logits)  # the CPU segments' activations
+        host.record = st.record
+        key = (tier.tier, n)
+        graph = self._graphable(tier, st) and key in self.ran_eagerly  # kernels compiled by then
+        self.counter = counter = counts.Counter()
+        with counts.counting(counter):
+            if "tokens" in stage:  # some part runs on the device
+                self._upload_inputs(tier, st, ws, stage)
+            if graph:
+                if key not in self.graphs:
+                    with counts.counting(None):  # the capture's kernels run in the replays
+                        self.graphs[key] = self._capture(tier, st, ws)
+                self.graphs[key].launch(self.streams[0])
+                counter.launches += 1
+                st.logits = np.empty((1, self.spec.hparams.n_vocab), np.float32)
+                ws["logits"][:1].copy_to_host(stage["logits"], stream=self.compute)
+                self.pending_logits = st.logits
+            else:
+                self._issue(tier, st, ws, stage, host, capturing=False)
+                self.ran_eagerly.add(key)
+            if graph or tier.final_sync:
+                self.copy_done.record(self.copy)  # every copy has a reader on the compute
+                self.copy_done.wait(self.compute)  # stream; made sure of, without a wait
+                self._sync(self.compute)
+        if self.pending_logits is not None:
+            self.pending_logits[:] = stage["logits"][: self.pending_logits.shape[0]]
+            self.pending_logits = None
+        self.counter = None
+        self.tally.add(tier.tier, n, graph, counter.counts())
+
+    def _sync(self, waitable) -> None:
+        """A host synchronization (a stream or an event), counted."""
+        if self.counter is not None:
+            self.counter.syncs += 1
+        waitable.synchronize()
+
+    def _event(self):
+        # untimed events are cheaper; the simulator's take no arguments
+        return self.cuda.event() if simulated() else self.cuda.event(False)
+
+    def _upload_inputs(self, tier: Tier, st: Act, ws: dict, stage: dict) -> None:
+        """Token ids, positions and the positions each KV ring cell holds, through staging."""
+        n, end = st.tokens.size, int(st.pos[0]) + st.tokens.size
+        values = {"tokens": st.tokens, "pos": st.pos}
+        for key, count in {"tokens": n, "pos": n, **self._cell_counts(tier)}.items():
+            src = stage[key][:count]
+            src[:] = values[key] if key in values else ring_positions(count, end)
+            ws[key][:count].copy_to_device(src, stream=self.compute)
 
     def _graphable(self, tier: Tier, st: Act) -> bool:
         """A decode ubatch whose work is all on the device, its KV resident: one CUDA graph (its
         streamed-weight copies included) replayed per token."""
         return (
             self.use_graphs
-            and st.tokens.size <= MAX_DECODE_TOKENS
+            and counts.graphable(tier.parts, tier.place, st.tokens.size)
             and not st.all_logits
             and not self.requested
             and self.trace_events is None  # a traced run is timed op by op, eagerly
-            and all(p.queue == "compute" for p in tier.parts)
-            and all(loc.kind != STREAMED for loc in tier.place.kv.values())
         )
 
     def _capture(self, tier: Tier, st: Act, ws: dict):
@@ -200,43 +261,46 @@ class CudaEngine(PlanExecutor):
         fork, join = driver.Event(timing=False), driver.Event(timing=False)
         fork.record(compute)
         copy.wait(fork)  # the copy stream joins the capture
-        self._issue(tier, st, ws, None, capturing=True)
+        self._issue(tier, st, ws, None, None, capturing=True)
         join.record(copy)
         compute.wait(join)
         graph = compute.end_capture()
         self.graph_nodes[(tier.tier, st.tokens.size)] = graph.node_count()
         return graph
 
-    def _issue(self, tier: Tier, st: Act, ws: dict, host: Act | None, capturing: bool) -> None:
+    def _issue(self, tier: Tier, st: Act, ws: dict, stage: dict | None, host: Act | None,
+               capturing: bool) -> None:  # fmt: skip
         """Issue the tier's schedule: copies on the copy stream, device parts on the compute
-        stream, CPU parts on this thread, events between them."""
+        stream, each CPU segment on this thread at its first part, events between them."""
         events: dict[str, object] = {}
-        parts = {p.name: p for p in tier.parts}
+        index = {p.name: i for i, p in enumerate(tier.parts)}
+        starts = {seg.first: seg for seg in tier.segments}
         timer = _Timer(self) if self.trace_events is not None and not capturing else None
         for op in tier.schedule:
             if isinstance(op, Record):
-                # untimed events are cheaper; the simulator's take no arguments
-                ev = events[op.event] = self.cuda.event() if simulated() else self.cuda.event(False)
+                ev = events[op.event] = self._event()
                 ev.record(self.copy if op.queue == "copy" else self.compute)
             elif isinstance(op, Wait):
-                if op.queue == "cpu":
-                    events[op.event].synchronize()
-                else:
+                if op.queue != "cpu":  # a CPU wait is the segment's hand-off (`staging`)
                     events[op.event].wait(self.copy if op.queue == "copy" else self.compute)
             elif isinstance(op, Copy):
                 with _span(timer, "copy", f"copy {op.tensor}", self.copy):
                     self._copy_unit(tier, op.tensor, op.slot)
             elif isinstance(op, Compute):
-                part = parts[op.name]
-                slot = next((s for _, s in op.reads if s.startswith("slot:")), None)
+                i = index[op.name]
+                part = tier.parts[i]
                 if part.queue == "cpu":
-                    with _span(timer, "cpu", op.name, None):
-                        self._cpu_part(tier, part, st, host, ws)
-                else:
-                    with _span(timer, "compute", op.name, self.compute):
-                        self._device_part(tier, part, st, ws, slot, capturing)
+                    if i in starts:  # the segment's other parts ran with it
+                        seg = starts[i]
+                        with _span(timer, "cpu", _segment_name(tier, seg), None):
+                            self._segment(tier, seg, st, host, ws, stage)
+                    continue
+                slot = next((s for _, s in op.reads if s.startswith("slot:")), None)
+                with _span(timer, "compute", op.name, self.compute):
+                    self._device_part(tier, part, st, ws, stage, slot, capturing)
         if timer is not None:
-            self.synchronize()
+            self._sync(self.compute)
+            self._sync(self.copy)
             self.trace_events.extend(timer.events())
 
     def _cell_counts(self, tier: Tier) -> dict[str, int]:
@@ -265,8 +329,8 @@ class CudaEngine(PlanExecutor):
         )
         return device_tensors(self.host.layouts[group], buf[: self.groups[group].nbytes])
 
-    def _device_part(self, tier: Tier, part, st: Act, ws: dict, slot: str | None,
-                     capturing: bool = False) -> None:  # fmt: skip
+    def _device_part(self, tier: Tier, part, st: Act, ws: dict, stage: dict | None,
+                     slot: str | None, capturing: bool = False) -> None:  # fmt: skip
         n, s = st.tokens.size, self.compute
         if part.kind == "kq":
             il = part.layer
@@ -298,47 +362,63 @@ class CudaEngine(PlanExecutor):
             self._record(st, "output_norm", ws["h"][:n])
             rows = range(n) if st.all_logits else [n - 1]
             st.logits = np.empty((len(rows), self.spec.hparams.n_vocab), np.float32)
-            for i, r in enumerate(rows):
+            for i, r in enumerate(rows):  # one staged row at a time, the last after the end's wait
                 self.dmath.head(ws, w, r, s)
-                ws["logits"][:1].copy_to_host(st.logits[i : i + 1], stream=s)
-                s.synchronize()
+                ws["logits"][:1].copy_to_host(stage["logits"], stream=s)
+                if i + 1 < len(rows):
+                    self._sync(s)
+                    st.logits[i] = stage["logits"][0]
+            self.pending_logits = st.logits[-1:]
 
     def _record(self, st: Act, name: str, dev) -> None:
         if name in self.requested:
             st.record[name] = dev.copy_to_host(stream=self.compute)
-            self.compute.synchronize()
+            self._sync(self.compute)
 
-    def _cpu_part(self, tier: Tier, part, st: Act, host: Act, ws: dict) -> None:
-        reads, writes = (
-            [f for f in fields if self.spec.arch.moe or f not in ("ids", "gates")]
-            for fields in FIELDS[part.kind]
-        )
-        n = st.tokens.size
-        for f in reads:
-            setattr(host, f, self._download(f, ws, n))
-        self.compute.synchronize()
-        if part.kind == "kq":
-            self.cpu_math.kq_on_host(host, part.layer, self.mirror)
-        else:
-            w = self.host.tensors(part.group)
-            host.record = st.record
-            self.cpu_math.run(part.kind, part.layer, host, w)
-        for f in writes:
-            self._upload(f, getattr(host, f), ws)
-        if part.kind == "output":
+    def _segment(self, tier: Tier, seg: Segment, st: Act, host: Act, ws: dict,
+                 stage: dict) -> None:  # fmt: skip
+        """A CPU segment: its inputs down in one batch and one wait, its parts on the host, what
+        the device reads next up in one batch."""
+        n, counter = st.tokens.size, self.counter
+        counter.segments += 1
+        if seg.sync:
+            for f in seg.reads:
+                dev, staged = self._rows(ws, stage, f, n)
+                dev.copy_to_host(staged, stream=self.compute)
+            self._sync(self.compute)
+            for f in seg.reads:  # fresh views: HostMath keys its quantized inputs by identity
+                setattr(host, f, self._host_value(f, stage, n))
+            counter.downloads += bool(seg.reads)
+        self.runner.run(seg, tier.parts, host, self.requested)
+        for f in seg.writes:
+            dev, staged = self._rows(ws, stage, f, n)
+            staged[...] = np.reshape(getattr(host, f), staged.shape)
+            dev.copy_to_device(staged, stream=self.compute)
+        counter.uploads += bool(seg.writes)
+        if tier.parts[seg.stop - 1].kind == "output":
             st.logits = host.logits
 
-    def _download(self, field: str, ws: dict, n: int) -> np.ndarray:
-        used = self.spec.hparams.n_expert_used
-        if field in ("gate", "up") and self.spec.arch.moe:
-            return ws[field][: n * used].copy_to_host(stream=self.compute).reshape(n, used, -1)
-        out = ws[field][:n].copy_to_host(stream=self.compute)
-        return out.astype(np.int64) if field == "ids" else out
+    def _per_slot(self, field: str) -> bool:
+        """MoE's gate and up: a row per (token, chosen expert) on the device, [T, k, n] on the
+        host."""
+        return field in ("gate", "up") and self.spec.arch.moe
 
-    def _upload(self, field: str, value: np.ndarray, ws: dict) -> None:
-        dst = ws[field]  # MoE's [T, k, n] host arrays are [T * k, n] rows on the device
-        rows = np.ascontiguousarray(value, dtype=dst.dtype).reshape(-1, *dst.shape[1:])
-        dst[: rows.shape[0]].copy_to_device(rows, stream=self.compute)
+    def _rows(self, ws: dict, stage: dict, field: str, n: int):
+        """The device rows and the staging rows of a field for n tokens."""
+        rows = n * self.spec.hparams.n_expert_used if self._per_slot(field) else n
+        return ws[field][:rows], stage[field][:rows]
+
+    def _host_value(self, field: str, stage: dict, n: int) -> np.ndarray:
+        """A field as the CPU kernels take it (int64 ids), viewing the staging rows."""
+        _, staged = self._rows(stage, stage, field, n)
+        if self._per_slot(field):
+            return staged.reshape(n, self.spec.hparams.n_expert_used, -1)
+        return staged.astype(np.int64) if field == "ids" else staged
+
+
+def _segment_name(tier: Tier, seg: Segment) -> str:
+    first, last = tier.parts[seg.first].name, tier.parts[seg.stop - 1].name
+    return first if first == last else f"{first} .. {last}"
 
 
 class _Timer:
@@ -351,7 +431,7 @@ class _Timer:
         if not simulated():
             self.base = engine.cuda.event()
             self.base.record(engine.compute)
-            self.base.synchronize()
+            engine._sync(self.base)
         self.host0 = time.perf_counter()
 
     def events(self) -> list[tuple[str, str, float, float]]:

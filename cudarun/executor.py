@@ -29,6 +29,7 @@ from solver.usage import kv_shape
 
 from . import program
 from .schedule import Slot, pipeline_schedule, validate
+from .segments import cpu_segments, ends_with_sync
 from .switch import switch_steps
 
 
@@ -72,6 +73,9 @@ class Tier:
         self.map = regions
         self.parts = program.parts(engine.spec, place)
         self.schedule = pipeline_schedule([p.step for p in self.parts], engine.n_slots)
+        # consecutive CPU parts run as one segment between two hand-offs (segments.py)
+        self.segments = cpu_segments(self.parts, engine.spec.arch.moe)
+        self.final_sync = ends_with_sync(self.parts, self.segments)
         self.slots = {
             f"slot:{i}": Slot(f"slot:{i}", r.offset_bytes, r.nbytes)
             for i, r in enumerate(r for r in regions if r.name.startswith("scratch:"))

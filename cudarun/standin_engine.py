@@ -1,19 +1,23 @@
 """The runtime on the stand-in device: the plan's arena in host memory, the tier's schedule run
 on asynchronous queues (`standin.StandInDevice`), the compute queue's parts in exact fp32 with the
-reference operations, the CPU queue's with the CPU kernels. It is the whole executor but for the
-GPU kernels, so the real models run through it in CI and every removed event wait is caught."""
+reference operations, the CPU queue's with the CPU kernels a segment at a time (`segments.py`: a
+run of consecutive CPU parts goes at its first part, as on the CUDA engine, while the schedule's
+`act` hand-offs are still tracked op by op). It is the whole executor but for the GPU kernels, so
+the real models run through it in CI and every removed event wait is caught."""
 
 from __future__ import annotations
 
 import numpy as np
 
 from refengine.spec import ModelSpec
-from solver.cost import CPU, PINNED
+from solver.cost import PINNED
 
+from . import counts
 from .executor import PlanExecutor, Tier, group_bytes, weight_steps
 from .hostmath import Act, HostMath
 from .hostweights import tensors_of
 from .kvstore import fill_ring, ring_chunks, ring_positions, ring_views
+from .segments import SegmentRunner
 from .standin import POISON, StandInDevice
 from .switch import apply_steps
 
@@ -33,6 +37,9 @@ class StandInEngine(PlanExecutor):
             "compute": HostMath(spec, exact=True, reference=reference),
             "cpu": HostMath(spec, False, threads),
         }
+        self.runner = SegmentRunner(spec, self.math["cpu"], self.host, self.mirror)
+        self.tally = counts.Tally()  # segments per (tier, tokens); no launches to count here
+        self.counted = ("segments",)
         self.seed, self.ubatches = seed, 0
         self.delays = FAST_DELAYS if delays is None else delays
 
@@ -65,41 +72,43 @@ class StandInEngine(PlanExecutor):
         device = StandInDevice(tier.slots, lambda u: self._host_bytes(tier, u),
                                self.seed + self.ubatches, memory, **self.delays)  # fmt: skip
         self.ubatches += 1
-        kernels = {p.name: self._kernel(tier, p, st) for p in tier.parts}
+        starts = {seg.first: seg for seg in tier.segments}
+        kernels = {p.name: self._kernel(tier, i, p, st, starts) for i, p in enumerate(tier.parts)}
+        before = self.runner.calls
         try:
             violations = device.execute(tier.schedule, kernels)
         finally:
             device.close()
+        self.tally.add(tier.tier, st.tokens.size, False,
+                       counts.Counts(segments=self.runner.calls - before))  # fmt: skip
         if self.trace_events is not None:
             self.trace_events.extend(device.trace)
         if violations:  # the schedule or the executor is wrong: a bug, never a user error
             raise AssertionError(f"tier {tier.tier}: {violations[:3]}")
 
-    def _kernel(self, tier: Tier, part, st: Act):
+    def _kernel(self, tier: Tier, i: int, part, st: Act, starts: dict):
         def kernel(views):
-            if part.kind == "kq":
+            if part.queue == "cpu":  # the segment's other parts run with its first
+                if i in starts:
+                    self.runner.run(starts[i], tier.parts, st, self.requested)
+            elif part.kind == "kq":
                 self._kq(tier, part.layer, st, views)
             else:
                 w = self._weights(tier, part.group, views)
-                self.math[part.queue].run(part.kind, part.layer, st, w)
+                self.math["compute"].run(part.kind, part.layer, st, w)
 
         return kernel
 
     def _weights(self, tier: Tier, group: str, views) -> dict:
-        loc = tier.place.groups[group]
-        if loc.kind == PINNED:
+        """A device part's weights: its arena region when pinned, else its ring slot."""
+        if tier.place.groups[group].kind == PINNED:
             buf = self.region(tier, f"weights:{group}")
-        elif loc.kind == CPU:
-            buf = self.host.group(group)
         else:
             (buf,) = views.values()
         return tensors_of(self.host.layouts[group], buf)
 
     def _kq(self, tier: Tier, il: int, st: Act, views) -> None:
         loc = tier.place.kv[il]
-        if loc.kind == CPU:
-            self.math["cpu"].kq_on_host(st, il, self.mirror)
-            return
         start, n = int(st.pos[0]), st.tokens.size
         end = start + n
         k16, v16 = st.k.astype(np.float16), st.v.astype(np.float16)

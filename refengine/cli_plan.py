@@ -149,6 +149,10 @@ def bench(model, n_prompt, n_gen, depth, ctx_size, baseline, engine_name, trace,
     con.print(table)
     for line in engine.memory_report() + engine.launch_report(profile.gpus[0].launch_seconds.value):
         con.print(line)
+    from cudarun.counts import report_lines
+
+    for line in report_lines(engine):  # launches and syncs per token, counted and scheduled
+        con.print(line)
     if engine.name == "standin":
         con.print("stand-in device: the times are of the host simulation, not of a GPU")
     if trace:

@@ -1,0 +1,257 @@
+"""Kernel launches and host synchronizations per ubatch: counted by the CUDA engine where they
+happen, and derived from a plan's tier without running it.
+
+Counted: the engine holds a `Counter` active on its thread while it issues a ubatch. Every kernel
+launch goes through one place in Numba (`_Kernel.launch` on a GPU, `FakeCUDAKernel.__call__`
+under the simulator), which `install` wraps once to add one to the thread's active counter; the
+cuBLAS products of the prefill path (`kernels.prefill.gemm_fp16`, outside Numba) count one each;
+a CUDA graph's replay counts as one launch, its capture as none. The engine counts its own host
+synchronizations (`CudaEngine._sync`) and hand-offs.
+
+Derived (`tier_counts`, `plan_counts`): from the tier's parts (`program.parts`), their queues,
+the CPU segments (`segments.cpu_segments`) and whether the tier is captured as a CUDA graph —
+the launches of each device part as `devicemath` issues them (`part_launches`; when a part's
+kernels change, this table changes with it, and tests/test_segments.py holds the two equal under
+the simulator). So the counts of an 8B plan print without the model file or a GPU.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from contextlib import contextmanager
+from dataclasses import dataclass, fields
+
+from refengine.spec import ModelSpec
+from solver.cost import STREAMED, TierPlacement
+from solver.workspace import MAX_DECODE_TOKENS, PANEL_ROWS
+
+from . import program
+from .segments import Segment, cpu_segments, ends_with_sync
+
+
+@dataclass(frozen=True)
+class Counts:
+    """What one ubatch issues."""
+
+    launches: int = 0  # kernel launches (a graph replay: one)
+    syncs: int = 0  # host waits for the device
+    segments: int = 0  # CPU segments run
+    downloads: int = 0  # device -> host hand-offs (a batch of copies, then one wait)
+    uploads: int = 0  # host -> device hand-offs (a batch of copies, no wait)
+
+    def __add__(self, other: "Counts") -> "Counts":
+        return Counts(*(getattr(self, f.name) + getattr(other, f.name) for f in fields(self)))
+
+
+# -- counted -------------------------------------------------------------------------------------
+
+_active = threading.local()
+
+
+class Counter:
+    """A ubatch's launches (counted at Numba's launch while `counting` is active on the thread)
+    and the engine's syncs, segments and hand-offs."""
+
+    def __init__(self):
+        self.launches = self.syncs = self.segments = self.downloads = self.uploads = 0
+
+    def counts(self) -> Counts:
+        return Counts(self.launches, self.syncs, self.segments, self.downloads, self.uploads)
+
+
+@contextmanager
+def counting(counter: Counter | None):
+    """Launches issued on this thread inside go to `counter` (None: to nobody, as while a CUDA
+    graph is captured: its kernels are launched by its replays)."""
+    install()
+    before = getattr(_active, "counter", None)
+    _active.counter = counter
+    try:
+        yield counter
+    finally:
+        _active.counter = before
+
+
+def note_launch(n: int = 1) -> None:
+    counter = getattr(_active, "counter", None)
+    if counter is not None:
+        counter.launches += n
+
+
+def install() -> None:
+    """Wrap Numba's one launch entry, and the prefill's cuBLAS product, to count (idempotent; done
+    again if a test put the originals back)."""
+    from numba import config
+
+    if config.ENABLE_CUDASIM:
+        from numba.cuda.simulator import kernel as sim
+
+        def launched(self, *args):  # a device function, or a call inside a kernel, is no launch
+            return not self._device and sim._kernel_context is None
+
+        _wrap(sim.FakeCUDAKernel, "__call__", launched)
+    else:
+        from numba.cuda import dispatcher
+
+        _wrap(dispatcher._Kernel, "launch", lambda self, *a, **k: True)
+    from .kernels import prefill
+
+    if hasattr(prefill, "gemm_fp16"):
+        _wrap(prefill, "gemm_fp16", lambda *a, **k: True)
+
+
+def _wrap(owner, name: str, is_launch) -> None:
+    original = getattr(owner, name)
+    if getattr(original, "counts_launches", False):
+        return
+
+    def counted(*args, **kwargs):
+        if is_launch(*args, **kwargs):
+            note_launch()
+        return original(*args, **kwargs)
+
+    counted.counts_launches = True
+    counted.__wrapped__ = original
+    setattr(owner, name, counted)
+
+
+class Tally:
+    """Per (tier, tokens, graph): the ubatches run and the sum of their counts."""
+
+    def __init__(self):
+        self.rows: dict[tuple[int, int, bool], tuple[int, Counts]] = {}
+
+    def add(self, tier: int, tokens: int, graph: bool, counts: Counts) -> None:
+        n, total = self.rows.get((tier, tokens, graph), (0, Counts()))
+        self.rows[tier, tokens, graph] = (n + 1, total + counts)
+
+    def clear(self) -> None:
+        self.rows.clear()
+
+
+# -- derived -------------------------------------------------------------------------------------
+
+
+def _mm(spec: ModelSpec, name: str, tokens: int) -> int:
+    """`DeviceMath.mm`: one matvec up to MAX_DECODE_TOKENS tokens; beyond, the activations to
+    fp16, then a dequantize and a cuBLAS product per panel of PANEL_ROWS rows; the bias add."""
+    t = spec.by_name[name]
+    n = 1 if tokens <= MAX_DECODE_TOKENS else 1 + 2 * math.ceil(t.shape[0] / PANEL_ROWS)
+    return n + (name.replace(".weight", ".bias") in spec.by_name)
+
+
+def part_launches(spec: ModelSpec, part, tokens: int) -> int:
+    """The kernels `devicemath` launches for one device part of a ubatch of `tokens` tokens (the
+    output part: the final norm and the head of the last row)."""
+    tr, il = spec.arch, part.layer
+    p = f"blk.{il}."
+    post = 1 if tr.post_norms else 0
+    if part.kind == "embed":
+        return 1 + bool(tr.embed_scale)
+    if part.kind == "qkv":  # norm, Q, K, V (+ biases), Q/K norms, RoPE of Q and K
+        mats = sum(_mm(spec, f"{p}attn_{m}.weight", tokens) for m in "qkv")
+        return 1 + mats + 2 * bool(tr.qk_norm) + 2
+    if part.kind == "kq":  # the KV store, then split-KV decode (partial + merge) or prefill
+        return 1 + (2 if tokens <= MAX_DECODE_TOKENS else 1)
+    if part.kind == "o":  # output product, post-norm, residual add, FFN norm (+ router, route)
+        router = _mm(spec, p + "ffn_gate_inp.weight", tokens) + 1 if tr.moe else 0
+        return _mm(spec, p + "attn_output.weight", tokens) + post + 2 + router
+    if part.kind in ("ffn_gate", "ffn_up"):
+        return _mm(spec, f"{p}{part.kind}.weight", tokens)
+    if part.kind == "ffn_down":  # gating, down product, post-norm, residual add
+        return 1 + _mm(spec, p + "ffn_down.weight", tokens) + post + 1
+    if part.kind in ("ffn_gate_exps", "ffn_up_exps"):
+        return 1
+    if part.kind == "ffn_down_exps":  # gating, experts, combine, post-norm, residual add
+        return 3 + post + 1
+    if part.kind == "output":
+        head = "token_embd.weight" if spec.tied_output else "output.weight"
+        return 1 + _mm(spec, head, 1)
+    raise ValueError(f"unknown part kind {part.kind!r}")
+
+
+def graphable(parts, place: TierPlacement, tokens: int) -> bool:
+    """The plan's half of `CudaEngine`'s capture condition: a decode ubatch whose parts are all on
+    the device and whose KV is resident (the engine adds: on a GPU, not traced, no activations
+    requested, the last row's logits only)."""
+    return (
+        tokens <= MAX_DECODE_TOKENS
+        and all(p.queue == "compute" for p in parts)
+        and all(loc.kind != STREAMED for loc in place.kv.values())
+    )
+
+
+def ubatch_counts(spec: ModelSpec, parts, segments: list[Segment], final_sync: bool,
+                  tokens: int, graph: bool) -> Counts:  # fmt: skip
+    """What the CUDA engine issues for one ubatch of `tokens` tokens of a tier (the last row's
+    logits; no activations requested, untraced)."""
+    if graph:  # one replay, one wait for it
+        return Counts(1, 1)
+    launches = sum(part_launches(spec, p, tokens) for p in parts if p.queue == "compute")
+    return Counts(
+        launches,
+        sum(s.sync for s in segments) + final_sync,
+        len(segments),
+        sum(bool(s.reads) for s in segments),
+        sum(bool(s.writes) for s in segments),
+    )
+
+
+def tier_counts(spec: ModelSpec, place: TierPlacement, tokens: int,
+                graphs: bool = True) -> tuple[Counts, bool]:  # fmt: skip
+    """(counts of one ubatch of `tokens` tokens under this placement, whether it is a CUDA graph
+    replay); `graphs`: whether the engine captures graphs (on a GPU; not under the simulator)."""
+    parts = program.parts(spec, place)
+    segments = cpu_segments(parts, spec.arch.moe)
+    graph = graphs and graphable(parts, place, tokens)
+    return ubatch_counts(spec, parts, segments, ends_with_sync(parts, segments), tokens,
+                         graph), graph  # fmt: skip
+
+
+def plan_counts(spec: ModelSpec, plan: dict, tier: int, tokens: int | None = None,
+                graphs: bool = True) -> tuple[Counts, bool]:  # fmt: skip
+    """`tier_counts` of a plan's tier (JSON, as `solve_plan` writes it), for a ubatch of the
+    tier's size by default."""
+    from solver.plan import placements_from_json
+
+    place = placements_from_json(plan, spec)[tier]
+    return tier_counts(spec, place, tokens or tier, graphs)
+
+
+def report_lines(engine) -> list[str]:
+    """Per tier of the engine's plan: the launches, host syncs and CPU segments per token it
+    counted on its runs (what it counts: the stand-in counts only segments), beside what the
+    tier's schedule says the CUDA engine issues (on a GPU for an engine without one)."""
+    tally, counted = getattr(engine, "tally", None), getattr(engine, "counted", ())
+    if tally is None:
+        return []
+    out = []
+    for t in sorted(engine.tiers):
+        tier = engine.tiers[t]
+        rows = sorted((k, v) for k, v in tally.rows.items() if k[0] == t)
+        if not rows:
+            want, graph = _expected(engine, tier, t, None)
+            out.append(f"tier {t}, not run: scheduled {_per_token(want, t, graph)}")
+        for (_, n, graph), (ubatches, total) in rows:
+            # an engine that counts launches ran eagerly or as a graph; the others: as a GPU would
+            want, want_graph = _expected(engine, tier, n, graph if "launches" in counted else None)
+            got = ", ".join(f"{getattr(total, f) / ubatches / n:.2f} {f}" for f in counted)
+            out.append(f"tier {t}, {n}-token ubatches ({ubatches} run"
+                       f"{', CUDA graph' if graph else ''}): counted per token {got}; scheduled "
+                       f"{_per_token(want, n, want_graph)}")  # fmt: skip
+    return out
+
+
+def _expected(engine, tier, tokens: int, graph: bool | None) -> tuple[Counts, bool]:
+    """The schedule's counts of a ubatch: as a graph replay or eagerly, as given (None: a graph
+    where a GPU would capture one)."""
+    graph = graphable(tier.parts, tier.place, tokens) if graph is None else graph
+    return ubatch_counts(engine.spec, tier.parts, tier.segments, tier.final_sync, tokens,
+                         graph), graph  # fmt: skip
+
+
+def _per_token(c: Counts, tokens: int, graph: bool) -> str:
+    return (f"{c.launches / tokens:.2f} launches, {c.syncs / tokens:.2f} syncs, "
+            f"{c.segments / tokens:.2f} segments per token ({'CUDA graph' if graph else 'eager'}"
+            f"; per ubatch {c.downloads} hand-offs down, {c.uploads} up)")  # fmt: skip
