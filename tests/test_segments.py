@@ -149,7 +149,27 @@ def test_the_launch_counter_counts_launches_but_not_device_calls():
 # -- the CUDA engine under the simulator counts what the schedule says ---------------------------
 
 
-def engine_runs(spec, tiers, n_ctx=16):
+@pytest.fixture
+def recorded(monkeypatch):
+    """Kernels recorded, not run (the counts do not depend on the values; a simulated kernel
+    takes seconds), and the cuBLAS product a stub that counts like it."""
+    from numba.cuda.simulator.kernel import FakeCUDAKernel, _kernel_context
+
+    from cudarun.kernels import prefill
+
+    run_kernel = FakeCUDAKernel.__call__
+
+    def skip(self, *args):
+        if self._device or _kernel_context:
+            return run_kernel(self, *args)
+
+    monkeypatch.setattr(FakeCUDAKernel, "__call__", skip)
+    monkeypatch.setattr(prefill, "gemm_fp16", lambda *a, **k: None)
+
+
+def engine_runs(spec, tiers, n_ctx=16, agree=True):
+    """The CUDA engine through a 3-token prompt and a decode token, against NumPy when `agree`
+    (else with the arena zeroed, so that values the skipped kernels never wrote are sane)."""
     from cudarun.cuda_engine import CudaEngine
     from refengine.agreement import normwise
     from refengine.engine import NumpyEngine
@@ -162,9 +182,11 @@ def engine_runs(spec, tiers, n_ctx=16):
     plan = plan_json(spec, w, prof.name, [3 * spec.weights_nbytes + (8 << 20)], tiers,
                      evaluate(tiers, spec, prof, w), "test", "refengine")  # fmt: skip
     engine, reference = CudaEngine(spec, plan), NumpyEngine(spec, n_ctx=n_ctx)
+    if not agree:
+        engine.arena.copy_to_device(np.zeros(engine.arena.size, np.uint8))
     for call in (lambda e: e.prefill([5, 9, 2]), lambda e: e.decode(7)):  # tier 4, then tier 1
         ours, want = call(engine), call(reference)
-        assert normwise(ours, want) <= engine.tolerance
+        assert not agree or normwise(ours, want) <= engine.tolerance
     return engine
 
 
@@ -176,12 +198,13 @@ def assert_counted_as_scheduled(engine):
         assert total == Counts(*(ubatches * v for v in want.__dict__.values())), (t, n)
 
 
-def test_the_cuda_engine_counts_what_the_schedule_says(tiny_spec):
+def test_the_cuda_engine_counts_what_the_schedule_says(tiny_spec, recorded):
     """The placements of test_cuda_engine (streamed and pinned weights and KV, the embedding and
-    head on the CPU at tier 1, an FFN matrix on the CPU at tier 4)."""
+    head on the CPU at tier 1, an FFN matrix on the CPU at tier 4; its agreement with NumPy is
+    that test's)."""
     from tests.test_cuda_engine import placements
 
-    engine = engine_runs(tiny_spec, placements(tiny_spec))
+    engine = engine_runs(tiny_spec, placements(tiny_spec), agree=False)
     assert_counted_as_scheduled(engine)
     assert {n for _, n, _ in engine.tally.rows} == {1, 3}
 
@@ -232,3 +255,37 @@ def test_the_stand_in_runs_a_segment_at_a_time_and_bench_prints_the_counts(small
     lines = report_lines(engine)
     assert [line.split(",")[0] for line in lines] == ["tier 1", "tier 4"]
     assert all("counted per token" in line and "scheduled" in line for line in lines)
+
+
+def test_prefill_counts_per_panel_as_scheduled(tmp_path, recorded):
+    """A 20-token prompt at tier 32 takes the fp16 GEMM path: the activations to fp16, then a
+    dequantize and a cuBLAS product per panel of 256 rows (the FFN's 320 rows: two). Resident and
+    with the FFN on the CPU."""
+    from cudarun.cuda_engine import CudaEngine
+    from refengine.spec import load_spec
+    from refengine.synthetic import SyntheticConfig, write_synthetic
+    from solver.cost import Workload, evaluate
+    from solver.plan import plan_json
+    from solver.solve import load_profile
+
+    config = SyntheticConfig("gemma3", n_layer=2, n_embd=32, n_ff=320, n_head=2, n_head_kv=1,
+                             head_dim=16, n_vocab=260, qtype="Q8_0", n_swa=6)  # fmt: skip
+    spec = load_spec(str(write_synthetic(tmp_path / "m.gguf", config)))
+    w = Workload(n_ctx=64, prompt_tokens=20, gen_tokens=1, threads=2)
+    prof = load_profile("h100")
+    launches = {}
+    for ffn in (PINNED, CPU):
+        place = placement(spec, PINNED, ffn, PINNED)
+        tiers = {1: place, 32: place}
+        plan = plan_json(spec, w, prof.name, [3 * spec.weights_nbytes + (16 << 20)], tiers,
+                         evaluate(tiers, spec, prof, w), "test", "refengine")  # fmt: skip
+        engine = CudaEngine(spec, plan)
+        engine.prefill(list(range(3, 23)))
+        ((key, (ubatches, counted)),) = engine.tally.rows.items()
+        want, _ = tier_counts(spec, place, 20, graphs=False)
+        assert key == (32, 20, False) and ubatches == 1 and counted == want
+        assert want.segments == (2 if ffn == CPU else 0)
+        launches[ffn] = counted.launches
+    # a layer's FFN on the device, worked by hand: gate and up, 320 rows, are two panels each
+    # (1 + 2 * 2 launches); gating, down (32 rows: 1 + 2), post-norm, residual add: 6
+    assert launches[PINNED] - launches[CPU] == 2 * (5 + 5 + 6)
