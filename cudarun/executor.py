@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from refengine.agreement import PATHS
 from refengine.engine import check_tokens, finish
 from refengine.errors import UserError
 from refengine.spec import ModelSpec
@@ -31,6 +32,10 @@ from . import program
 from .schedule import Slot, pipeline_schedule, validate
 from .segments import cpu_segments, ends_with_sync
 from .switch import switch_steps
+
+
+# parts whose arithmetic is exact on every queue: the token rows, the attention over the fp16 KV
+EXACT_PARTS = ("embed", "kq")
 
 
 class PlanError(UserError):
@@ -127,16 +132,30 @@ class PlanExecutor:
 
     host_alloc = None  # pinned host memory on a GPU
 
+    def part_path(self, tier: Tier, part) -> str:
+        """The named path (CONTRACTS.md, Tolerances) of one part's arithmetic in a tier: a matmul
+        on the CPU quantizes its activations to 8 bits ("int8"); the token rows and the attention
+        over the fp16 KV are exact anywhere, and so is the stand-in device (reference ops)."""
+        if part.kind in EXACT_PARTS:
+            return "fp32"
+        return "int8" if part.queue == "cpu" else self.device_path(tier.tier, part.kind)
+
+    def device_path(self, tier: int, kind: str) -> str:
+        """The named path of a device matmul part in a tier of this many tokens: the stand-in's
+        exact reference ops; the CUDA engine names its own kernels."""
+        return "fp32"
+
+    @property
+    def path(self) -> str:
+        """The plan's named path: the least exact arithmetic of any part in any tier — "int8",
+        then "fp16" (tensor-core GEMM), else "fp32"."""
+        names = {self.part_path(t, p) for t in self.tiers.values() for p in t.parts}
+        return next((n for n in ("int8", "fp16") if n in names), "fp32")
+
     @property
     def tolerance(self) -> float:
-        """CONTRACTS.md's end-to-end tolerance of this plan's path: the named int8 path when a
-        matmul runs on the CPU, fp32 otherwise."""
-        on_cpu = any(
-            p.queue == "cpu" and p.kind not in ("embed", "kq")
-            for t in self.tiers.values()
-            for p in t.parts
-        )
-        return 5e-2 if on_cpu else 1e-3
+        """CONTRACTS.md's end-to-end logits tolerance of this plan's path."""
+        return PATHS[self.path].normwise
 
     def region(self, tier: Tier, name: str):
         """A region of the tier's memory map, as a view of the arena (host or device bytes)."""

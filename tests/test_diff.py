@@ -1,0 +1,120 @@
+"""`refengine diff` judges a plan by the bounds of its named path (CONTRACTS.md, Tolerances):
+teacher-forced top-1 with near-ties excused and mean KL decide, the normwise error is printed beside.
+The judging on logits built to agree or disagree, then the command on a tiny synthetic model: a
+hybrid plan on the int8 path meets its bounds, and the same plan with a weight slot holding the
+wrong tensor fails, naming the bound."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+
+from refengine.agreement import PATHS, judge
+
+from .conftest import refengine
+
+N_VOCAB = 300
+
+
+def rows(n: int, seed: int = 0) -> np.ndarray:
+    """Reference logits with a clear winner at every position (gap 3, far from a near-tie)."""
+    rng = np.random.default_rng(seed)
+    out = rng.standard_normal((n, N_VOCAB)).astype(np.float32)
+    out[np.arange(n), rng.integers(0, N_VOCAB, n)] += 8.0
+    return out
+
+
+def test_logits_that_agree_meet_the_fp32_bounds():
+    ref = rows(20)
+    ours = ref + np.random.default_rng(1).normal(0, 1e-4, ref.shape).astype(np.float32)
+    j = judge(ours, ref, PATHS["fp32"])
+    assert j.ok and j.failed == [] and j.top1 == 1.0 and j.mean_kl < 1e-6
+    assert j.lines()[-1] == "verdict: meets its path's bounds"
+
+
+def test_the_normwise_error_is_printed_not_judged():
+    """A constant added to every logit changes no probability: 1.0 normwise, KL 0, it passes."""
+    ref = rows(10)
+    ours = ref + np.float32(np.abs(ref).max())
+    j = judge(ours, ref, PATHS["int8"])
+    assert j.normwise > PATHS["int8"].normwise and j.mean_kl < 1e-9 and j.ok
+    assert "above the path's 0.05" in j.lines()[2]
+
+
+def test_a_different_winner_off_a_near_tie_fails_the_top1_bound():
+    ref = rows(50)
+    ours = ref.copy()
+    ours[7] = -ref[7]  # the winner becomes the loser: far from any tie
+    j = judge(ours, ref, PATHS["int8"])
+    assert j.top1 == pytest.approx(49 / 50) and j.agreement.excused == []
+    assert not any(f.startswith("teacher-forced") for f in j.failed)  # 98% is the bound
+    ours[8] = -ref[8]
+    j = judge(ours, ref, PATHS["int8"])
+    assert j.top1 == pytest.approx(48 / 50)
+    assert j.failed[0] == "teacher-forced top-1 96.0% < 98%"
+    assert j.lines()[-1].startswith("verdict: FAILS teacher-forced top-1 96.0% < 98%")
+
+
+def test_the_same_winners_with_a_flattened_distribution_fail_the_kl_bound():
+    ref = rows(10)
+    ours = ref * 0.5  # argmax kept, probabilities flattened
+    j = judge(ours, ref, PATHS["fp32"])
+    assert j.top1 == 1.0
+    assert len(j.failed) == 1 and j.failed[0].startswith("mean KL") and ">= 0.001" in j.failed[0]
+
+
+def test_a_near_tie_is_excused_and_nan_logits_fail():
+    ref = rows(10)
+    ref[3, :] = 0.0
+    ref[3, 5], ref[3, 6] = 4.0, 3.995  # top two 0.005 apart: a near-tie at any tolerance
+    ours = ref.copy()
+    ours[3, 5], ours[3, 6] = 3.995, 4.0
+    j = judge(ours, ref, PATHS["fp32"])
+    assert j.agreement.excused == [3] and j.top1 == 1.0 and j.ok
+    assert "excused: 3" in j.lines()[0]
+    ours[4] = np.nan
+    assert not judge(ours, ref, PATHS["fp32"]).ok
+
+
+def test_every_path_has_the_contract_bounds():
+    assert (PATHS["fp32"].top1, PATHS["fp32"].kl, PATHS["fp32"].normwise) == (0.99, 1e-3, 1e-3)
+    for path in ("fp16", "int8"):
+        assert (PATHS[path].top1, PATHS[path].kl, PATHS[path].normwise) == (0.98, 5e-3, 5e-2)
+
+
+# a budget under the tiny llama's weights (124 KiB): a hybrid plan with its matmuls on the CPU
+HYBRID = ("--engine", "standin", "--budget", "0.15MiB", "--tiers", "1,4", "-c", "64")
+
+
+def test_diff_of_a_plan_that_meets_its_path(small_models):
+    r = refengine("diff", small_models["llama"], "--tokens", "3,4,5", "-n", "8", *HYBRID)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "on the int8 path" in r.stdout and "blk.1.out" in r.stdout
+    assert "top-1 >= 98%, mean KL < 0.005" in r.stdout
+    assert "verdict: meets its path's bounds" in r.stdout
+
+
+def test_diff_of_an_engine_with_a_wrong_weight_slot_exits_1_naming_the_bound(
+    small_models, monkeypatch
+):
+    """The stand-in's host copy of blk.1.ffn_up holds blk.1.ffn_gate's bytes (same shape): a
+    slot loaded with the wrong tensor."""
+    import cudarun.session as session
+
+    from refengine.cli import cli
+
+    made = session.make_engine
+
+    def wrong_slot(*args, **kw):
+        engine = made(*args, **kw)
+        engine.host.group("blk.1.ffn_up")[:] = engine.host.group("blk.1.ffn_gate")
+        return engine
+
+    monkeypatch.setattr(session, "make_engine", wrong_slot)
+    args = ["diff", str(small_models["llama"]), "--tokens", "3,4,5", "-n", "8", *HYBRID]
+    r = CliRunner().invoke(cli, args)
+    assert r.exit_code == 1, r.output
+    verdict = r.output.strip().splitlines()[-1]
+    assert verdict.startswith("verdict: FAILS teacher-forced top-1"), verdict
+    assert "mean KL" in verdict
