@@ -23,7 +23,7 @@ import numpy as np
 
 from refengine.spec import ModelSpec
 from solver.cost import CPU, PINNED
-from solver.workspace import arrays, layout
+from solver.workspace import MAX_DECODE_TOKENS, arrays, layout
 
 from . import counts
 from .devicemath import DeviceMath, device_tensors
@@ -80,6 +80,14 @@ class CudaEngine(PlanExecutor):
         if simulated():
             return np.empty(nbytes, np.uint8)
         return self.cuda.pinned_array(nbytes, np.uint8)
+
+    def device_path(self, tier: int, kind: str) -> str:
+        """The named path of a device part (`PlanExecutor.path`): past MAX_DECODE_TOKENS a dense
+        matmul multiplies fp16 panels through cuBLAS (`DeviceMath.mm`); the expert matvecs and
+        the head (one row at a time) stay on the matvec kernels at any tier."""
+        if tier > MAX_DECODE_TOKENS and not kind.endswith("_exps") and kind != "output":
+            return "fp16"
+        return "fp32"
 
     def memory_report(self) -> list[str]:
         out = super().memory_report()

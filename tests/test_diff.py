@@ -83,6 +83,42 @@ def test_every_path_has_the_contract_bounds():
         assert (PATHS[path].top1, PATHS[path].kl, PATHS[path].normwise) == (0.98, 5e-3, 5e-2)
 
 
+def test_a_plans_path_is_named_from_its_parts(tmp_path):
+    """All pinned: exact on the stand-in at any tier, the CUDA engine's fp16 GEMM past the
+    matvec tokens; one FFN matrix on the CPU: int8 on both; the cpu engine: int8."""
+    from cudarun.cpu_engine import CpuEngine
+    from cudarun.cuda_engine import CudaEngine
+    from cudarun.standin_engine import StandInEngine
+    from refengine.spec import load_spec
+    from refengine.synthetic import SyntheticConfig, write_synthetic
+    from solver.cost import CPU, PINNED, Loc, TierPlacement, Workload, evaluate
+    from solver.groups import tensor_groups
+    from solver.plan import plan_json
+    from solver.solve import load_profile
+
+    cfg = SyntheticConfig("llama", n_layer=1, n_embd=32, n_ff=64, n_head=2, n_head_kv=1,
+                          n_vocab=260, qtype="Q8_0")  # fmt: skip
+    spec = load_spec(str(write_synthetic(tmp_path / "m.gguf", cfg)))
+    groups = [g.name for g in tensor_groups(spec)]
+    prof = load_profile("h100")
+
+    def engines(tiers: tuple[int, ...], on_cpu: str | None = None):
+        where = {g: Loc(CPU if g == on_cpu else PINNED) for g in groups}
+        place = {t: TierPlacement(where, {0: Loc(PINNED)}) for t in tiers}
+        w = Workload(n_ctx=64, prompt_tokens=32, gen_tokens=4, threads=1)
+        plan = plan_json(spec, w, prof.name, [3 * spec.weights_nbytes + (8 << 20)], place,
+                         evaluate(place, spec, prof, w), "test", "refengine")  # fmt: skip
+        return StandInEngine(spec, plan), CudaEngine(spec, plan)
+
+    standin, cuda = engines((1, 16))
+    assert (standin.path, cuda.path, standin.tolerance) == ("fp32", "fp32", 1e-3)
+    standin, cuda = engines((1, 32))
+    assert (standin.path, cuda.path, cuda.tolerance) == ("fp32", "fp16", 5e-2)
+    standin, cuda = engines((1, 16), on_cpu="blk.0.ffn_down")
+    assert (standin.path, cuda.path, standin.tolerance) == ("int8", "int8", 5e-2)
+    assert CpuEngine.path == "int8"
+
+
 # a budget under the tiny llama's weights (124 KiB): a hybrid plan with its matmuls on the CPU
 HYBRID = ("--engine", "standin", "--budget", "0.15MiB", "--tiers", "1,4", "-c", "64")
 
