@@ -292,4 +292,19 @@ class HostMath:
         x = self.norm(st.x, w, "output_norm.weight")
         st.record["output_norm"] = x
         head = "token_embd.weight" if self.spec.tied_output else "output.weight"
-        st.logits = self.mm(x if st.all_logits else x[-1:], w, head)
+        x = x if st.all_logits else x[-1:]
+        t = self.spec.by_name[head]
+        if not self.exact and x.shape[0] < cpu.BLAS_TOKENS and t.qtype in cpu.Q8_ROWS:
+            # the logits are what is sampled: the head's activations get a second int8 plane
+            # (half of the int8 path's KL against the reference on SmolLM2 came from the head);
+            # from BLAS_TOKENS rows on, the head is an fp32 panel product
+            st.logits = np.empty((x.shape[0], t.shape[0]), np.float32)
+            step = (cpu.BLAS_TOKENS - 1) // 2
+            for r in range(0, x.shape[0], step):
+                rows = x[r : r + step]
+                two = cpu.quantize_two_planes(np.ascontiguousarray(rows, np.float32))
+                both = np.empty((2 * rows.shape[0], t.shape[0]), np.float32)
+                cpu.q8_matvec(w[head].reshape(-1), two, t.qtype, t.shape, both)
+                st.logits[r : r + step] = both[: rows.shape[0]] + both[rows.shape[0] :]
+        else:
+            st.logits = self.mm(x, w, head)

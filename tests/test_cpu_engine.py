@@ -106,3 +106,21 @@ def test_cli_runs_and_benches_the_cpu_engine(small_models):
                for r in records)  # fmt: skip
     out = refengine("bench", model, "--engine", "cpu", "--budget", "1GiB")
     assert out.returncode == 2 and "--budget does not apply" in out.stderr
+
+
+def test_the_heads_second_int8_plane_recovers_what_the_first_rounds_away():
+    from gguf import GGMLQuantizationType as Q
+    from gguf import quants
+
+    from cudarun.kernels import cpu
+
+    rng = np.random.default_rng(5)
+    w = rng.standard_normal((96, 256)).astype(np.float32)
+    raw = quants.quantize(w, Q.Q8_0)
+    x = rng.standard_normal((3, 256)).astype(np.float32) * np.linspace(0.1, 4.0, 256, dtype=np.float32)
+    want = x @ quants.dequantize(raw, Q.Q8_0).T
+    one, two = np.empty((3, 96), np.float32), np.empty((6, 96), np.float32)
+    cpu.q8_matvec(raw.reshape(-1), cpu.quantize_activations(x), Q.Q8_0, (96, 256), one)
+    cpu.q8_matvec(raw.reshape(-1), cpu.quantize_two_planes(x), Q.Q8_0, (96, 256), two)
+    single, double = normwise(one, want), normwise(two[:3] + two[3:], want)
+    assert single > 1e-3 and double < single / 50

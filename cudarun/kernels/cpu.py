@@ -163,6 +163,17 @@ class threads_set:
         numba.set_num_threads(self.previous)
 
 
+def quantize_two_planes(x: np.ndarray):
+    """x [T, n] as two int8 planes stacked as 2T rows for `q8_matvec`: the activations quantized,
+    then what that quantization left out, quantized again — about 15 bits for the price of a
+    2-token product (a row intrinsic unpacks each weight block once for both planes). The sum of
+    the two rows' results is the dot with x to that precision."""
+    first = quantize_activations(x)
+    kept = (first[0].reshape(x.shape[0], -1, 32) * first[1][..., None]).reshape(x.shape)
+    second = quantize_activations(np.ascontiguousarray(x - kept, np.float32))
+    return tuple(np.concatenate([a, b]) for a, b in zip(first, second))
+
+
 def q8_matvec(raw: np.ndarray, q8, qtype, shape: tuple[int, int], out: np.ndarray) -> None:
     """out [T, n_rows] = the activations quantized by `quantize_activations` (`q8`: x8, xd, xs)
     times the weight, T < BLAS_TOKENS, on the calling thread's Numba threads."""
