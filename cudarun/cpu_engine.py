@@ -123,7 +123,9 @@ class CpuEngine:
 
     def _fused_layer(self, st: Act, il: int) -> None:
         qtypes, args, ints, floats = self.layers[il]
-        x = np.ascontiguousarray(st.x, np.float32)
+        # a copy: the kernel updates the residual in place, and an earlier part may have recorded
+        # st.x itself as its block's output
+        x = np.array(st.x, np.float32, order="C")
         ints[0] = st.pos[0]
         cpu_layer.layer_kernel(qtypes, x.shape[0])(x, *args, ints, floats)
         st.x = x
@@ -163,7 +165,7 @@ class CpuEngine:
         math = self.math
         fused = self.layers is not None and ids.size < cpu.BLAS_TOKENS
         for part in tier.parts:
-            if fused and part.layer is not None:
+            if fused and part.layer is not None and self.layers[part.layer] is not None:
                 if part.kind == "qkv":
                     self._fused_layer(st, part.layer)
             elif part.kind == "kq":

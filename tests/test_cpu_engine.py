@@ -124,3 +124,15 @@ def test_the_heads_second_int8_plane_recovers_what_the_first_rounds_away():
     cpu.q8_matvec(raw.reshape(-1), cpu.quantize_two_planes(x), Q.Q8_0, (96, 256), two)
     single, double = normwise(one, want), normwise(two[:3] + two[3:], want)
     assert single > 1e-3 and double < single / 50
+
+
+def test_a_recorded_block_output_survives_the_next_fused_layer(small_models):
+    """Layer 0 part by part, layer 1 fused: the fused kernel updates the residual in place, and
+    must not do so in the array layer 0 recorded as its output."""
+    spec = load_spec(str(small_models["llama"]))
+    engine, reference = CpuEngine(spec, n_ctx=16, tiers=[8]), NumpyEngine(spec, n_ctx=16)
+    engine.layers[0] = None
+    record = {"blk.0.out", "blk.1.out"}
+    (_, got), (_, want) = engine.prefill([3, 4], record=record), reference.prefill([3, 4], record=record)
+    for name in record:
+        assert normwise(got[name], want[name]) < 5e-2, name
