@@ -7,24 +7,29 @@ import json
 import os
 from pathlib import Path
 
-from refengine import defaults
 from refengine.errors import UserError
 from refengine.spec import ModelSpec
 
 PLAN_ENGINES = ("cpu", "cuda", "standin")
 
 
-def default_budget_bytes(engine: str) -> int:
-    """CONTRACTS.md: no budget given, free memory minus llama.cpp's 1024 MiB margin."""
+def measure_free(engine: str):
+    """How the engine's free device memory is measured (CONTRACTS.md: no budget given, free memory
+    less llama.cpp's margin; `solver.budget.plan_budgets` takes the margin off)."""
     if engine != "cuda":
-        raise UserError("the stand-in device has no memory of its own to measure; give --budget")
-    from solver.budget import LLAMACPP_MARGIN_BYTES
 
-    from . import driver
+        def no_memory() -> int:
+            raise UserError("the stand-in device has no memory of its own to measure; give --budget")
 
-    driver.init()
-    free, _ = driver.mem_info()
-    return free - LLAMACPP_MARGIN_BYTES
+        return no_memory
+
+    def free() -> int:
+        from . import driver
+
+        driver.init()
+        return driver.mem_info()[0]
+
+    return free
 
 
 def cache_path(spec: ModelSpec, fp_hash: str) -> Path:
@@ -49,10 +54,12 @@ def plan_for_run(
     strategy: str | None,
     prompt_tokens: int,
     gen_tokens: int,
+    threads: int = 0,
     say=print,
 ) -> dict:
     """The plan to run: `plan_path`, or the plan cached under the fingerprint of this request
-    (model, context, KV type, threads, profile, budget, tiers), or a new one, solved and cached."""
+    (model, context, KV type, threads, profile, budget, tiers), or a new one, solved and cached.
+    `threads` 0: the profile's CPU threads."""
     from solver import budget as B
     from solver.cost import Workload
     from solver.plan import fingerprint, fingerprint_hash, load_plan
@@ -65,25 +72,24 @@ def plan_for_run(
     if plan_path is not None:
         return load_plan(plan_path)
     prof = load_profile(profile_name)
-    budgets = B.apply_reserve(
-        B.parse_budget(budget) if budget else [default_budget_bytes(engine)], reserve
-    )
     n_ctx = min(n_ctx, spec.hparams.n_ctx_train)
     tier_list = B.parse_tiers(tiers) if tiers else B.default_tiers(n_ctx, 1)
     w = Workload(
         n_ctx=n_ctx,
         prompt_tokens=max(1, min(prompt_tokens, n_ctx - gen_tokens)),
         gen_tokens=gen_tokens,
-        threads=defaults.THREADS or prof.cpu.threads,
+        threads=threads or prof.cpu.threads,
     )
-    fp_hash = fingerprint_hash(fingerprint(spec, w, prof.name, budgets, tier_list))
+    budgets = B.plan_budgets(spec, w, tier_list, budget, reserve, prof,
+                             measure_free=measure_free(engine))  # fmt: skip
+    fp_hash = fingerprint_hash(fingerprint(spec, w, prof.name, budgets.bytes, tier_list))
     cached = cache_path(spec, fp_hash + (f".{strategy}" if strategy else ""))
     if cached.is_file():
         say(f"reusing the plan {cached}")
         return load_plan(cached)
-    plan = solve_plan(spec, prof, w, tier_list, budgets, strategy)
+    plan = solve_plan(spec, prof, w, budgets.tiers, budgets.bytes, strategy)
     cached.write_text(json.dumps(plan, indent=1) + "\n")
-    say(f"solved {plan['strategy']} for {budgets[0] / 2**20:.1f} MiB; plan cached at {cached}")
+    say(f"solved {plan['strategy']} for {budgets.bytes[0] / 2**20:.1f} MiB; plan cached at {cached}")
     return plan
 
 
@@ -100,3 +106,37 @@ def make_engine(name: str, spec: ModelSpec, plan: dict, threads: int = 0, **kw):
     engine = Engine(spec, plan, threads=threads, progress=True, **kw)
     engine.warm_up()
     return engine
+
+
+def plan_engine(
+    name: str,
+    spec: ModelSpec,
+    n_ctx: int,
+    n_prompt: int,
+    n_predict: int,
+    plan_path: Path | None,
+    budget: str | None,
+    reserve: str,
+    profile_name: str,
+    strategy: str | None,
+    tiers: str | None,
+    threads: int,
+    say=print,
+):
+    """(a plan engine, its plan) for the words of `run`, `diff` and `bench`: the cpu engine without
+    a plan runs every part on the host; otherwise `plan_for_run`'s plan on `make_engine`'s engine."""
+    if name == "cpu" and plan_path is None:
+        if budget is not None:
+            raise UserError("--engine cpu runs every part on the host: --budget does not apply "
+                            "(--plan takes a plan's context and tiers)")  # fmt: skip
+        from solver import budget as B
+
+        from .cpu_engine import CpuEngine
+
+        tier_list = B.parse_tiers(tiers) if tiers else None
+        engine = CpuEngine(spec, threads=threads, n_ctx=n_ctx, tiers=tier_list)
+        engine.warm_up()
+        return engine, {"strategy": "all-host"}
+    plan = plan_for_run(spec, name, plan_path, budget, reserve, profile_name, n_ctx, tiers,
+                        strategy, n_prompt, n_predict, threads, say)  # fmt: skip
+    return make_engine(name, spec, plan, threads), plan

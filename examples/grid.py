@@ -14,10 +14,10 @@ import argparse
 import sys
 
 from refengine.synthetic import preset, spec_from_hparams
-from solver.budget import default_tiers
+from solver.budget import default_tiers, viable_tiers
 from solver.cost import Workload
 from solver.profile import HardwareProfile
-from solver.solve import SHIPPED_PROFILES, solve, viable_tiers
+from solver.solve import SHIPPED_PROFILES, solve
 
 MODELS = {
     "8B": preset("llama3-8b"),

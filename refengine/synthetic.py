@@ -124,6 +124,16 @@ def preset(name: str, **changes) -> SyntheticConfig:
     return replace(PRESETS[name], name=name, **changes)
 
 
+def config_for(preset_name: str | None, arch: str = "llama", **changes) -> SyntheticConfig:
+    """A preset's shape with `changes`, or the architecture's default shape with them (`synth`:
+    a preset fixes the architecture, so `arch` must be left at its default beside one)."""
+    if preset_name:
+        if arch != "llama":
+            raise UserError("--preset fixes the architecture; leave out --arch")
+        return preset(preset_name, **changes)
+    return replace(SyntheticConfig(arch=arch), **changes)
+
+
 def matrix_type(t: GGMLQuantizationType, n_in: int) -> GGMLQuantizationType:
     """The type a matrix with rows of n_in values gets: `t`, or Q8_0 (then F32) when its rows are
     not whole blocks of `t` — as llama-quantize falls back for such tensors."""

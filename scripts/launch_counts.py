@@ -15,7 +15,8 @@ import argparse
 from cudarun.counts import tier_counts
 from refengine.synthetic import preset, spec_from_hparams
 from solver.cost import CPU, STREAMED, Workload
-from solver.solve import load_profile, solve, viable_tiers
+from solver.budget import viable_tiers
+from solver.solve import load_profile, solve
 
 PLANS = {  # name: (budget as a fraction of the weights, named strategy or None: the optimizer)
     "resident": (2.0, None),

@@ -1,11 +1,27 @@
 """Budgets and tiers as the user writes them (CONTRACTS.md): `12000` (MiB, llama.cpp's -mva habit),
-`12000MiB`, `12GiB`, or one per device, `24GiB,6GiB`; tiers as `1,16,512`."""
+`12000MiB`, `12GiB`, or one per device, `24GiB,6GiB`; tiers as `1,16,512`.
+
+`plan_budgets` is the one place a plan's budgets are decided, for `solve` and for the plan engines
+alike: the default (free memory, or the profile's GPU memory, less llama.cpp's 1024 MiB margin),
+the check against the profile's devices, `--reserve`, and which tiers' workspaces fit (a budget
+too small for the smallest tier is refused, naming both figures). It leaves out measuring free
+memory, which the runtime does and passes in.
+"""
 
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable
 
 from refengine.errors import UserError
+from refengine.spec import ModelSpec
+
+from .memory import compute_nbytes
+
+if TYPE_CHECKING:
+    from .cost import Workload
+    from .profile import HardwareProfile
 
 UNITS = {"": 2**20, "mib": 2**20, "m": 2**20, "gib": 2**30, "g": 2**30, "mb": 10**6, "gb": 10**9}
 LLAMACPP_MARGIN_BYTES = 1024 * 2**20  # llama.cpp --fit's default margin per device
@@ -54,3 +70,97 @@ def parse_tiers(text: str) -> list[int]:
     if not tiers or tiers[0] < 1:
         raise UserError("tiers must be positive token counts")
     return tiers
+
+
+def mib_text(nbytes: int) -> str:
+    """Whole MiB, or two decimals below 10 MiB (a decode tier's workspace is a fraction of one)."""
+    mib = nbytes / 2**20
+    return f"{mib:.0f} MiB" if mib >= 10 else f"{mib:.2f} MiB"
+
+
+def device_budgets(
+    budget: str | None,
+    reserve: str,
+    profile: HardwareProfile,
+    measure_free: Callable[[], int] | None = None,
+) -> list[int]:
+    """Bytes per device the plan may use, less `--reserve`. No `--budget`: free memory less
+    llama.cpp's margin, from `measure_free` when the plan runs here (one device), else from the
+    profile's GPUs. A written budget may not list more devices than the profile describes."""
+    if budget:
+        budgets = parse_budget(budget)
+        if len(budgets) > len(profile.gpus):
+            raise UserError(
+                f"{len(budgets)} budgets but profile {profile.name} describes "
+                f"{len(profile.gpus)} GPU(s); give one budget per GPU of the profile "
+                "(`refengine profile` measures yours)"
+            )
+    elif measure_free is not None:
+        budgets = [measure_free() - LLAMACPP_MARGIN_BYTES]
+    else:
+        budgets = [int(g.memory_bytes.value) - LLAMACPP_MARGIN_BYTES for g in profile.gpus]
+    return apply_reserve(budgets, reserve)
+
+
+def minimum_budget_bytes(spec: ModelSpec, w: Workload, tier: int, target: str = "refengine") -> int:
+    """The smallest budget a tier needs on a device that computes anything: its workspace (with
+    every weight and all KV on the CPU)."""
+    return compute_nbytes(spec, tier, w.n_ctx, w.flash_attn, 0, target)
+
+
+def viable_tiers(
+    spec: ModelSpec,
+    w: Workload,
+    tiers: list[int],
+    budget_bytes: int | list[int],
+    target: str = "refengine",
+) -> list[int]:
+    """The tiers whose workspace fits some device's budget (pshard marks the others not_viable; a
+    prompt then runs in ubatches of the largest viable tier)."""
+    budgets = [budget_bytes] if isinstance(budget_bytes, int) else budget_bytes
+    return [t for t in tiers if minimum_budget_bytes(spec, w, t, target) <= max(budgets)]
+
+
+def viable_or_refuse(
+    spec: ModelSpec, w: Workload, tiers: list[int], budgets: list[int], target: str = "refengine"
+) -> list[int]:
+    """`viable_tiers`, refusing budgets too small for the smallest tier's workspace on any device:
+    the budget and the minimum named, or each device's shortfall."""
+    viable = viable_tiers(spec, w, tiers, budgets, target)
+    if min(tiers) in viable:
+        return viable
+    need = minimum_budget_bytes(spec, w, min(tiers), target)
+    if len(budgets) == 1:
+        raise UserError(
+            f"a budget of {mib_text(budgets[0])} is below the minimum of {mib_text(need)} any "
+            "placement needs here; raise --budget"
+        )
+    short = ", ".join(
+        f"device {d}: workspace of tier {min(tiers)} needs {mib_text(need)}, "
+        f"budget {mib_text(b)}, short by {mib_text(need - b)}"
+        for d, b in enumerate(budgets)
+    )
+    raise UserError(f"no device can compute at all ({short}); raise a --budget")
+
+
+@dataclass(frozen=True)
+class Budgets:
+    bytes: list[int]  # per device, after the reserve
+    tiers: list[int]  # the requested tiers whose workspace fits
+    dropped: list[int]  # the others
+
+
+def plan_budgets(
+    spec: ModelSpec,
+    w: Workload,
+    tiers: list[int],
+    budget: str | None,
+    reserve: str,
+    profile: HardwareProfile,
+    target: str = "refengine",
+    measure_free: Callable[[], int] | None = None,
+) -> Budgets:
+    """A request's budgets and viable tiers: `device_budgets`, then `viable_or_refuse`."""
+    budgets = device_budgets(budget, reserve, profile, measure_free)
+    viable = viable_or_refuse(spec, w, tiers, budgets, target)
+    return Budgets(budgets, viable, sorted(set(tiers) - set(viable)))

@@ -191,3 +191,43 @@ def apply_llamacpp_args(spec: ModelSpec, args: list[str]) -> dict[str, str]:
 
 def command_line(model_path: str, args: list[str]) -> str:
     return shlex.join(["llama-server", "-m", model_path, *args])
+
+
+def export_plan(d: dict, spec: ModelSpec, fmt: str) -> str:
+    """A plan's JSON as `fmt`: `llamacpp`, the llama.cpp command line (a `llamacpp`-target or
+    tensor-split plan only), or `pshard-registry`, the registry's text (one-GPU plans only)."""
+    from .plan import placements_from_json, plan_workload
+    from .registry import registry_text
+
+    w, fp = plan_workload(d), d["fingerprint"]
+    model = str(spec.path or d["model"]["name"])
+    if d.get("split_mode") == "tensor":
+        if fmt != "llamacpp":
+            raise UserError("a tensor-split plan exports as llama.cpp flags only")
+        return command_line(model, tensor_split_args(d, spec))
+    tiers = placements_from_json(d, spec)
+    if fmt == "llamacpp":
+        if d["target"] != "llamacpp":
+            raise UserError(
+                "this plan is for refengine's runtime (streamed, per tier); solve "
+                "with --target llamacpp to export llama.cpp flags"
+            )
+        args = llamacpp_args(
+            spec,
+            tiers[min(tiers)],
+            w.n_ctx,
+            w.kv_type,
+            w.flash_attn,
+            n_ubatch=max(tiers),
+            n_devices=len(fp["budget_bytes"]),
+        )
+        return command_line(model, args)
+    per_tier = {
+        t: (place, d["prediction"]["tps"], d["tiers"][str(t)]["memory"]["0"]["total"])
+        for t, place in tiers.items()
+    }
+    if len(fp["budget_bytes"]) > 1:
+        raise UserError("the pshard registry export writes one-GPU plans; solve for one GPU")
+    return registry_text(
+        spec, w, fp["threads"], fp["budget_bytes"][0], per_tier, d["strategy"], d["not_needed"]
+    )

@@ -210,3 +210,22 @@ def placements_from_json(d: dict, spec: ModelSpec) -> dict[int, TierPlacement]:
             locs[g.name] = Loc.parse(tier["tensors"][g.tensors[0]])
         out[int(t)] = TierPlacement(locs, {int(il): Loc.parse(v) for il, v in tier["kv"].items()})
     return out
+
+
+def plan_model(d: dict) -> str:
+    """The model argument a plan was solved for: its file, or its spec-only shape's name."""
+    return d["model"]["path"] if d["model"]["path"] != "None" else d["model"]["name"]
+
+
+def plan_workload(d: dict) -> Workload:
+    """The workload a plan was solved for, from its fingerprint."""
+    fp = d["fingerprint"]
+    return Workload(
+        n_ctx=fp["n_ctx"],
+        prompt_tokens=d["workload"]["prompt_tokens"],
+        gen_tokens=d["workload"]["gen_tokens"],
+        users=fp["users"],
+        kv_type=fp["kv_type"],
+        flash_attn=fp["flash_attn"],
+        threads=fp["threads"],
+    )

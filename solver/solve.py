@@ -10,9 +10,11 @@ from refengine.defaults import SOLVER_SECONDS
 from refengine.errors import UserError
 from refengine.spec import ModelSpec
 
+from .budget import Budgets, default_tiers, minimum_budget_bytes, parse_tiers, plan_budgets
+from .budget import viable_or_refuse
 from .cost import PINNED, Loc, Prediction, TierPlacement, Workload, evaluate
 from .groups import ATTN_SIDE, tensor_groups
-from .memory import compute_nbytes, kv_layer_nbytes
+from .memory import kv_layer_nbytes
 from .optimize import best_start, optimize, warm_starts
 from .profile import HardwareProfile
 from .strategies import STRATEGIES, Problem, fit_for_runtime
@@ -167,25 +169,6 @@ def _fits(p: Problem, place: TierPlacement, tier: int) -> bool:
     return u.total <= p.budget_bytes
 
 
-def minimum_budget_bytes(spec: ModelSpec, w: Workload, tier: int, target: str = "refengine") -> int:
-    """The smallest budget a tier needs on a device that computes anything: its workspace (with
-    every weight and all KV on the CPU)."""
-    return compute_nbytes(spec, tier, w.n_ctx, w.flash_attn, 0, target)
-
-
-def viable_tiers(
-    spec: ModelSpec,
-    w: Workload,
-    tiers: list[int],
-    budget_bytes: int | list[int],
-    target: str = "refengine",
-) -> list[int]:
-    """The tiers whose workspace fits some device's budget (pshard marks the others not_viable; a
-    prompt then runs in ubatches of the largest viable tier)."""
-    budgets = [budget_bytes] if isinstance(budget_bytes, int) else budget_bytes
-    return [t for t in tiers if minimum_budget_bytes(spec, w, t, target) <= max(budgets)]
-
-
 def excluded_devices(spec: ModelSpec, w: Workload, tier: int, budgets: list[int]) -> dict:
     """Devices too small for one layer, its KV and a workspace (seed 004), with what they lack."""
     groups = tensor_groups(spec)
@@ -229,13 +212,7 @@ def solve_plan(
     """A `refengine` plan as JSON, for the runtime: the optimizer's, or a named strategy's."""
     from .plan import plan_json
 
-    viable = viable_tiers(spec, w, tiers, budgets)
-    if min(tiers) not in viable:
-        need = minimum_budget_bytes(spec, w, min(tiers))
-        raise UserError(
-            f"a budget of {budgets[0] / 2**20:.2f} MiB is below the {need / 2**20:.2f} MiB any "
-            "placement needs here; raise --budget"
-        )
+    viable = viable_or_refuse(spec, w, tiers, budgets)
     chosen, _, facts = solve(
         spec, profile, w, viable, budgets, objective, strategy, time_limit_seconds
     )
@@ -243,3 +220,64 @@ def solve_plan(
         spec, w, profile.name, budgets, chosen.tiers, chosen.prediction, chosen.name,
         chosen.target, facts, facts.get("not_needed", False), chosen.split_mode,
     )  # fmt: skip
+
+
+def request_workload(
+    profile: HardwareProfile,
+    n_ctx: int,
+    users: int,
+    prompt_tokens: int | None,
+    gen_tokens: int,
+    kv_type: str,
+    flash_attn: bool,
+    threads: int,
+) -> Workload:
+    """The workload of a `solve` request: one unified KV cache of `n_ctx` cells shared by the
+    users; the prompt fills each user's share less the generated tokens unless given; threads 0
+    is the profile's (resolved, so the fingerprint names it)."""
+    per_user = n_ctx // users
+    prompt = prompt_tokens if prompt_tokens is not None else per_user - gen_tokens
+    if prompt < 1 or prompt + gen_tokens > per_user:
+        raise UserError(
+            f"prompt {prompt} + generation {gen_tokens} tokens must fit each user's "
+            f"share of --ctx {n_ctx} ({per_user} tokens for {users} users)"
+        )
+    return Workload(
+        n_ctx=n_ctx,
+        prompt_tokens=prompt,
+        gen_tokens=gen_tokens,
+        users=users,
+        kv_type=kv_type,
+        flash_attn=flash_attn,
+        threads=threads or profile.cpu.threads,
+    )
+
+
+@dataclass(frozen=True)
+class Solved:
+    budgets: Budgets
+    chosen: Outcome
+    baselines: list[Outcome]
+    facts: dict
+
+
+def solve_request(
+    spec: ModelSpec,
+    profile: HardwareProfile,
+    w: Workload,
+    tiers: str | None,
+    budget: str | None,
+    reserve: str,
+    objective: str = "e2e",
+    strategy: str | None = None,
+    time_limit_seconds: float = SOLVER_SECONDS,
+    target: str = "refengine",
+) -> Solved:
+    """`solve` as the command line asks it: tiers and budgets as written (`plan_budgets` decides
+    the defaults, the reserve and which tiers are viable), then `solve` over the viable tiers."""
+    tier_list = parse_tiers(tiers) if tiers else default_tiers(w.n_ctx, w.users)
+    b = plan_budgets(spec, w, tier_list, budget, reserve, profile, target)
+    chosen, baselines, facts = solve(
+        spec, profile, w, b.tiers, b.bytes, objective, strategy, time_limit_seconds, target
+    )
+    return Solved(b, chosen, baselines, facts)

@@ -138,7 +138,7 @@ def test_diff_of_an_engine_with_a_wrong_weight_slot_exits_1_naming_the_bound(
     slot loaded with the wrong tensor."""
     import cudarun.session as session
 
-    from refengine.cli import cli
+    from refengine.commands import cli
 
     made = session.make_engine
 

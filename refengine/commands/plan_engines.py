@@ -1,5 +1,6 @@
-"""`refengine diff` and `refengine bench`: the plan engines checked against the NumPy engine, and
-timed against the plan's prediction, the physical bound and a baseline plan."""
+"""`refengine diff` and `refengine bench`: the plan engines checked against the NumPy engine
+(`refengine.diffing`), and timed against the plan's prediction, the physical bound and a baseline
+plan (`cudarun.bench_plan`)."""
 
 from __future__ import annotations
 
@@ -7,20 +8,19 @@ from pathlib import Path
 
 import click
 
-from . import defaults
-from .cli import ENGINES, _parse_tokens, _plan_engine, _plan_options, _spec, cli
-from .errors import UserError
-
-PLAN_ENGINES = tuple(e for e in ENGINES if e != "numpy")
+from .. import defaults
+from ..errors import UserError
+from ..models import load_model
+from . import PLAN_ENGINES, cli, parse_tokens, plan_engine, plan_options
 
 
 def _prompt_ids(spec, prompt, tokens) -> list[int]:
-    from .tokenizer import Tokenizer
+    from ..tokenizer import Tokenizer
 
     if (prompt is None) == (tokens is None):
         raise UserError("give a prompt with -p TEXT or token ids with --tokens 1,2,3")
     ids = (
-        _parse_tokens(tokens)
+        parse_tokens(tokens)
         if tokens is not None
         else Tokenizer.from_gguf(spec.path).encode(prompt)
     )
@@ -37,7 +37,7 @@ def _prompt_ids(spec, prompt, tokens) -> list[int]:
 @click.option("-c", "--ctx-size", default=defaults.N_CTX, show_default=True)
 @click.option("--engine", "engine_name", type=click.Choice(PLAN_ENGINES), default="cuda",
               show_default=True)  # fmt: skip
-@_plan_options
+@plan_options
 def diff(model, prompt, tokens, n_predict, ctx_size, engine_name, **plan_args) -> None:
     """The plan engine against the NumPy engine, both fed the prompt and n greedy steps of the
     NumPy engine: each block's largest normwise error, then the logits judged by the bounds of
@@ -46,13 +46,13 @@ def diff(model, prompt, tokens, n_predict, ctx_size, engine_name, **plan_args) -
     from rich.console import Console
     from rich.table import Table
 
-    from .agreement import PATHS
-    from .diffing import diff_engines
-    from .engine import NumpyEngine
+    from ..agreement import PATHS
+    from ..diffing import diff_engines
+    from ..engine import NumpyEngine
 
-    spec = _spec(model)
+    spec = load_model(model)
     ids = _prompt_ids(spec, prompt, tokens)
-    engine, plan = _plan_engine(engine_name, spec, ctx_size, plan_args, len(ids), n_predict)
+    engine, plan = plan_engine(engine_name, spec, ctx_size, plan_args, len(ids), n_predict)
     reference = NumpyEngine(spec, n_ctx=engine.n_ctx)
     bounds = PATHS[engine.path]
     result = diff_engines(engine, reference, spec.hparams.n_layer, ids, n_predict, bounds)
@@ -87,7 +87,7 @@ def diff(model, prompt, tokens, n_predict, ctx_size, engine_name, **plan_args) -
 @click.option("-o", "--output", "output_format", type=click.Choice(("md", "json")), default="md",
               show_default=True, help="json: llama-bench's records (n_prompt, n_gen, avg_ts, "
               "stddev_ts), one list on stdout.")  # fmt: skip
-@_plan_options
+@plan_options
 def bench(model, n_prompt, n_gen, depth, ctx_size, baseline, engine_name, trace, repetitions,
           output_format, **plan_args):  # fmt: skip
     """llama-bench for a plan: t/s of each test next to the plan's prediction and the physical
@@ -102,9 +102,9 @@ def bench(model, n_prompt, n_gen, depth, ctx_size, baseline, engine_name, trace,
         depths = sorted({int(d) for d in depth.split(",") if d.strip()})
     except ValueError:
         raise UserError(f"--depth takes comma-separated token counts, not {depth!r}") from None
-    spec = _spec(model)
+    spec = load_model(model)
     n_ctx = ctx_size or max(depths) + max(n_prompt, n_gen + 1)
-    engine, plan = _plan_engine(engine_name, spec, n_ctx, plan_args, n_prompt, n_gen)
+    engine, plan = plan_engine(engine_name, spec, n_ctx, plan_args, n_prompt, n_gen)
     profile = load_profile(plan_args["profile_name"])
     if trace:
         engine.trace_events = []
@@ -114,7 +114,7 @@ def bench(model, n_prompt, n_gen, depth, ctx_size, baseline, engine_name, trace,
     base_rows = None
     if baseline:
         base_args = dict(plan_args, strategy=baseline, plan_path=None)
-        base_engine, _ = _plan_engine(engine_name, spec, n_ctx, base_args, n_prompt, n_gen)
+        base_engine, _ = plan_engine(engine_name, spec, n_ctx, base_args, n_prompt, n_gen)
         base_rows = run_bench(base_engine, profile, n_prompt, n_gen, depths,
                               repetitions=repetitions)  # fmt: skip
     if output_format == "json":

