@@ -19,7 +19,9 @@ def measure_free(engine: str):
     if engine != "cuda":
 
         def no_memory() -> int:
-            raise UserError("the stand-in device has no memory of its own to measure; give --budget")
+            raise UserError(
+                "the stand-in device has no memory of its own to measure; give --budget"
+            )
 
         return no_memory
 
@@ -89,7 +91,9 @@ def plan_for_run(
         return load_plan(cached)
     plan = solve_plan(spec, prof, w, budgets.tiers, budgets.bytes, strategy)
     cached.write_text(json.dumps(plan, indent=1) + "\n")
-    say(f"solved {plan['strategy']} for {budgets.bytes[0] / 2**20:.1f} MiB; plan cached at {cached}")
+    say(
+        f"solved {plan['strategy']} for {budgets.bytes[0] / 2**20:.1f} MiB; plan cached at {cached}"
+    )
     return plan
 
 

@@ -58,7 +58,13 @@ def resolve_model(arg: str) -> Path:
         return fetch_model(arg)
     p = Path(arg)
     if not p.exists():
-        raise UserError(f"{arg}: no such file (known model names: {', '.join(KNOWN_MODELS)})")
+        from .synthetic import PRESETS
+
+        shapes = ", ".join(n for n in PRESETS if n not in KNOWN_MODELS)
+        raise UserError(
+            f"{arg}: no such file (known model names: {', '.join(KNOWN_MODELS)}; "
+            f"spec-only shapes, for solve and export: {shapes})"
+        )
     return p
 
 

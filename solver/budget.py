@@ -86,7 +86,8 @@ def device_budgets(
 ) -> list[int]:
     """Bytes per device the plan may use, less `--reserve`. No `--budget`: free memory less
     llama.cpp's margin, from `measure_free` when the plan runs here (one device), else from the
-    profile's GPUs. A written budget may not list more devices than the profile describes."""
+    profile's GPUs. A written budget may not list more devices than the profile describes, nor
+    exceed a device's memory there."""
     if budget:
         budgets = parse_budget(budget)
         if len(budgets) > len(profile.gpus):
@@ -95,6 +96,14 @@ def device_budgets(
                 f"{len(profile.gpus)} GPU(s); give one budget per GPU of the profile "
                 "(`refengine profile` measures yours)"
             )
+        for d, (b, gpu) in enumerate(zip(budgets, profile.gpus)):
+            memory = int(gpu.memory_bytes.value)
+            if b > memory:
+                raise UserError(
+                    f"--budget {b / 2**30:.2f} GiB is above the {memory / 2**30:.2f} GiB of "
+                    f"GPU {d} ({gpu.name}) in profile {profile.name}; lower --budget or "
+                    "profile the card you have"
+                )
     elif measure_free is not None:
         budgets = [measure_free() - LLAMACPP_MARGIN_BYTES]
     else:

@@ -227,3 +227,69 @@ def test_plan_engine_mistakes_are_one_line(small_models, tmp_path):
             "run", model, "--tokens", "3", "--engine", "cuda", "--budget", "1GiB", env=env
         )
         assert_one_line_error(r, "no NVIDIA GPU", "--engine standin")
+
+
+def test_zero_users_is_one_line():
+    r = refengine("solve", "llama3-8b", "--profile", "h100", "--users", "0")
+    assert_one_line_error(r, "--users takes 1 or more users, not 0")
+
+
+@pytest.mark.parametrize(
+    "command",
+    [
+        ("solve", "llama3-8b", "--profile", "h100"),
+        ("run", "MODEL", "--tokens", "3"),
+        ("diff", "MODEL", "--tokens", "3", "--engine", "standin"),
+        ("bench", "MODEL", "--engine", "standin"),
+        ("profile", "-o", "OUT", "--quick", "--gpu-from", "h100"),
+        ("bench-kernels", "--quick", "--no-gpu"),
+    ],
+    ids=lambda c: c[0],
+)
+def test_negative_threads_are_one_line(small_models, tmp_path, command):
+    args = [{"MODEL": small_models["llama"], "OUT": tmp_path / "p.json"}.get(a, a) for a in command]
+    r = refengine(*args, "--threads", "-3")
+    assert_one_line_error(r, "--threads takes a thread count of 1 or more", "not -3")
+    assert not (tmp_path / "p.json").exists()
+
+
+def test_a_budget_above_the_profiles_memory_names_both(small_models):
+    r = refengine("solve", "llama3-8b", "--profile", "rtx4090-epyc-7742", "--budget", "48GiB")
+    assert_one_line_error(r, "--budget 48.00 GiB is above the 24.00 GiB of GPU 0", "rtx4090")
+    r = refengine("solve", "llama3-8b", "--profile", "rtx4090-rtx3060-epyc-7742",
+                  "--budget", "20GiB,16GiB")  # fmt: skip
+    assert_one_line_error(r, "--budget 16.00 GiB is above the 12.00 GiB of GPU 1")
+    r = refengine("run", small_models["llama"], "--tokens", "3", "--engine", "standin",
+                  "--budget", "100GiB")  # fmt: skip
+    assert_one_line_error(r, "--budget 100.00 GiB is above the 80.00 GiB of GPU 0", "h100")
+
+
+def test_an_unknown_model_lists_the_known_names_and_the_shapes():
+    for command in (("info", "llama3-7b"), ("solve", "llama3-7b", "--profile", "h100")):
+        r = refengine(*command)
+        assert_one_line_error(r, "llama3-7b: no such file", "smollm2-135m", "gemma3-270m",
+                              "llama3-8b", "llama3-70b")  # fmt: skip
+
+
+def test_gpu_from_takes_a_shipped_profile_name(tmp_path):
+    from solver.solve import load_profile
+
+    out = tmp_path / "me.json"
+    r = refengine("profile", "-o", out, "--quick", "--threads", "1", "--gpu-from", "h100")
+    assert r.returncode == 0, r.stderr
+    assert load_profile(str(out)).gpus == load_profile("h100").gpus
+    r = refengine("profile", "-o", out, "--quick", "--gpu-from", "h1000")
+    assert_one_line_error(r, "h1000: cannot read the profile")
+
+
+def test_threads_reach_the_plan_of_run(small_models, tmp_path):
+    """--threads is a fingerprint input (CONTRACTS.md): the plan run solves names it."""
+    import shutil
+
+    model = shutil.copy(small_models["llama"], tmp_path / "m.gguf")
+    args = ("--engine", "standin", "--budget", "1MiB", "--tiers", "1,4", "-c", "64")
+    for threads in (1, 2):
+        r = refengine("run", model, "--tokens", "3,4", "-n", "1", *args, "--threads", threads)
+        assert r.returncode == 0, r.stderr
+    plans = [json.loads(p.read_text()) for p in tmp_path.glob("m.gguf.*.plan.json")]
+    assert sorted(p["fingerprint"]["threads"] for p in plans) == [1, 2]

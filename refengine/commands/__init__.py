@@ -29,6 +29,21 @@ ENGINES = ("numpy", "cpu", "cuda", "standin")
 PLAN_ENGINES = tuple(e for e in ENGINES if e != "numpy")
 
 
+def at_least(low: int, what: str):
+    """A callback refusing an integer option below `low` in one line; `what` says what it takes."""
+
+    def check(ctx: click.Context, param: click.Parameter, value: int | None) -> int | None:
+        if value is not None and value < low:
+            raise UserError(f"{max(param.opts, key=len)} takes {what}, not {value}")
+        return value
+
+    return check
+
+
+THREADS_CHECK = at_least(0, "a thread count of 1 or more, or 0 for the default")
+USERS_CHECK = at_least(1, "1 or more users")
+
+
 def plan_options(f):
     """The options that choose a plan for the plan engines (run, diff, bench)."""
     options = [
@@ -43,7 +58,8 @@ def plan_options(f):
                      help="Hardware profile to solve with (a file, or a shipped name)."),
         click.option("--strategy", help="A named placement instead of the optimizer's."),
         click.option("--tiers", help="Tokens per ubatch to plan for (default: PSHARD's)."),
-        click.option("--threads", default=0, help="CPU threads of CPU-placed parts (0: all)."),
+        click.option("--threads", default=0, callback=THREADS_CHECK,
+                     help="CPU threads of CPU-placed parts (0: all)."),
     ]  # fmt: skip
     for option in reversed(options):
         f = option(f)

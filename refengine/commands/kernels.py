@@ -8,7 +8,7 @@ from pathlib import Path
 import click
 
 from ..errors import UserError
-from . import cli, open_for_writing
+from . import THREADS_CHECK, cli, open_for_writing
 
 
 def _names(text: str, known: tuple[str, ...]) -> tuple[str, ...]:
@@ -24,7 +24,9 @@ def _names(text: str, known: tuple[str, ...]) -> tuple[str, ...]:
 @click.option("--gpu/--no-gpu", default=None, help="Benchmark the GPU (default: when one is here).")
 @click.option("--types", help="Comma-separated types (default: all the kernels read).")
 @click.option("--tokens", default="1,4", show_default=True, help="CPU token counts.")
-@click.option("--threads", type=int, default=0, help="CPU threads (default: all).")
+@click.option(
+    "--threads", type=int, default=0, callback=THREADS_CHECK, help="CPU threads (default: all)."
+)
 @click.option(
     "--peer",
     type=click.Path(exists=True, dir_okay=False, path_type=Path),

@@ -8,7 +8,7 @@ from pathlib import Path
 import click
 
 from ..errors import UserError
-from . import cli, open_for_writing
+from . import THREADS_CHECK, cli, open_for_writing
 
 
 @cli.command()
@@ -21,25 +21,26 @@ from . import cli, open_for_writing
 )
 @click.option(
     "--gpu-from",
-    type=click.Path(dir_okay=False, path_type=Path),
-    help="A profile whose GPU side to keep instead of measuring one (required without a GPU).",
+    metavar="PROFILE",
+    help="A profile (a file, or a shipped name) whose GPU side to keep instead of measuring one "
+    "(required without a GPU).",
 )
-@click.option("--threads", type=int, help="CPU threads (default: all).")
+@click.option("--threads", type=int, callback=THREADS_CHECK, help="CPU threads (default: all).")
 @click.option("--quick", is_flag=True, help="Small shapes and short runs: seconds, not minutes.")
-def profile(output: Path, gpu_from: Path | None, threads: int | None, quick: bool) -> None:
+def profile(output: Path, gpu_from: str | None, threads: int | None, quick: bool) -> None:
     """Measure this machine (its GPU, when there is one, and its CPU) into a hardware profile."""
     from rich.progress import Progress
 
     from cudarun.driver import gpu_present
     from cudarun.measure import measure_profile
-    from solver.profile import HardwareProfile
+    from solver.solve import load_profile
 
     if gpu_from is None and not gpu_present():
         raise UserError(
-            "no NVIDIA GPU here to measure: pass --gpu-from PROFILE (e.g. "
-            "examples/profiles/h100.json) to keep its GPU figures"
+            "no NVIDIA GPU here to measure: pass --gpu-from PROFILE (a file, or a shipped "
+            "name such as h100) to keep its GPU figures"
         )
-    base = HardwareProfile.load(gpu_from) if gpu_from else None
+    base = load_profile(gpu_from) if gpu_from else None
     out = open_for_writing(output)
     with Progress(transient=True) as bar:
         task = bar.add_task("profiling", total=None)

@@ -12,7 +12,7 @@ import click
 from .. import defaults
 from ..errors import UserError
 from ..models import load_model_or_shape, shape_argument
-from . import cli, open_for_writing
+from . import THREADS_CHECK, USERS_CHECK, cli, open_for_writing
 
 
 @cli.command()
@@ -34,7 +34,7 @@ from . import cli, open_for_writing
 @click.option("--profile", "profile_name", help="A profile file, or a shipped profile's name.")
 @click.option("--ctx", "n_ctx", default=defaults.N_CTX, show_default=True, help="Context, tokens.")
 @click.option("--tiers", help="Tokens per ubatch to plan for, e.g. 1,16,512 (default: PSHARD's).")
-@click.option("--users", default=defaults.USERS, show_default=True)
+@click.option("--users", default=defaults.USERS, show_default=True, callback=USERS_CHECK)
 @click.option("--prompt-tokens", type=int, help="Default: ctx - gen tokens.")
 @click.option("--gen-tokens", default=defaults.GEN_TOKENS, show_default=True)
 @click.option("--strategy", help="Use a named strategy instead of the optimizer.")
@@ -58,7 +58,13 @@ from . import cli, open_for_writing
     default="on" if defaults.FLASH_ATTN else "off",
     show_default=True,
 )
-@click.option("--threads", default=defaults.THREADS, show_default=True, help="0: the profile's.")
+@click.option(
+    "--threads",
+    default=defaults.THREADS,
+    show_default=True,
+    callback=THREADS_CHECK,
+    help="0: the profile's.",
+)
 @click.option(
     "--time-limit",
     default=6.0,
@@ -107,9 +113,7 @@ def solve(
                          threads)  # fmt: skip
     solved = solve_request(spec, prof, w, tiers, budget, reserve, objective, strategy, time_limit,
                            target)  # fmt: skip
-    budgets, chosen, baselines, facts = (
-        solved.budgets.bytes, solved.chosen, solved.baselines, solved.facts
-    )
+    budgets, chosen, facts = solved.budgets.bytes, solved.chosen, solved.facts
     con = Console()
     con.print(
         f"[bold]{spec.name}[/] on {prof.name}: budget "
@@ -157,7 +161,7 @@ def solve(
     c = Table(title="predicted, same cost model")
     for col in ("placement", "TTFT s", "TPS", "end-to-end s", "vs chosen"):
         c.add_column(col)
-    for o in [chosen, *baselines]:
+    for o in [chosen, *solved.baselines]:
         p = o.prediction
         c.add_row(
             o.name,
