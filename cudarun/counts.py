@@ -137,30 +137,42 @@ def _mm(spec: ModelSpec, name: str, tokens: int) -> int:
     """`DeviceMath.mm`: one matvec up to MAX_DECODE_TOKENS tokens; beyond, the activations to
     fp16, then a dequantize and a cuBLAS product per panel of PANEL_ROWS rows; the bias add."""
     t = spec.by_name[name]
-    n = 1 if tokens <= MAX_DECODE_TOKENS else 1 + 2 * math.ceil(t.shape[0] / PANEL_ROWS)
+    if tokens <= MAX_DECODE_TOKENS:  # the bias in the matvec's epilogue
+        return 1
+    n = 1 + 2 * math.ceil(t.shape[0] / PANEL_ROWS)
     return n + (name.replace(".weight", ".bias") in spec.by_name)
 
 
-def part_launches(spec: ModelSpec, part, tokens: int) -> int:
+def glu_layers(parts) -> frozenset[int]:
+    """The layers whose gate and up products both run on the device (gate first, in program
+    order): there the up product's epilogue gates (`DeviceMath.ffn_up`) and `ffn_down` does not."""
+    on = {(p.layer, p.kind) for p in parts if p.queue == "compute"}
+    return frozenset(il for il, kind in on if kind == "ffn_gate" and (il, "ffn_up") in on)
+
+
+def part_launches(spec: ModelSpec, part, tokens: int, glu: frozenset[int] = frozenset()) -> int:
     """The kernels `devicemath` launches for one device part of a ubatch of `tokens` tokens (the
-    output part: the final norm and the head of the last row)."""
+    output part: the final norm and the head of the last row); `glu`: `glu_layers`."""
     tr, il = spec.arch, part.layer
     p = f"blk.{il}."
     post = 1 if tr.post_norms else 0
     if part.kind == "embed":
         return 1 + bool(tr.embed_scale)
-    if part.kind == "qkv":  # norm, Q, K, V (+ biases), Q/K norms, RoPE of Q and K
-        mats = sum(_mm(spec, f"{p}attn_{m}.weight", tokens) for m in "qkv")
-        return 1 + mats + 2 * bool(tr.qk_norm) + 2
+    if part.kind == "qkv":  # norm, Q, K, V (one launch up to the matvec tokens), Q/K norm + RoPE
+        if tokens <= MAX_DECODE_TOKENS:
+            return 3
+        return 1 + sum(_mm(spec, f"{p}attn_{m}.weight", tokens) for m in "qkv") + 1
     if part.kind == "kq":  # the KV store, then split-KV decode (partial + merge) or prefill
         return 1 + (2 if tokens <= MAX_DECODE_TOKENS else 1)
     if part.kind == "o":  # output product, post-norm, residual add, FFN norm (+ router, route)
         router = _mm(spec, p + "ffn_gate_inp.weight", tokens) + 1 if tr.moe else 0
         return _mm(spec, p + "attn_output.weight", tokens) + post + 2 + router
-    if part.kind in ("ffn_gate", "ffn_up"):
-        return _mm(spec, f"{p}{part.kind}.weight", tokens)
-    if part.kind == "ffn_down":  # gating, down product, post-norm, residual add
-        return 1 + _mm(spec, p + "ffn_down.weight", tokens) + post + 1
+    if part.kind == "ffn_gate":
+        return _mm(spec, p + "ffn_gate.weight", tokens)
+    if part.kind == "ffn_up":  # the gating: in the matvec's epilogue, after the panels' products
+        return _mm(spec, p + "ffn_up.weight", tokens) + (il in glu and tokens > MAX_DECODE_TOKENS)
+    if part.kind == "ffn_down":  # gating (unless the up product did), product, post-norm, add
+        return (il not in glu) + _mm(spec, p + "ffn_down.weight", tokens) + post + 1
     if part.kind in ("ffn_gate_exps", "ffn_up_exps"):
         return 1
     if part.kind == "ffn_down_exps":  # gating, experts, combine, post-norm, residual add
@@ -188,7 +200,8 @@ def ubatch_counts(spec: ModelSpec, parts, segments: list[Segment], final_sync: b
     logits; no activations requested, untraced)."""
     if graph:  # one replay, one wait for it
         return Counts(1, 1)
-    launches = sum(part_launches(spec, p, tokens) for p in parts if p.queue == "compute")
+    glu = glu_layers(parts)
+    launches = sum(part_launches(spec, p, tokens, glu) for p in parts if p.queue == "compute")
     return Counts(
         launches,
         sum(s.sync for s in segments) + final_sync,

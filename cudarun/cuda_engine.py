@@ -204,6 +204,7 @@ class CudaEngine(PlanExecutor):
         host = Act(st.tokens, st.pos, st.all_logits)  # the CPU segments' activations
         host.record = st.record
         key = (tier.tier, n)
+        self.dmath.glu_layers = counts.glu_layers(tier.parts)
         graph = self._graphable(tier, st) and key in self.ran_eagerly  # kernels compiled by then
         self.counter = counter = counts.Counter()
         with counts.counting(counter):

@@ -36,14 +36,19 @@ class DeviceMath:
     def __init__(self, spec: ModelSpec, stream_ptr: int = 0):
         self.spec, self.hp, self.tr = spec, spec.hparams, spec.arch
         self.stream_ptr = stream_ptr  # the raw stream cuBLAS runs on (prefill)
+        # layers whose gate product runs on the device before their up product, in the tier run
+        # now: the up product gates in its epilogue (set by the engine at each tier)
+        self.glu_layers: frozenset[int] = frozenset()
 
     # -- primitives ------------------------------------------------------------------------------
 
-    def mm(self, x, w: dict, name: str, out, ws, stream) -> None:
-        """out [T, n_out] = x [T, n_in] times the weight (+ its bias)."""
+    def mm(self, x, w: dict, name: str, out, ws, stream, gated=None) -> None:
+        """out [T, n_out] = x [T, n_in] times the weight (+ its bias); gated = (gate, act,
+        use_gelu): act = act(gate) * out as well."""
         t = self.spec.by_name[name]
-        if x.shape[0] <= MAX_DECODE_TOKENS:
-            matvec.matvec_gpu(w[name], x, out, t.qtype, t.shape, stream)
+        bias = name.replace(".weight", ".bias")
+        if x.shape[0] <= MAX_DECODE_TOKENS:  # the bias and the gating in the product's epilogue
+            matvec.matvec_gpu(w[name], x, out, t.qtype, t.shape, stream, w.get(bias), gated)
         else:
             n_in, rows = t.shape[1], ws["panel16"].shape[0]
             # contiguous [rows, n_in] and [T, n_in] views: cuBLAS reads them with ld = n_in
@@ -51,21 +56,27 @@ class DeviceMath:
             x16 = ws["x16"].reshape(-1)[: x.shape[0] * n_in].reshape(x.shape[0], n_in)
             prefill.matmul_prefill(w[name], x, out, t.qtype, t.shape, panel, x16, stream,
                                    self.stream_ptr)  # fmt: skip
-        bias = name.replace(".weight", ".bias")
-        if bias in w:
-            glue.add_bias[x.shape[0], THREADS, stream](out, w[bias])
+            if bias in w:
+                glue.add_bias[x.shape[0], THREADS, stream](out, w[bias])
+            if gated is not None:
+                elementwise.launch_rows(elementwise.gated, x.shape[0], gated[0], out, gated[1],
+                                        gated[2], stream=stream)  # fmt: skip
 
     def norm(self, x, weight, out, stream) -> None:
         eps = np.float32(self.hp.rms_eps)  # a Python float would compile an f64 kernel
         elementwise.rms_norm[x.shape[0], THREADS, stream](x, weight, out, eps, True)
 
-    def rope(self, x, pos, il: int, stream) -> None:
+    def rope_qk(self, q, k, pos, w: dict, il: int, stream) -> None:
+        """Q's and K's Q/K norms (where the architecture has them) and RoPE, in place."""
         hp, swa = self.hp, self.spec.is_swa(il)
         base, scale = (hp.rope_base_swa, 1.0) if swa else (hp.rope_base, hp.rope_scale)
         neox = self.tr.rope_style == "neox"
-        elementwise.rope[(x.shape[0], x.shape[1]), THREADS, stream](
-            x, pos, x, hp.n_rot, *elementwise.rope_constants(hp.n_rot, base, scale), neox
-        )
+        p = f"blk.{il}."
+        norms = (w[p + "attn_q_norm.weight"], w[p + "attn_k_norm.weight"]) if self.tr.qk_norm else (q[0, 0], k[0, 0])  # fmt: skip
+        elementwise.rope_qk[(q.shape[0], q.shape[1] + k.shape[1]), THREADS, stream](
+            q, k, pos, *norms, np.float32(hp.rms_eps), self.tr.qk_norm, hp.n_rot,
+            *elementwise.rope_constants(hp.n_rot, base, scale), neox,
+        )  # fmt: skip
 
     def residual(self, ws, n: int, f, w: dict, norm_name: str | None, stream) -> None:
         """x += f, after the post-norm when the architecture has one."""
@@ -79,8 +90,7 @@ class DeviceMath:
     def embed(self, ws, n, w, il, stream) -> None:
         t = self.spec.by_name["token_embd.weight"]
         x = ws["x"][:n]
-        elementwise.launch_rows(elementwise.get_rows_kernel(t.qtype), n, w[t.name],
-                                ws["tokens"][:n], x, t.shape[1], stream=stream)  # fmt: skip
+        elementwise.get_rows(w[t.name], ws["tokens"][:n], x, t.qtype, stream=stream)
         if self.tr.embed_scale:
             glue.scale_rows[n, THREADS, stream](x, np.float32(math.sqrt(self.hp.n_embd)))
 
@@ -88,17 +98,16 @@ class DeviceMath:
         p = f"blk.{il}."
         h = ws["h"][:n]
         self.norm(ws["x"][:n], w[p + "attn_norm.weight"], h, stream)
-        for name, dst in (("attn_q", "q"), ("attn_k", "k"), ("attn_v", "v")):
-            out = ws[dst][:n]
-            self.mm(h, w, p + name + ".weight", out.reshape(n, -1), ws, stream)
-        q, k = ws["q"][:n], ws["k"][:n]
-        if self.tr.qk_norm:
-            for arr, name in ((q, "attn_q_norm"), (k, "attn_k_norm")):
-                rows = arr.reshape(-1, arr.shape[2])
-                self.norm(rows, w[p + name + ".weight"], rows, stream)
-        pos = ws["pos"][:n]
-        self.rope(q, pos, il, stream)
-        self.rope(k, pos, il, stream)
+        names = [f"{p}attn_{m}.weight" for m in "qkv"]
+        outs = [ws[m][:n].reshape(n, -1) for m in "qkv"]
+        if n <= MAX_DECODE_TOKENS:  # one launch for the three products
+            matvec.matvec3_gpu([w[m] for m in names], h, outs,
+                               [self.spec.by_name[m].qtype for m in names], h.shape[1],
+                               [w.get(m.replace(".weight", ".bias")) for m in names], stream)  # fmt: skip
+        else:
+            for name, out in zip(names, outs):
+                self.mm(h, w, name, out, ws, stream)
+        self.rope_qk(ws["q"][:n], ws["k"][:n], ws["pos"][:n], w, il, stream)
 
     def kq(self, ws, n, il, k_cache, v_cache, k_pos, stream, used: int) -> None:
         """Store K and V at their ring cells (fp16; and in the staging strips), then attend over
@@ -133,20 +142,25 @@ class DeviceMath:
         if self.tr.moe:
             router = ws["router"][:n]
             self.mm(ws["h"][:n], w, p + "ffn_gate_inp.weight", router, ws, stream)
-            moe.route.forall(n, stream=stream)(router, self.hp.n_expert_used,
-                                               self.tr.expert_weights_norm, ws["ids"][:n],
-                                               ws["gates"][:n])  # fmt: skip
+            moe.route_top_k(router, self.hp.n_expert_used, self.tr.expert_weights_norm,
+                            ws["ids"][:n], ws["gates"][:n], stream)  # fmt: skip
 
     def ffn_gate(self, ws, n, w, il, stream) -> None:
         self.mm(ws["h"][:n], w, f"blk.{il}.ffn_gate.weight", ws["gate"][:n], ws, stream)
 
     def ffn_up(self, ws, n, w, il, stream) -> None:
-        self.mm(ws["h"][:n], w, f"blk.{il}.ffn_up.weight", ws["up"][:n], ws, stream)
+        """Where the gate product ran on the device before (`glu_layers`), the up product's
+        epilogue gates too: `ffn_down` then starts at its product."""
+        gated = None
+        if il in self.glu_layers:
+            gated = (ws["gate"][:n], ws["act"][:n], self.tr.ffn_act == "gelu")
+        self.mm(ws["h"][:n], w, f"blk.{il}.ffn_up.weight", ws["up"][:n], ws, stream, gated)
 
     def ffn_down(self, ws, n, w, il, stream) -> None:
         act = ws["act"][:n]
-        elementwise.launch_rows(elementwise.gated, n, ws["gate"][:n], ws["up"][:n], act,
-                                self.tr.ffn_act == "gelu", stream=stream)  # fmt: skip
+        if il not in self.glu_layers:
+            elementwise.launch_rows(elementwise.gated, n, ws["gate"][:n], ws["up"][:n], act,
+                                    self.tr.ffn_act == "gelu", stream=stream)  # fmt: skip
         f = ws["f"][:n]
         self.mm(act, w, f"blk.{il}.ffn_down.weight", f, ws, stream)
         self._post_ffn(ws, n, f, w, il, stream)
@@ -157,11 +171,9 @@ class DeviceMath:
 
     def _experts(self, ws, n, w, name, x, out, per_slot, stream) -> None:
         t = self.spec.by_name[name]
-        rows, cols = t.shape[1], t.shape[2]
         slots = n * self.hp.n_expert_used
-        moe.expert_matvec_kernel(t.qtype)[(rows, slots), THREADS, stream](
-            w[name], x, ws["ids"][:n], out[:slots], rows, cols, per_slot
-        )
+        moe.expert_matvec(w[name], x, ws["ids"][:n], out[:slots], t.qtype, t.shape[1:], per_slot,
+                          stream)  # fmt: skip
 
     def ffn_gate_exps(self, ws, n, w, il, stream) -> None:
         name = f"blk.{il}.ffn_gate_exps.weight"

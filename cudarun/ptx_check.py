@@ -44,8 +44,8 @@ def kernels():
     from .blocks import LAYOUTS
     from .kernels import attention, elementwise, glue, matvec, moe, prefill
 
-    u8, f32, f16, i64, i32 = t.uint8, t.float32, t.float16, t.int64, t.int32
-    raw = arr(u8, 1)
+    f32, f16, i64, i32 = t.float32, t.float16, t.int64, t.int32
+    words = arr(t.uint16, 1)
     out = [
         (
             "rms_norm",
@@ -54,10 +54,11 @@ def kernels():
         ),
         ("softmax", elementwise.softmax, (arr(f32, 2), arr(f32, 2))),
         (
-            "rope",
-            elementwise.rope,
-            (arr(f32, 3), arr(i64, 1), arr(f32, 3), i64, f32, f32, f32, f32, t.boolean),
-        ),
+            "rope_qk",
+            elementwise.rope_qk,
+            (arr(f32, 3), arr(f32, 3), arr(i64, 1), arr(f32, 1), arr(f32, 1), f32, t.boolean, i64,
+             f32, f32, f32, f32, t.boolean),
+        ),  # fmt: skip
         ("gated", elementwise.gated, (arr(f32, 2), arr(f32, 2), arr(f32, 2), t.boolean)),
         ("add", elementwise.add, (arr(f32, 2),) * 3),
         ("route", moe.route, (arr(f32, 2), i64, t.boolean, arr(i32, 2), arr(f32, 2))),
@@ -100,22 +101,29 @@ def kernels():
             (
                 f"matvec[{name}]",
                 matvec.gpu_kernel(qtype),
-                (raw, arr(f32, 2), arr(f32, 2), i64, i64),
+                # the weight's bytes as uint16, x, out, bias, has_bias, gate, act, glu, n_cols
+                (words, arr(f32, 2), arr(f32, 2), arr(f32, 1), t.boolean, arr(f32, 2),
+                 arr(f32, 2), i64, i64),
             ),
+            (
+                f"matvec3[{name}]",  # Q, K and V of one type (mixed types compile the same code)
+                matvec.triple_kernel(qtype, qtype, qtype),
+                (words,) * 3 + (arr(f32, 2),) * 4 + (arr(f32, 1),) * 3 + (t.boolean,) * 3 + (i64,),
+            ),  # fmt: skip
             (
                 f"get_rows[{name}]",
                 elementwise.get_rows_kernel(qtype),
-                (raw, arr(i64, 1), arr(f32, 2), i64),
+                (words, arr(i64, 1), arr(f32, 2), i64),  # the table's bytes as uint16
             ),
             (
                 f"expert_matvec[{name}]",
                 moe.expert_matvec_kernel(qtype),
-                (raw, arr(f32, 2), arr(i32, 2), arr(f32, 2), i64, i64, t.boolean),
+                (words, arr(f32, 2), arr(i32, 2), arr(f32, 2), i64, i64, t.boolean),
             ),
             (
                 f"dequantize[{name}]",
                 prefill.dequantize_kernel(qtype),
-                (arr(t.uint16, 1), arr(i64, 1), i64),  # bytes as uint16, the panel as int64 words
+                (words, arr(i64, 1), i64),  # bytes as uint16, the panel as int64 words
             ),
         ]
     return out

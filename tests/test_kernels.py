@@ -34,17 +34,61 @@ def test_block_decoders_match_ggml_dequantization(qtype):
 
 
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
-@pytest.mark.parametrize("tokens", [1, 3])
+@pytest.mark.parametrize("tokens", [1, 3, 6])
 def test_gpu_matvec(qtype, tokens):
+    """Six tokens take two passes over each row; five rows leave the second thread block's last
+    warps without a row (they must store nothing)."""
     from numba import cuda
 
     rng = np.random.default_rng(100 + int(qtype) + tokens)
-    n_rows, n_cols = 4, cols(qtype, 64)
+    n_rows, n_cols = 5, cols(qtype, 64)
     raw = weights(rng, qtype, n_rows, n_cols)
     x = rng.standard_normal((tokens, n_cols)).astype(np.float32)
     out = cuda.to_device(np.full((tokens, n_rows), np.nan, np.float32))
     matvec_gpu(cuda.to_device(raw), cuda.to_device(x), out, qtype, (n_rows, n_cols))
     assert normwise(out.copy_to_host(), matmul_q(x, raw, qtype, (n_rows, n_cols))) < 1e-3
+
+
+@pytest.mark.parametrize("act", ["silu", "gelu"])
+def test_gpu_matvec_epilogue_adds_the_bias_and_gates(act):
+    """The up product's epilogue: out = x W^T + bias and act(gate) * out, both written."""
+    from numba import cuda
+
+    from refengine.reference import gated
+
+    rng = np.random.default_rng(31)
+    qtype, n_rows, n_cols, tokens = Q.Q4_K, 6, 256, 5
+    raw = weights(rng, qtype, n_rows, n_cols)
+    x = rng.standard_normal((tokens, n_cols)).astype(np.float32)
+    bias = rng.standard_normal(n_rows).astype(np.float32)
+    gate = rng.standard_normal((tokens, n_rows)).astype(np.float32)
+    out, act_out = poisoned((tokens, n_rows)), poisoned((tokens, n_rows))
+    matvec_gpu(cuda.to_device(raw), cuda.to_device(x), out, qtype, (n_rows, n_cols),
+               bias=cuda.to_device(bias), gated=(cuda.to_device(gate), act_out, act == "gelu"))  # fmt: skip
+    want = matmul_q(x, raw, qtype, (n_rows, n_cols)) + bias
+    assert normwise(out.copy_to_host(), want) < 1e-3
+    assert normwise(act_out.copy_to_host(), gated(act, gate, want)) < 1e-3
+
+
+def test_gpu_matvec3_makes_q_k_and_v_of_three_types_in_one_launch():
+    """Three weights of different types and heights (a Q4_K_M file's Q4_K Q and K and Q6_K V),
+    only some of them biased; each output row written once (poisoned before)."""
+    from numba import cuda
+
+    from cudarun.kernels.matvec import matvec3_gpu
+
+    rng = np.random.default_rng(32)
+    n_cols, tokens = 256, 2
+    qtypes, heights = (Q.Q4_K, Q.Q8_0, Q.Q6_K), (8, 5, 3)
+    raws = [weights(rng, q, h, n_cols) for q, h in zip(qtypes, heights)]
+    biases = [rng.standard_normal(8).astype(np.float32), None, rng.standard_normal(3).astype(np.float32)]
+    x = rng.standard_normal((tokens, n_cols)).astype(np.float32)
+    outs = [poisoned((tokens, h)) for h in heights]
+    matvec3_gpu([cuda.to_device(r) for r in raws], cuda.to_device(x), outs, qtypes, n_cols,
+                [None if b is None else cuda.to_device(b) for b in biases])  # fmt: skip
+    for raw, q, h, b, out in zip(raws, qtypes, heights, biases, outs):
+        want = matmul_q(x, raw, q, (h, n_cols)) + (0 if b is None else b)
+        assert normwise(out.copy_to_host(), want) < 1e-3, q.name
 
 
 # CPU paths and their tolerances (CONTRACTS.md): int8 activations 1e-2, fp32 1e-3
@@ -150,36 +194,56 @@ def test_rms_norm(with_weight):
 
 @pytest.mark.parametrize("style", ["norm", "neox"])
 def test_rope_with_a_per_layer_base_and_pass_through_dims(style):
-    from numba import cuda
-
-    from cudarun.kernels.elementwise import THREADS, rope, rope_constants
     from refengine.reference import rope as ref
 
     rng = np.random.default_rng(12)
-    x = rng.standard_normal((3, 2, 48)).astype(np.float32)
+    q, k = (rng.standard_normal((3, h, 48)).astype(np.float32) for h in (2, 1))
     pos = np.array([0, 7, 300], np.int64)
-    out = poisoned(x.shape)
-    rope[(3, 2), THREADS](cuda.to_device(x), cuda.to_device(pos), out, 32,
-                          *rope_constants(32, 1e4, 1.0), style == "neox")  # fmt: skip
-    assert normwise(out.copy_to_host(), ref(x, pos, 32, 1e4, style)) < 1e-3
+    got_q, got_k = _rope_qk(q, k, pos, 32, 1e4, 1.0, style == "neox")
+    assert normwise(got_q, ref(q, pos, 32, 1e4, style)) < 1e-3
+    assert normwise(got_k, ref(k, pos, 32, 1e4, style)) < 1e-3
+
+
+def _rope_qk(q, k, pos, n_rot, base, scale, neox, norms=None, eps=1e-6):
+    """rope_qk on copies of q and k (in place on the device): what it leaves in them."""
+    from numba import cuda
+
+    from cudarun.kernels.elementwise import THREADS, rope_constants, rope_qk
+
+    dq, dk = cuda.to_device(q), cuda.to_device(k)
+    weights = norms if norms is not None else (q[0, 0], q[0, 0])  # unread
+    rope_qk[(q.shape[0], q.shape[1] + k.shape[1]), THREADS](
+        dq, dk, cuda.to_device(pos), *(cuda.to_device(w) for w in weights), np.float32(eps),
+        norms is not None, n_rot, *rope_constants(n_rot, base, scale), neox,
+    )  # fmt: skip
+    return dq.copy_to_host(), dk.copy_to_host()
+
+
+def test_q_and_k_norms_then_rope_in_one_launch():
+    """Qwen3's and Gemma-3's per-head RMSNorm of Q and K, each by its own weight, then RoPE;
+    the dims past n_rot normed and passed through."""
+    from refengine.reference import rms_norm, rope
+
+    rng = np.random.default_rng(18)
+    q, k = (rng.standard_normal((2, h, 40)).astype(np.float32) * 3 for h in (4, 2))
+    wq, wk = (rng.standard_normal(40).astype(np.float32) for _ in range(2))
+    pos = np.array([5, 6000], np.int64)
+    got_q, got_k = _rope_qk(q, k, pos, 32, 1e6, 1.0, True, (wq, wk))
+    assert normwise(got_q, rope(rms_norm(q, wq, 1e-6), pos, 32, 1e6, "neox")) < 1e-4
+    assert normwise(got_k, rope(rms_norm(k, wk, 1e-6), pos, 32, 1e6, "neox")) < 1e-4
 
 
 @pytest.mark.parametrize("base,scale", [(1e4, 1.0), (1e6, 0.25)])
 def test_rope_angles_in_fp32_hold_at_long_contexts(base, scale):
     """fp32 angles as ggml computes them (pos * theta_scale^i) are 2-4e-3 rad off at 32K; the
     kernel's split angle holds the reference's to ~1e-6 up to 32K and a linear scale."""
-    from numba import cuda
-
-    from cudarun.kernels.elementwise import THREADS, rope, rope_constants
     from refengine.reference import rope as ref
 
     rng = np.random.default_rng(17)
     pos = np.concatenate([[32767, 32768 - 53, 30011], rng.integers(16384, 32768, 3)])
     x = rng.standard_normal((len(pos), 1, 128)).astype(np.float32)
-    out = poisoned(x.shape)
-    rope[(len(pos), 1), THREADS](cuda.to_device(x), cuda.to_device(pos), out, 128,
-                                 *rope_constants(128, base, scale), False)  # fmt: skip
-    assert normwise(out.copy_to_host(), ref(x, pos, 128, base, "norm", scale)) < 1e-5
+    got, _ = _rope_qk(x, x[:, :0], pos, 128, base, scale, False)
+    assert normwise(got, ref(x, pos, 128, base, "norm", scale)) < 1e-5
 
 
 @pytest.mark.parametrize("act", ["silu", "gelu"])
@@ -222,20 +286,20 @@ def test_glue_scale_bias_and_the_kv_store_into_ring_cells():
         assert np.isnan(cache[[0, 3]]).all()  # the other cells untouched
 
 
-@pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q8_0, Q.F16], ids=lambda t: t.name)
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
 def test_embedding_rows_from_a_quantized_table(qtype):
     from numba import cuda
 
-    from cudarun.kernels.elementwise import get_rows_kernel, launch_rows
-    from refengine.reference import get_rows
+    from cudarun.kernels.elementwise import get_rows
+    from refengine.reference import get_rows as ref
 
     rng = np.random.default_rng(14)
     n_cols = cols(qtype, 64)
     raw = weights(rng, qtype, 6, n_cols)
     ids = np.array([5, 0, 5, 2], np.int64)
     out = poisoned((4, n_cols))
-    launch_rows(get_rows_kernel(qtype), 4, cuda.to_device(raw), cuda.to_device(ids), out, n_cols)
-    assert normwise(out.copy_to_host(), get_rows(raw, qtype, (6, n_cols), ids)) < 1e-6
+    get_rows(cuda.to_device(raw), cuda.to_device(ids), out, qtype)
+    assert normwise(out.copy_to_host(), ref(raw, qtype, (6, n_cols), ids)) < 1e-6
 
 
 def test_softmax_over_a_vocabulary_row():

@@ -14,13 +14,16 @@ from .kernels_common import normwise, poisoned, weights
 def test_router_top_k_matches_the_reference(normalize):
     from numba import cuda
 
-    from cudarun.kernels.moe import route
+    from cudarun.kernels.moe import route_top_k
 
     logits = np.random.default_rng(1).standard_normal((5, 8)).astype(np.float32)
-    logits[3, 2] = logits[3, 6] = logits[3].max() + 1  # a tie: the lower id first
+    # ties, the lower id first: within one lane's experts and across two lanes' (a warp of 4 lanes
+    # on the simulator, 32 on a GPU)
+    logits[3, 2] = logits[3, 6] = logits[3].max() + 1
+    logits[4, 1] = logits[4, 7] = logits[4].max() + 1
     ids = cuda.to_device(np.full((5, 3), -7, np.int32))
     w = poisoned((5, 3))
-    route.forall(5)(cuda.to_device(logits), 3, normalize, ids, w)
+    route_top_k(cuda.to_device(logits), 3, normalize, ids, w)
     want_ids, want_w = ref.moe_route(logits, 3, normalize)
     np.testing.assert_array_equal(ids.copy_to_host(), want_ids)
     assert normwise(w.copy_to_host(), want_w) < 1e-5

@@ -197,3 +197,33 @@ def test_ptx_check_compiles_the_signatures_the_cuda_engine_launches(tmp_path, mo
     assert not missing, "\n".join(missing)
     names = {kernel.__name__ for kernel in launched.values()}
     assert len(names) >= 16  # the recorder saw the engine's launches (17 kernels when written)
+
+
+# -- the gates: every kernel, assembled for sm_90 ---------------------------------------------------
+
+
+def _kernel_names():
+    from cudarun import ptx_check
+
+    return [name for name, _, _ in ptx_check.kernels()]
+
+
+@pytest.fixture(scope="module")
+def assembled(tmp_path_factory):
+    """ptx_check --out over every kernel, once: name -> its row of report.json."""
+    import json
+
+    out = tmp_path_factory.mktemp("ptx")
+    r = _ptx_check("--out", str(out))
+    report = out / "report.json"
+    assert report.exists(), r.stdout + r.stderr
+    return json.loads(report.read_text())
+
+
+@pytest.mark.parametrize("name", _kernel_names())
+def test_kernel_has_no_stack_frame_spills_or_f64(assembled, name):
+    """Issue 16's static gate, per kernel: it compiles for sm_90, and ptxas gives it a 0-byte stack
+    frame and no spills, and its PTX has no f64 instruction or parameter (`gate_failures`)."""
+    row = assembled[name]
+    assert "error" not in row, f"{name} does not compile: {row.get('error')}"
+    assert row["gate"] == [], f"{name}: " + "; ".join(row["gate"])

@@ -1,7 +1,7 @@
 """Row-wise and element-wise CUDA kernels of the forward pass: RMSNorm (with or without a
 weight), softmax (over the vocabulary's logits, for sampling), RoPE (adjacent pairs or NeoX halves,
 per-layer base and scale), SiLU/GELU gating, the residual add, and the embedding row gather from a
-quantized table (`blocks.LAYOUTS`). Each kernel writes every element of its output, in fp32.
+quantized table (`dequant.QUADS`). Each kernel writes every element of its output, in fp32.
 
 All arithmetic is fp32 (scalars arrive as float32: a Python float would compile an f64 kernel), a
 row is one warp whose lanes stride over it and reduce by shuffles, and nothing lives in local
@@ -15,12 +15,12 @@ from functools import lru_cache
 import numpy as np
 
 from .. import compat  # before numba.cuda
-from ..blocks import LAYOUTS
 
 # module level: the simulator swaps this global for its fake module
 from numba import config, cuda, float32  # noqa: E402
 
 from . import THREADS  # noqa: E402
+from .dequant import QUADS  # noqa: E402
 
 compat.simulator_intrinsics()  # warp shuffles and a fused fma for the simulator
 
@@ -168,35 +168,52 @@ def rope_constants(n_rot: int, base: float, scale: float) -> tuple:
 
 
 @cuda.jit
-def rope(x, positions, out, n_rot, theta_hi, theta_lo, scale_hi, scale_lo, neox):
-    """x [T, H, D]: one warp per (token, head); dims past n_rot pass through. The four float32
-    scalars are `rope_constants(n_rot, base, scale)`."""
-    t, h, tid = cuda.blockIdx.x, cuda.blockIdx.y, cuda.threadIdx.x
-    d = x.shape[2]
-    half = n_rot // 2
-    for i in range(tid, half, THREADS):
+def rope_qk(q, k, positions, q_norm, k_norm, eps, has_norm, n_rot, theta_hi, theta_lo, scale_hi,
+            scale_lo, neox):  # fmt: skip
+    """RoPE of Q [T, Hq, D] and K [T, Hk, D] in place in one launch, one warp per (token, head):
+    the grid's first Hq heads are Q's. With `has_norm` each head is RMS-normalized over D by its
+    weight (q_norm or k_norm, eps a float32) first (Qwen3's and Gemma-3's Q/K norms)."""
+    t, hh, lane = cuda.blockIdx.x, cuda.blockIdx.y, cuda.threadIdx.x
+    if hh < q.shape[1]:
+        x, h, weight = q, hh, q_norm
+    else:
+        x, h, weight = k, hh - q.shape[1], k_norm
+    d, half = x.shape[2], n_rot // 2
+    scale = float32(1.0)
+    if has_norm:  # every lane has read the whole head (the shuffles) before any lane writes
+        s = float32(0.0)
+        for i in range(lane, d, THREADS):
+            v = x[t, h, i]
+            s += v * v
+        scale = float32(1.0) / math.sqrt(warp_sum(s) / float32(d) + eps)
+    for i in range(lane, half, THREADS):
         theta = rope_angle(positions[t], i, theta_hi, theta_lo, scale_hi, scale_lo)
-        c, s = _cos(theta), _sin(theta)
+        c, sn = _cos(theta), _sin(theta)
         a_i, b_i = (i, i + half) if neox else (2 * i, 2 * i + 1)
-        a, b = x[t, h, a_i], x[t, h, b_i]
-        out[t, h, a_i] = a * c - b * s
-        out[t, h, b_i] = a * s + b * c
-    for i in range(n_rot + tid, d, THREADS):
-        out[t, h, i] = x[t, h, i]
+        a, b = x[t, h, a_i] * scale, x[t, h, b_i] * scale
+        if has_norm:
+            a, b = a * weight[a_i], b * weight[b_i]
+        x[t, h, a_i] = a * c - b * sn
+        x[t, h, b_i] = a * sn + b * c
+    for i in range(n_rot + lane, d, THREADS):
+        x[t, h, i] = x[t, h, i] * scale * (weight[i] if has_norm else float32(1.0))
+
+
+@cuda.jit(device=True)
+def activation(g, use_gelu):
+    """SiLU or GELU (tanh form, as ggml) of g."""
+    if use_gelu:
+        inner = float32(0.7978845608028654) * (g + float32(0.044715) * g * g * g)
+        return float32(0.5) * g * (float32(1.0) + math.tanh(inner))
+    return g / (float32(1.0) + math.exp(-g))
 
 
 @cuda.jit
 def gated(gate, up, out, use_gelu):
-    """out = act(gate) * up over [T, n], SiLU or GELU (tanh form, as ggml)."""
+    """out = act(gate) * up over [T, n]."""
     t, i0 = cuda.blockIdx.x, cuda.threadIdx.x
     for i in range(i0, gate.shape[1], THREADS):
-        g = gate[t, i]
-        if use_gelu:
-            inner = float32(0.7978845608028654) * (g + float32(0.044715) * g * g * g)
-            a = float32(0.5) * g * (float32(1.0) + math.tanh(inner))
-        else:
-            a = g / (float32(1.0) + math.exp(-g))
-        out[t, i] = a * up[t, i]
+        out[t, i] = activation(gate[t, i], use_gelu) * up[t, i]
 
 
 @cuda.jit
@@ -208,19 +225,33 @@ def add(a, b, out):
 
 @lru_cache(maxsize=None)
 def get_rows_kernel(qtype):
-    decode, per_block, block_nbytes = LAYOUTS[qtype]
+    quad, per_block, block_nbytes = QUADS[qtype]
 
     @cuda.jit
     def get_rows(raw, ids, out, n_cols):
-        """out [len(ids), n_cols] = rows ids of the quantized table; a warp per row, a lane per
-        block, decoded straight into the output row (no local copy of the block)."""
+        """out [len(ids), n_cols] = rows ids of the quantized table whose bytes `raw` holds (viewed
+        as uint16: `dequant`); a warp per row, consecutive lanes decoding consecutive fours."""
         r, tid = cuda.blockIdx.x, cuda.threadIdx.x
-        blocks = n_cols // per_block
-        row_base = ids[r] * blocks * block_nbytes
-        for b in range(tid, blocks, THREADS):
-            decode(raw, row_base + b * block_nbytes, out[r, b * per_block : (b + 1) * per_block])
+        row_base = ids[r] * (n_cols // per_block) * block_nbytes
+        for q in range(tid, n_cols // 4, THREADS):
+            v = 4 * q
+            block = v // per_block
+            a, b, c, d = quad(raw, row_base + block * block_nbytes, v - block * per_block)
+            out[r, v] = a
+            out[r, v + 1] = b
+            out[r, v + 2] = c
+            out[r, v + 3] = d
 
     return get_rows
+
+
+def get_rows(raw, ids, out, qtype, stream=0) -> None:
+    """out [len(ids), n_cols] fp32 = rows `ids` of the quantized table in `raw` (device bytes;
+    n_cols a multiple of 4, as every embedding width is)."""
+    n_cols = out.shape[1]
+    assert n_cols % 4 == 0, n_cols
+    launch_rows(get_rows_kernel(qtype), ids.shape[0], raw.view(np.uint16), ids, out,
+                np.int64(n_cols), stream=stream)  # fmt: skip
 
 
 def launch_rows(kernel, rows: int, *args, stream=0) -> None:

@@ -12,76 +12,111 @@ from __future__ import annotations
 import math
 from functools import lru_cache
 
+import numpy as np
+
 from .. import compat  # noqa: F401  (before numba.cuda)
-from ..blocks import LAYOUTS
-from . import elementwise
+from . import elementwise, matvec
 
 # module level: the simulator swaps this global for its fake module
-from numba import cuda, float32, int32  # noqa: E402
+from numba import cuda, float32, int64  # noqa: E402
 
 from . import THREADS  # noqa: E402
+from .dequant import QUADS  # noqa: E402
+from .elementwise import FULL_MASK, warp_max, warp_sum  # noqa: E402
 
 MAX_EXPERTS = 256
 
 
+@cuda.jit(device=True)
+def warp_argmax(p, e):
+    """The largest p over the warp's lanes and its id e (ties: the lower id); every lane gets it."""
+    step = THREADS // 2
+    while step > 0:
+        q = cuda.shfl_xor_sync(FULL_MASK, p, step)
+        f = cuda.shfl_xor_sync(FULL_MASK, e, step)
+        if q > p or (q == p and f < e):
+            p, e = q, f
+        step //= 2
+    return p, e
+
+
 @cuda.jit
 def route(logits, n_used, normalize, ids, weights):
-    """Per token (one thread each): softmax over the E router logits, the n_used most probable
-    (ties: the lower id, as the reference's stable sort), optionally renormalized to sum 1."""
-    t = cuda.grid(1)
-    if t >= logits.shape[0]:
-        return
+    """Per token (a warp each, lanes striding over the E experts): softmax over the router logits,
+    the n_used most probable (ties: the lower id, as the reference's stable sort), optionally
+    renormalized to sum 1. The probabilities live in shared memory, each lane touching only its
+    own experts' cells."""
+    t, lane = cuda.blockIdx.x, cuda.threadIdx.x
     n = logits.shape[1]
-    probs = cuda.local.array(MAX_EXPERTS, float32)
-    top = logits[t, 0]
-    for e in range(1, n):
+    probs = cuda.shared.array(MAX_EXPERTS, float32)
+    top = float32(-3.0e38)
+    for e in range(lane, n, THREADS):
         top = max(top, logits[t, e])
+    top = warp_max(top)
     total = float32(0.0)
-    for e in range(n):
-        probs[e] = math.exp(logits[t, e] - top)
-        total += probs[e]
+    for e in range(lane, n, THREADS):
+        p = math.exp(logits[t, e] - top)
+        probs[e] = p
+        total += p
+    total = warp_sum(total)
     kept = float32(0.0)
     for j in range(n_used):
-        best = -1
-        for e in range(n):
-            if probs[e] >= 0 and (best < 0 or probs[e] > probs[best]):
-                best = e
-        ids[t, j] = best
-        weights[t, j] = probs[best] / total
-        kept += probs[best] / total
-        probs[best] = -1.0  # taken
-    if normalize:
+        best_p, best = float32(-1.0), n
+        for e in range(lane, n, THREADS):
+            if probs[e] > best_p:  # strictly: the lowest of this lane's tied ids
+                best_p, best = probs[e], e
+        best_p, best = warp_argmax(best_p, best)
+        if lane == 0:
+            ids[t, j] = best
+            weights[t, j] = best_p / total
+        kept += best_p / total
+        if best % THREADS == lane:
+            probs[best] = -1.0  # taken
+    if normalize and lane == 0:
         for j in range(n_used):
             weights[t, j] /= kept
 
 
+def route_top_k(logits, n_used: int, normalize: bool, ids, weights, stream=0) -> None:
+    """ids, weights [T, n_used] (device) = the router's choice per token of logits [T, E]."""
+    assert logits.shape[1] <= MAX_EXPERTS
+    route[logits.shape[0], THREADS, stream](logits, np.int64(n_used), normalize, ids, weights)
+
+
 @lru_cache(maxsize=None)
 def expert_matvec_kernel(qtype):
-    decode, per_block, block_nbytes = LAYOUTS[qtype]
+    dots = matvec.row_dots(qtype)
+    _, per_block, block_nbytes = QUADS[qtype]
 
     @cuda.jit
     def expert_matvec(raw, x, ids, out, n_rows, n_cols, per_slot_input):
-        """out [slots, n_rows]: one thread block per (row, slot); the slot's expert's row times
-        x[slot] (per_slot_input) or x[slot's token]."""
-        row, slot, tid = cuda.blockIdx.x, cuda.blockIdx.y, cuda.threadIdx.x
+        """out [slots, n_rows]: a warp per (row, slot), ROWS rows per thread block; the slot's
+        expert's row times x[slot] (per_slot_input) or x[slot's token]. `raw`: bytes as uint16."""
+        lane, warp = cuda.threadIdx.x % THREADS, cuda.threadIdx.x // THREADS
+        row, slot = cuda.blockIdx.x * matvec.ROWS + warp, cuda.blockIdx.y
         k = ids.shape[1]
         t, j = slot // k, slot % k
         src = slot if per_slot_input else t
-        partial = cuda.shared.array(THREADS, float32)
-        vals = cuda.local.array(per_block, float32)
-        blocks = n_cols // per_block
-        row_base = (int32(ids[t, j]) * n_rows + row) * blocks * block_nbytes
-        acc = float32(0.0)
-        for b in range(tid, blocks, THREADS):
-            decode(raw, row_base + b * block_nbytes, vals)
-            for i in range(per_block):
-                acc += vals[i] * x[src, b * per_block + i]
-        partial[tid] = acc
-        total = elementwise.block_reduce(partial, tid, False)
-        if tid == 0:
-            out[slot, row] = total
+        # past the last row: run on the clamped row, store nothing (as in `matvec`)
+        expert_row = int64(ids[t, j]) * n_rows + min(row, n_rows - 1)
+        a, _, _, _ = dots(raw, expert_row * (n_cols // per_block) * block_nbytes, x, src, src + 1,
+                          n_cols, lane)  # fmt: skip
+        a = warp_sum(a)
+        if lane == 0 and row < n_rows:
+            out[slot, row] = a
 
     return expert_matvec
+
+
+def expert_matvec(raw, x, ids, out, qtype, shape: tuple[int, int], per_slot_input: bool,
+                  stream=0) -> None:  # fmt: skip
+    """out [slots, n_rows] (device) = each slot's expert (ids [T, k]) of the expert tensor in `raw`
+    (device bytes; per-expert shape `shape`) times x[slot] or x[slot's token]."""
+    n_rows, n_cols = shape
+    grid = (-(-n_rows // matvec.ROWS), out.shape[0])
+    expert_matvec_kernel(qtype)[grid, matvec.ROWS * THREADS, stream](
+        raw.view(np.uint16), x, ids, out, np.int64(n_rows), np.int64(n_cols), per_slot_input
+    )
 
 
 @cuda.jit
@@ -107,18 +142,16 @@ def moe_ffn(x, router_logits, gate, up, down, qtypes, shapes, n_used, normalize,
     slots = n_tokens * n_used
     ids = cuda.device_array((n_tokens, n_used), "int32", stream=stream)
     weights = cuda.device_array((n_tokens, n_used), "float32", stream=stream)
-    route.forall(n_tokens, stream=stream)(router_logits, n_used, normalize, ids, weights)
+    route_top_k(router_logits, n_used, normalize, ids, weights, stream)
     n_ff, d = shapes[0]
     g = cuda.device_array((slots, n_ff), "float32", stream=stream)
     u = cuda.device_array((slots, n_ff), "float32", stream=stream)
     for raw, qtype, out in ((gate, qtypes[0], g), (up, qtypes[1], u)):
-        expert_matvec_kernel(qtype)[(n_ff, slots), THREADS, stream](
-            raw, x, ids, out, n_ff, d, False
-        )
+        expert_matvec(raw, x, ids, out, qtype, (n_ff, d), False, stream)
     h = cuda.device_array((slots, n_ff), "float32", stream=stream)
     elementwise.launch_rows(elementwise.gated, slots, g, u, h, act == "gelu", stream=stream)
     y = cuda.device_array((slots, d), "float32", stream=stream)
-    expert_matvec_kernel(qtypes[2])[(d, slots), THREADS, stream](down, h, ids, y, d, n_ff, True)
+    expert_matvec(down, h, ids, y, qtypes[2], (d, n_ff), True, stream)
     out = cuda.device_array((n_tokens, d), "float32", stream=stream)
     combine[n_tokens, THREADS, stream](y, weights, out)
     return out
