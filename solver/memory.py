@@ -3,11 +3,19 @@
 - KV bytes of a layer = cells x (row bytes of K + row bytes of V), K/V rows of head_dim x n_head_kv
   values in the KV type (f16: 2 B per value; q8_0: 34 B per 32). llama.cpp pads n_ctx to 256
   cells; a sliding-window layer holds pad256(min(n_ctx_seq, n_swa * n_seq + n_ubatch)) cells.
-- Compute buffer (approximate, from reading llama.cpp; to be checked against `llama-fit-params
-  -fitp on`): without flash attention the KQ scores, 4 * n_ctx * n_ubatch * n_head bytes, dominate;
-  with it, the activations of one ubatch (residual, Q/K/V, FFN intermediates) in f32; the device
-  holding the output head also holds f32 logits: n_ubatch rows for llama.cpp, which reserves for
-  the worst case, one per sequence for our runtime.
+- Compute buffer of llama.cpp, fixed against llama.cpp's own `sched_reserve` figures (refengine
+  verify; tests/test_verify.py): ggml's allocator reuses a tensor's memory once its last reader
+  has run, so a device's buffer is the largest set of tensors alive at one point of the graph,
+  sized for a full ubatch of T = min(n_ubatch, n_ctx) tokens of f32 activations: in a layer's
+  attention 2 n_embd + 2 q_dim values per token (with flash attention; without it, also the KQ
+  scores, n_kv x n_head per token), in its FFN 3 n_ff (routed: n_ff_exp x experts used) +
+  2 n_embd + q_dim, beside the KQ mask copied to the device (n_kv per token, f16 with flash
+  attention, f32 without; sliding-window layers have their own); at the output head, logits and
+  the normed input, n_vocab + n_embd per output row. With several devices and every layer
+  offloaded without overrides, llama.cpp pipelines ubatches across the devices and keeps
+  PIPELINE_COPIES copies of each device's inputs (the masks and n_embd per token). Measured on dense, MoE and sliding-window
+  shapes to the 1/64 MiB llama.cpp prints, except where ggml's best-fit allocator fragments
+  (an FFN narrower than about 2.5 n_embd; without flash attention the allocator's reuse varies).
 - Scratch ring (our runtime): `prefetch_depth` slots, each as large as the largest set of tensors a
   layer streams, so layer i+1's copy lands while layer i computes.
 """
@@ -21,6 +29,7 @@ from refengine.spec import ModelSpec
 
 CELL_PAD = 256
 KV_TYPES = ("f16", "q8_0")
+PIPELINE_COPIES = 4  # GGML_SCHED_MAX_COPIES
 
 
 def pad_cells(n: int) -> int:
@@ -60,21 +69,46 @@ def compute_nbytes(
     flash_attn: bool,
     output_rows: int,
     target: str = "llamacpp",
+    pipeline_copies: int = 1,
 ) -> int:
     """Compute buffer of one device for ubatches of n_ubatch tokens, `output_rows` of which get
-    logits there (llama.cpp reserves for all n_ubatch; our runtime, one per sequence): llama.cpp's,
-    approximate; our runtime's, exact (its workspace layout)."""
+    logits there (llama.cpp reserves for all n_ubatch; our runtime, one per sequence): llama.cpp's
+    as measured against it (above); our runtime's, exact (its workspace layout)."""
     if target == "refengine":
         from .workspace import layout, nbytes
 
         return nbytes(layout(spec, n_ubatch, output_rows, n_ctx))
+    return llamacpp_compute_nbytes(spec, n_ubatch, n_ctx, flash_attn, output_rows, pipeline_copies)
+
+
+def llamacpp_compute_nbytes(
+    spec: ModelSpec,
+    n_ubatch: int,
+    n_ctx: int,
+    flash_attn: bool,
+    output_rows: int,
+    pipeline_copies: int = 1,
+) -> int:
+    """`pipeline_copies`: llama.cpp's scheduler keeps that many copies of each device's inputs
+    (the KQ masks and the incoming activations) when it pipelines ubatches across devices."""
     hp = spec.hparams
-    n_ff = hp.n_ff_active
+    n_kv = pad_cells(n_ctx)
+    tokens = min(n_ubatch, n_kv)  # llama.cpp caps the ubatch at the context
     q_dim = hp.n_head * hp.head_dim
-    activations = 4 * n_ubatch * (3 * hp.n_embd + 3 * q_dim + 3 * n_ff)
-    scores = 0 if flash_attn else 4 * pad_cells(n_ctx) * n_ubatch * hp.n_head
-    logits = 4 * hp.n_vocab * output_rows
-    return max(activations, scores) + logits
+    mask_value_nbytes = 2 if flash_attn else 4
+    swa = [spec.is_swa(il) for il in range(hp.n_layer)]
+    n_kv_swa = min(n_kv, pad_cells(hp.n_swa + tokens)) if any(swa) else 0
+    n_kv_full = n_kv if not all(swa) else 0
+    masks = mask_value_nbytes * tokens * (n_kv_full + n_kv_swa)
+    attention = 4 * tokens * (2 * hp.n_embd + 2 * q_dim)
+    if not flash_attn:
+        # the scores, and a copy of the attention's output made contiguous (at most n_embd / 2
+        # beyond the flash path's tensors, as measured)
+        attention += 4 * tokens * (max(n_kv_full, n_kv_swa) * hp.n_head + hp.n_embd // 2)
+    ffn = 4 * tokens * (3 * hp.n_ff_active + 2 * hp.n_embd + q_dim)
+    head = 4 * min(output_rows, tokens) * (hp.n_vocab + hp.n_embd)
+    inputs = masks + 4 * tokens * hp.n_embd
+    return max(masks + max(attention, ffn), head) + (pipeline_copies - 1) * inputs
 
 
 def expected_distinct_experts(n_expert: int, n_used: int, tokens: int) -> float:

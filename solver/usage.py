@@ -16,7 +16,7 @@ from refengine.spec import ModelSpec
 
 from .cost import CPU, OP_OFFLOAD_MIN_TOKENS, PINNED, STREAMED, TierPlacement, Workload
 from .groups import EMBD, Group
-from .memory import KVShape, compute_nbytes, kv_layer_nbytes
+from .memory import PIPELINE_COPIES, KVShape, compute_nbytes, kv_layer_nbytes
 
 PREFETCH_DEPTH = 2
 TARGETS = ("refengine", "llamacpp")
@@ -77,8 +77,18 @@ def device_usage(
     # holds a compute buffer too); llama.cpp's op-offload computes on the first GPU
     holds = any(here(loc) for loc in mine.values()) or any(here(loc) for loc in place.kv.values())
     offloads = target == "llamacpp" and device == 0 and tier >= OP_OFFLOAD_MIN_TOKENS
+    # llama.cpp pipelines ubatches over several devices when every layer is offloaded whole
+    layers = [mine[g.name] for g in groups if g.kind != EMBD]
+    pipelined = (
+        target == "llamacpp"
+        and all(loc.kind != CPU for loc in layers)
+        and len({loc.device for loc in layers}) > 1
+    )
+    copies = PIPELINE_COPIES if pipelined else 1
     compute = (
-        compute_nbytes(spec, tier, w.n_ctx, w.flash_attn, rows, target) if holds or offloads else 0
+        compute_nbytes(spec, tier, w.n_ctx, w.flash_attn, rows, target, copies)
+        if holds or offloads
+        else 0
     )
     if target == "refengine":
         scratch = PREFETCH_DEPTH * max(streamed_units, default=0)

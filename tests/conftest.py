@@ -103,3 +103,47 @@ def refengine(*args, timeout_seconds: int = 600, env: dict | None = None):
         timeout=timeout_seconds,
         env=env,
     )
+
+
+@pytest.fixture(scope="session")
+def llama_bin():
+    """Real llama.cpp (CPU + RPC) from the PyPI sdist, built once into the cache by
+    scripts/build_llamacpp.sh (about 12 minutes on two cores the first time; .ci/run builds it)."""
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parent.parent / "scripts" / "build_llamacpp.sh"
+    env = dict(os.environ, PYTHON=sys.executable)
+    out = subprocess.run([str(script)], capture_output=True, text=True, env=env)
+    assert out.returncode == 0, f"building llama.cpp failed:\n{out.stderr[-3000:]}"
+    return Path(out.stdout.strip().splitlines()[-1])
+
+
+@pytest.fixture(scope="session")
+def rpc_servers(llama_bin):
+    """Three llama.cpp RPC servers on localhost, devices to llama.cpp: their endpoints."""
+    import socket
+    import time
+
+    def free_port() -> int:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            return s.getsockname()[1]
+
+    ports = [free_port() for _ in range(3)]
+    procs = [
+        subprocess.Popen([str(llama_bin / "ggml-rpc-server"), "-H", "127.0.0.1", "-p", str(p)],
+                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
+        for p in ports
+    ]
+    try:
+        for p in ports:
+            for _ in range(100):
+                try:
+                    socket.create_connection(("127.0.0.1", p), timeout=0.1).close()
+                    break
+                except OSError:
+                    time.sleep(0.05)
+        yield [f"127.0.0.1:{p}" for p in ports]
+    finally:
+        for proc in procs:
+            proc.kill()

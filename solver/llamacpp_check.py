@@ -1,0 +1,231 @@
+"""A `llamacpp` plan checked by real llama.cpp: its exported flags run in `llama-completion` (one
+token, verbose), and the load log read back — which device each tensor went to (the layer
+assignments and the `-ot` overrides it logs) and each device's model, KV and compute buffers — to
+set beside the plan's prediction (`refengine verify`).
+
+On a machine without the plan's GPUs, llama.cpp RPC servers stand in for them: GPU i of the plan is
+the i-th `--rpc` endpoint, `CUDA<i>` in the flags becomes that server's device and buffer names.
+"""
+
+from __future__ import annotations
+
+import re
+import shlex
+import subprocess
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from refengine.errors import UserError
+from refengine.spec import ModelSpec
+
+LLAMACPP_VERSION = "0.3.36"  # the llama-cpp-python sdist scripts/build_llamacpp.sh builds
+MIB = 1 << 20
+HOST = "CPU"
+# what a device may be off the plan before `verify` flags it (issue 18: 3% + 4 MiB)
+REL_TOLERANCE = 0.03
+ABS_TOLERANCE_BYTES = 4 * MIB
+
+
+def default_llama_bin() -> Path:
+    from refengine.defaults import cache_dir
+
+    return cache_dir() / "llama.cpp" / LLAMACPP_VERSION / "bin"
+
+
+def llama_binary(bin_dir: Path | None, name: str) -> Path:
+    d = Path(bin_dir) if bin_dir else default_llama_bin()
+    exe = d / name
+    if not exe.is_file():
+        raise UserError(
+            f"no {name} in {d}: build llama.cpp with scripts/build_llamacpp.sh, or give --llama-bin"
+        )
+    return exe
+
+
+def exported_args(command: str) -> tuple[str, list[str]]:
+    """(model path, flags) of an exported `llama-server -m MODEL ...` command line."""
+    words = shlex.split(command)
+    i = words.index("-m")
+    return words[i + 1], words[1:i] + words[i + 2 :]
+
+
+def rpc_buffer(endpoint: str) -> str:
+    """llama.cpp's buffer-type name of a one-device RPC server: `RPC0[host:port]` (the index is
+    the device's on that server, so every single-device server is RPC0)."""
+    return f"RPC0[{endpoint}]"
+
+
+def on_rpc(args: list[str], endpoints: list[str]) -> list[str]:
+    """Flags with the plan's GPU i served by RPC endpoint i: `--rpc` before `-dev` (llama.cpp
+    refuses `-dev RPC0` otherwise), CUDA<i> as device RPC<i>, and `-ot` destinations as RPC
+    buffer names."""
+    out = list(args)
+    dev = out.index("-dev")
+    gpus = [int(name.removeprefix("CUDA")) for name in out[dev + 1].split(",")]
+    if len(endpoints) <= max(gpus):
+        raise UserError(
+            f"the plan has {max(gpus) + 1} GPUs and --rpc names {len(endpoints)} servers; "
+            "give one each"
+        )
+    out[dev + 1] = ",".join(f"RPC{g}" for g in gpus)
+    if "-ot" in out:
+        k = out.index("-ot") + 1
+        out[k] = re.sub(
+            r"=CUDA(\d+)", lambda m: "=" + rpc_buffer(endpoints[int(m.group(1))]), out[k]
+        )
+    return ["--rpc", ",".join(endpoints[: max(gpus) + 1]), *out]
+
+
+@dataclass
+class DeviceBuffers:
+    model_bytes: int = 0
+    kv_bytes: int = 0
+    compute_bytes: int = 0
+
+    @property
+    def total_bytes(self) -> int:
+        return self.model_bytes + self.kv_bytes + self.compute_bytes
+
+
+@dataclass
+class LoadLog:
+    """What llama.cpp's verbose load log says: devices in order, each tensor's device, and the
+    buffers per device (`CPU` gathers the host's: mapped, repacked, pinned)."""
+
+    devices: list[str] = field(default_factory=list)
+    tensors: dict[str, str] = field(default_factory=dict)
+    buffers: dict[str, DeviceBuffers] = field(default_factory=dict)
+
+
+_USING = re.compile(r"using device (\S+) \(([^)]*)\)")
+_LAYER = re.compile(r"layer +(\d+) assigned to device (\S+?),")
+_OVERRIDE = re.compile(r"tensor (\S+) \(.*\) buffer type overridden to (\S+)")
+_BUFFER = re.compile(r"(load_tensors|llama_kv_cache|sched_reserve): +(\S+) (model|KV|compute) "
+                     r"buffer size = +([\d.]+) MiB")  # fmt: skip
+_KIND = {"model": "model_bytes", "KV": "kv_bytes", "compute": "compute_bytes"}
+
+
+def parse_load_log(text: str, spec: ModelSpec) -> LoadLog:
+    log = LoadLog()
+    buffer_device = {}
+    for m in _USING.finditer(text):
+        name, desc = m.group(1), m.group(2)
+        log.devices.append(name)
+        buffer_device[rpc_buffer(desc) if name.startswith("RPC") else name] = name
+
+    def device_of(buffer: str) -> str:
+        if buffer.startswith("CPU") or buffer.endswith("_Host"):
+            return HOST
+        return buffer_device.get(buffer, buffer)
+
+    layer_device = {int(m.group(1)): m.group(2) for m in _LAYER.finditer(text)}
+    overridden = {m.group(1): device_of(m.group(2)) for m in _OVERRIDE.finditer(text)}
+    n = spec.hparams.n_layer
+    for t in spec.tensors:
+        if t.name in overridden:
+            log.tensors[t.name] = overridden[t.name]
+        elif t.name == "token_embd.weight":
+            log.tensors[t.name] = HOST  # the input layer is always the host's
+        else:
+            log.tensors[t.name] = layer_device.get(n if t.layer is None else t.layer, HOST)
+    if spec.tied_output:  # the head reads a copy of the embedding on the output layer's device
+        log.tensors["token_embd.weight@output"] = overridden.get(
+            "token_embd.weight", layer_device.get(n, HOST)
+        )
+    for m in _BUFFER.finditer(text):
+        b = log.buffers.setdefault(device_of(m.group(2)), DeviceBuffers())
+        attr = _KIND[m.group(3)]
+        setattr(b, attr, getattr(b, attr) + round(float(m.group(4)) * MIB))
+    return log
+
+
+def run_llamacpp(bin_dir: Path | None, model_path: str, args: list[str], timeout_s: float = 600):
+    """llama.cpp's load log for one token of `args` (stdout and stderr together)."""
+    exe = llama_binary(bin_dir, "llama-completion")
+    cmd = [str(exe), "-m", model_path, *args, "-n", "1", "-p", "hi", "-v", "-no-cnv",
+           "--no-warmup"]  # fmt: skip
+    p = subprocess.run(cmd, capture_output=True, text=True, errors="replace", timeout=timeout_s)
+    text = p.stdout + p.stderr
+    if p.returncode != 0:
+        tail = " | ".join(line for line in text.strip().splitlines()[-3:])
+        raise UserError(f"llama.cpp exited {p.returncode} on the plan's flags: {tail}")
+    return text
+
+
+@dataclass
+class DeviceRow:
+    device: str  # llama.cpp's name (CUDA0, RPC1)
+    planned: DeviceBuffers
+    measured: DeviceBuffers
+    budget_bytes: int
+
+    @property
+    def within_tolerance(self) -> bool:
+        p, m = self.planned.total_bytes, self.measured.total_bytes
+        return abs(m - p) <= REL_TOLERANCE * p + ABS_TOLERANCE_BYTES
+
+    @property
+    def within_budget(self) -> bool:
+        return self.measured.total_bytes <= self.budget_bytes
+
+
+@dataclass
+class Verdict:
+    rows: list[DeviceRow]
+    misplaced: list[tuple[str, str, str]]  # tensor, planned device, llama.cpp's
+
+    @property
+    def ok(self) -> bool:
+        return not self.misplaced and all(r.within_budget for r in self.rows)
+
+
+def planned_memory(d: dict) -> dict[int, DeviceBuffers]:
+    """Per GPU, what a llamacpp plan says llama.cpp allocates: its largest tier's figures
+    (llama.cpp reserves for its largest ubatch; the placement is one for every tier)."""
+    tier = d["tiers"][str(max(int(t) for t in d["tiers"]))]
+    return {
+        int(g): DeviceBuffers(m["weights"], m["kv"], m["compute"])
+        for g, m in tier["memory"].items()
+    }
+
+
+def compare(d: dict, planned_devices: dict[str, str], log: LoadLog, device_names: list[str],
+            op_offload: bool = True) -> Verdict:  # fmt: skip
+    """`planned_devices`: tensor -> the llama.cpp device the plan puts it on (CPU for the host);
+    `device_names`: llama.cpp's name of each GPU of the plan. Without op-offload (RPC devices
+    have none), a GPU holding nothing computes nothing."""
+    misplaced = [
+        (name, dev, log.tensors.get(name, "?"))
+        for name, dev in sorted(planned_devices.items())
+        if log.tensors.get(name) != dev
+    ]
+    budgets = d["fingerprint"]["budget_bytes"]
+    rows = []
+    for g, mem in sorted(planned_memory(d).items()):
+        if not op_offload and not (mem.model_bytes or mem.kv_bytes):
+            mem = DeviceBuffers()  # its compute buffer was only for ops offloaded to it
+        name = device_names[g]
+        rows.append(DeviceRow(name, mem, log.buffers.get(name, DeviceBuffers()), budgets[g]))
+    return Verdict(rows, misplaced)
+
+
+def verify_plan(d: dict, spec: ModelSpec, model_path: str, bin_dir: Path | None,
+                rpc: list[str] | None) -> tuple[Verdict, list[str]]:  # fmt: skip
+    """Run a llamacpp plan's flags in llama.cpp and judge placement and memory; also returns
+    the flags run."""
+    from .export import export_plan, tensor_devices
+    from .plan import placements_from_json
+
+    if d.get("target") != "llamacpp":
+        raise UserError("verify checks llamacpp plans: solve with --target llamacpp")
+    _, args = exported_args(export_plan(d, spec, "llamacpp"))
+    if rpc:
+        args = on_rpc(args, rpc)
+    log = parse_load_log(run_llamacpp(bin_dir, model_path, args), spec)
+    names = [f"RPC{g}" if rpc else f"CUDA{g}" for g in range(len(d["fingerprint"]["budget_bytes"]))]
+    tiers = placements_from_json(d, spec)
+    planned = {
+        t: dev if dev == HOST else names[int(dev.removeprefix("CUDA"))]
+        for t, dev in tensor_devices(spec, tiers[min(tiers)]).items()
+    }
+    return compare(d, planned, log, names, op_offload=not rpc), args
