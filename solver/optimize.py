@@ -101,7 +101,7 @@ from .cost import (
     shape_terms,
 )
 from .groups import EMBD, Group
-from .memory import compute_nbytes, kv_layer_nbytes
+from .memory import PIPELINE_COPIES, compute_nbytes, kv_layer_nbytes
 from .strategies import STRATEGIES, Problem, stream_rest
 from .usage import PREFETCH_DEPTH, kv_shape
 
@@ -338,11 +338,14 @@ def _program(
     kvs = kv_shape(p.workload, tier)
     grouped = _by_token_count(shapes)
     op_offload = tier >= OP_OFFLOAD_MIN_TOKENS
-    base = compute_nbytes(p.spec, tier, p.workload.n_ctx, p.workload.flash_attn, 0, p.target)
-    rows = tier if llama else min(tier, p.workload.users)  # llama.cpp reserves a full ubatch
-    logits = (
-        compute_nbytes(p.spec, tier, p.workload.n_ctx, p.workload.flash_attn, rows, p.target) - base
-    )
+    # over several GPUs llama.cpp may pipeline ubatches (every layer offloaded whole), keeping
+    # copies of each device's inputs: reserved whatever the placement, as a bound
+    copies = PIPELINE_COPIES if llama and len(budgets) > 1 else 1
+    work = p.workload
+    base = compute_nbytes(p.spec, tier, work.n_ctx, work.flash_attn, 0, p.target, copies)
+    rows = tier if llama else min(tier, work.users)  # llama.cpp reserves a full ubatch
+    logits = compute_nbytes(p.spec, tier, work.n_ctx, work.flash_attn, rows, p.target, copies)
+    logits -= base
 
     # -- options, per class of identical layers and per device ---------------------------------
     classes: dict[tuple, list[int]] = {}

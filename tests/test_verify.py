@@ -145,6 +145,7 @@ def _verify(plan, llama_bin, endpoints, *flags):
     [
         ("smollm2-135m", "h100", "500MiB", "2048"),  # all on the device
         ("smollm2-135m", "h100", "150MiB", "2048"),  # a layer's tensors left on the CPU by -ot
+        ("dense", "rtx4090-rtx3060-epyc-7742", "60MiB,50MiB", "4096"),  # two devices
     ],
 )
 def test_verify_places_every_tensor_as_planned(shapes, llama_bin, rpc_servers, tmp_path, model,
