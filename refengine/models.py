@@ -75,13 +75,14 @@ def load_model(arg: str) -> ModelSpec:
 
 def load_model_or_shape(arg: str) -> ModelSpec:
     """A GGUF, a known real model, or a spec-only shape from shapes.json as NAME or NAME:QTYPE
-    (e.g. llama3-70b:Q4_K_M)."""
+    (e.g. llama3-70b:Q4_K_M). A known model's name is its real file (fetched once), whose types
+    differ from the shape's (SmolLM2's embedding is Q8_0 in the file)."""
     from dataclasses import replace
 
     from .synthetic import PRESETS, preset, spec_from_hparams
 
     name, _, qtype = arg.partition(":")
-    if name in PRESETS:
+    if name in PRESETS and not (name in KNOWN_MODELS and not qtype):
         cfg = preset(name, qtype=qtype) if qtype else preset(name)
         return spec_from_hparams(replace(cfg, name=arg))
     return load_model(arg)

@@ -1,0 +1,116 @@
+"""`refengine verify` over models x 1, 2 and 3 devices with unequal budgets, the devices being
+llama.cpp RPC servers on localhost (issue 18's acceptance): solve --target llamacpp, then verify,
+and one row per device of each plan — planned and allocated MiB, tensors placed as planned.
+
+    .venv/bin/python scripts/verify_matrix.py [--out docs/measured/verify-matrix.txt]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+CASES = {  # model -> (solve flags, budgets per device count)
+    "smollm2-135m": (["--ctx", "2048", "--tiers", "1,512"],
+                     {1: "200MiB", 2: "120MiB,90MiB", 3: "100MiB,70MiB,60MiB"}),
+    "gemma3-270m": (["--ctx", "4096", "--tiers", "1,128"],
+                    {1: "400MiB", 2: "300MiB,200MiB", 3: "250MiB,150MiB,100MiB"}),
+    "qwen3moe": (["--ctx", "4096", "--tiers", "1,512"],
+                 {1: "60MiB", 2: "40MiB,30MiB", 3: "30MiB,25MiB,20MiB"}),
+}  # fmt: skip
+MOE = ("--arch qwen3moe --layers 8 --embd 512 --ff 1024 --heads 8 --kv-heads 4 --experts 16 "
+       "--experts-used 4 --expert-ff 384 --vocab 8000 --qtype Q4_K")  # fmt: skip
+
+
+def refengine(*args) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "refengine", *map(str, args)],
+                          capture_output=True, text=True)  # fmt: skip
+
+
+def profile_with(n_gpus: int, out: Path) -> Path:
+    """The RTX 4090 + RTX 3060 profile with GPUs dropped or the 3060 repeated to n_gpus."""
+    d = json.loads((ROOT / "examples/profiles/rtx4090-rtx3060-epyc-7742.json").read_text())
+    d["gpus"] = (d["gpus"] + [d["gpus"][1]] * 2)[:n_gpus]
+    d["name"] = f"{d['name']}-{n_gpus}gpu"
+    out.write_text(json.dumps(d))
+    return out
+
+
+def start_servers(bin_dir: Path, n: int) -> tuple[list[subprocess.Popen], list[str]]:
+    ports = []
+    for _ in range(n):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            ports.append(s.getsockname()[1])
+    procs = [subprocess.Popen([str(bin_dir / "ggml-rpc-server"), "-H", "127.0.0.1", "-p", str(p)],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+             for p in ports]  # fmt: skip
+    time.sleep(0.5)
+    return procs, [f"127.0.0.1:{p}" for p in ports]
+
+
+ROW = re.compile(r"│ (RPC\d)\s+│ plan\s+│\s+([\d.]+) │\s+([\d.]+) │\s+([\d.]+) │\s+([\d.]+) │\s+(\d+) │ (.+?)\s+│")
+LLAMA = re.compile(r"│\s+│ llama\.cpp │\s+([\d.]+) │\s+([\d.]+) │\s+([\d.]+) │\s+([\d.]+) │")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", type=Path)
+    ap.add_argument("--llama-bin", type=Path)
+    args = ap.parse_args()
+    sys.path.insert(0, str(ROOT))
+    from solver.llamacpp_check import default_llama_bin
+
+    bin_dir = args.llama_bin or default_llama_bin()
+    lines = ["refengine verify on llama.cpp RPC servers (localhost): planned / allocated MiB",
+             f"{'model':14s} {'devs':>4s} {'device':6s} {'budget':>7s} {'plan':>8s} "
+             f"{'llama.cpp':>9s} {'off %':>6s}  {'verdict':24s} placed"]  # fmt: skip
+    procs, endpoints = start_servers(bin_dir, 3)
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            tmp = Path(tmp)
+            moe = tmp / "qwen3moe.gguf"
+            r = refengine("synth", moe, *MOE.split())
+            assert r.returncode == 0, r.stderr
+            for model, (flags, budgets) in CASES.items():
+                path = moe if model == "qwen3moe" else model
+                for n, budget in budgets.items():
+                    plan = tmp / f"{model}-{n}.json"
+                    r = refengine("solve", path, "--target", "llamacpp", "--profile",
+                                  profile_with(n, tmp / f"p{n}.json"), "--budget", budget,
+                                  *flags, "-o", plan)  # fmt: skip
+                    if r.returncode != 0:
+                        lines.append(f"{model:14s} {n:4d} solve failed: {r.stderr.strip()}")
+                        continue
+                    r = refengine("verify", plan, "--llama-bin", bin_dir, "--rpc",
+                                  ",".join(endpoints))  # fmt: skip
+                    placed = re.search(r"tensors placed as planned: (\S+)", r.stdout)
+                    rows, llama = ROW.findall(r.stdout), LLAMA.findall(r.stdout)
+                    if not rows:
+                        lines.append(f"{model:14s} {n:4d} verify failed: {r.stderr.strip()}")
+                    for (dev, *_, plan_total, budget_mib, verdict), (*_, got) in zip(rows, llama):
+                        off = (float(got) - float(plan_total)) / max(float(plan_total), 1e-9)
+                        lines.append(f"{model:14s} {n:4d} {dev:6s} {budget_mib:>7s} "
+                                     f"{float(plan_total):8.1f} {float(got):9.1f} "
+                                     f"{100 * off:+6.1f}  {verdict:24s} "
+                                     f"{placed.group(1) if placed else '?'}")  # fmt: skip
+                    print("\n".join(lines[-len(rows) or -1:]), flush=True)
+    finally:
+        for p in procs:
+            p.kill()
+    text = "\n".join(lines) + "\n"
+    print(text)
+    if args.out:
+        args.out.write_text(text)
+
+
+if __name__ == "__main__":
+    main()
