@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass
+from dataclasses import MISSING, dataclass, fields
 from pathlib import Path
 
 from refengine.errors import UserError
@@ -106,6 +106,15 @@ class GPUProfile:
     h2d_gbps_while_cpu_computes: Figure  # measured with the CPU busy: they share host memory
     launch_seconds: Figure  # one kernel launched from the host
     graph_kernel_seconds: Figure  # one kernel inside a replayed CUDA graph
+    # "cuda", or "rpc": a llama.cpp RPC server (`ggml-rpc-server`) at `endpoint`, a device to
+    # llama.cpp only: its rates are its host's CPU, its copies cross the network, and llama.cpp
+    # offloads no CPU-held weight's op to it
+    backend: str = "cuda"
+    endpoint: str = ""
+
+    @property
+    def is_rpc(self) -> bool:
+        return self.backend == "rpc"
 
 
 @dataclass(frozen=True)
@@ -177,7 +186,10 @@ class HardwareProfile:
 def _build(cls, d: dict, where: str):
     """A dataclass from JSON, each field parsed by its declared type."""
     kwargs = {}
+    defaults = {f.name for f in fields(cls) if f.default is not MISSING}
     for name, ftype in cls.__annotations__.items():
+        if name not in d and name in defaults:
+            continue
         if name not in d:
             raise UserError(f"{where}: missing {name}")
         v = d[name]
@@ -190,3 +202,37 @@ def _build(cls, d: dict, where: str):
         else:
             kwargs[name] = str(v)
     return cls(**kwargs)
+
+
+def rpc_device(cpu: CPUProfile, endpoint: str, memory_bytes: int, server_threads: int,
+               h2d_gbps: Figure, d2h_gbps: Figure, latency_seconds: Figure) -> GPUProfile:
+    """A llama.cpp RPC server as a device: its host's CPU figures (`cpu`, at the server's
+    thread count) as its rates, the link's bandwidth and round trip as its copies. llama.cpp
+    sends a device one command per graph split, so a kernel costs nothing beyond the round trip
+    of its split (the copy latency)."""
+    at = f"derived: the RPC host's CPU ({cpu.name}) at {server_threads} threads"
+    # below the fewest threads measured, a matvec's rate scales with the threads
+    matvec = {t: {1: Figure(cpu.matvec_gbps.at(t, server_threads)
+                            * min(1.0, server_threads / min(row)), at)}
+              for t, row in cpu.matvec_gbps.rows.items()}  # fmt: skip
+    matmul = RateTable("TFLOP/s", {
+        t: {k: Figure(f.value * server_threads / cpu.threads / 1000, at) for k, f in row.items()}
+        for t, row in cpu.matmul_gflops.rows.items()
+    })  # fmt: skip
+    per_split = Figure(0.0, "derived: an RPC device runs a graph split as one command")
+    return GPUProfile(
+        name=f"RPC {endpoint}",
+        memory_bytes=Figure(float(memory_bytes), f"measured: reported by the server at {endpoint}"),
+        hbm_gbps=Figure(cpu.memory_gbps.value * min(1.0, server_threads / cpu.threads), at),
+        matvec_gbps=RateTable("GB/s", matvec),
+        matmul_tflops=matmul,
+        h2d_gbps=h2d_gbps,
+        d2h_gbps=d2h_gbps,
+        copy_latency_seconds=latency_seconds,
+        h2d_gbps_while_cpu_computes=h2d_gbps,
+        launch_seconds=per_split,
+        graph_kernel_seconds=per_split,
+        backend="rpc",
+        endpoint=endpoint,
+    )
+

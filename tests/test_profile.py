@@ -92,3 +92,30 @@ def test_profile_without_a_gpu_asks_for_a_gpu_side_in_one_line(tmp_path):
     assert r.returncode == 2
     assert r.stderr.strip().count("\n") == 0 and "--gpu-from" in r.stderr
     assert not (tmp_path / "me.json").exists()
+
+
+def test_an_rpc_server_is_a_device_with_its_hosts_rates_and_the_links_copies():
+    from dataclasses import replace
+
+    from solver.profile import rpc_device
+    from solver.solve import load_profile
+
+    base = load_profile("rtx4090-epyc-7742")  # the EPYC's rates measured at 64 threads
+    link = Figure(1.25, "measured: 256 MiB set_tensor"), Figure(1.5, "measured"), Figure(2e-4, "m")
+    dev = rpc_device(base.cpu, "10.0.0.2:50052", 16 << 30, 8, *link)
+    assert dev.is_rpc and dev.endpoint == "10.0.0.2:50052" and not base.gpus[0].is_rpc
+    assert dev.memory_bytes.value == 16 << 30 and dev.h2d_gbps.value == 1.25
+    assert dev.copy_latency_seconds.value == 2e-4 and dev.launch_seconds.value == 0
+    # 8 of the 64 threads the rates were taken at: an eighth of them
+    cpu_q4k = base.cpu.matvec_gbps.at("Q4_K", 64)
+    assert dev.matvec_gbps.at("Q4_K", 1) == pytest.approx(cpu_q4k / 8)
+    gflops = base.cpu.matmul_gflops.at("Q4_K", 512)
+    assert dev.matmul_tflops.at("Q4_K", 512) == pytest.approx(gflops / 8 / 1000)
+    both = replace(base, gpus=base.gpus + (dev,))
+    again = HardwareProfile.from_json(json.loads(json.dumps(both.to_json())))
+    assert again == both and again.gpus[1].backend == "rpc"
+    # profiles written before the backend existed load as CUDA devices
+    old = base.to_json()
+    for g in old["gpus"]:
+        del g["backend"], g["endpoint"]
+    assert HardwareProfile.from_json(old) == base
