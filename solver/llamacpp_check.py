@@ -180,12 +180,10 @@ class Verdict:
 
 
 def planned_memory(d: dict) -> dict[int, DeviceBuffers]:
-    """Per GPU, what a llamacpp plan says llama.cpp allocates: its largest tier's figures
-    (llama.cpp reserves for its largest ubatch; the placement is one for every tier)."""
-    tier = d["tiers"][str(max(int(t) for t in d["tiers"]))]
+    """Per GPU, what a llamacpp plan says llama.cpp allocates (`memory_worst`)."""
     return {
         int(g): DeviceBuffers(m["weights"], m["kv"], m["compute"])
-        for g, m in tier["memory"].items()
+        for g, m in d["memory_worst"].items()
     }
 
 
@@ -218,6 +216,8 @@ def verify_plan(d: dict, spec: ModelSpec, model_path: str, bin_dir: Path | None,
 
     if d.get("target") != "llamacpp":
         raise UserError("verify checks llamacpp plans: solve with --target llamacpp")
+    if d.get("split_mode") == "tensor":
+        raise UserError("verify reads layer-split placements; this plan splits every tensor")
     _, args = exported_args(export_plan(d, spec, "llamacpp"))
     if rpc:
         args = on_rpc(args, rpc)

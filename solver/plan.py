@@ -186,6 +186,8 @@ def plan_json(
         },
         "solver": solver or {},
         "tiers": out_tiers,
+        # llama.cpp allocates once, for its largest ubatch, with the one placement of every tier
+        "memory_worst": out_tiers[str(max(tiers))]["memory"] if target == "llamacpp" else None,
     }
 
 

@@ -68,16 +68,14 @@ def test_flags_moved_onto_rpc_servers():
 def test_compare_names_misplaced_tensors_and_budgets():
     d = {
         "fingerprint": {"budget_bytes": [100 * MIB]},
-        "tiers": {"1": {"memory": {"0": {"weights": 50 * MIB, "kv": 10 * MIB, "compute": 0}}},
-                  "512": {"memory": {"0": {"weights": 50 * MIB, "kv": 10 * MIB,
-                                           "compute": 30 * MIB}}}},
-    }  # fmt: skip
+        "memory_worst": {"0": {"weights": 50 * MIB, "kv": 10 * MIB, "compute": 30 * MIB}},
+    }
     log = LoadLog(["RPC0"], {"a": "RPC0", "b": "CPU"}, {"RPC0": DeviceBuffers(50 * MIB, 10 * MIB,
                                                                            45 * MIB)})
     v = compare(d, {"a": "RPC0", "b": "RPC0"}, log, ["RPC0"])
     assert v.misplaced == [("b", "RPC0", "CPU")]
     (row,) = v.rows
-    assert row.planned.compute_bytes == 30 * MIB  # the largest tier's
+    assert row.planned.compute_bytes == 30 * MIB
     assert not row.within_budget and not row.within_tolerance and not v.ok
 
 
