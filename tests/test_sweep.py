@@ -7,7 +7,8 @@ from refengine.commands import cli
 from refengine.errors import UserError
 from refengine.models import load_model_or_shape
 from solver.solve import load_profile, request_workload
-from solver.sweep import GIB, Axis, gains, parse_range, sweep, with_pcie, write_png
+from solver.sweep import GIB, SWEEP_SOLVER_SECONDS, Axis, gains, parse_range, sweep, with_pcie
+from solver.sweep import write_png
 
 from .conftest import refengine
 
@@ -161,3 +162,9 @@ def test_a_bad_range_is_one_line_and_exit_2(budget):
     r = refengine("sweep", SHAPE, "--profile", PROFILE, "--budget", budget)
     assert r.returncode == 2 and r.stderr.startswith("error: --budget ")
     assert r.stderr.count("\n") == 1 and r.stdout == ""
+
+
+def test_the_help_says_one_axis_at_a_time_and_the_sweeps_time_limit():
+    text = " ".join(CliRunner().invoke(cli, ["sweep", "--help"]).stdout.split())
+    assert "ONE swept axis" in text
+    assert f"(default {SWEEP_SOLVER_SECONDS:g}, solver.sweep.SWEEP_SOLVER_SECONDS" in text

@@ -46,8 +46,8 @@ OPTIMIZER_SLOWER = 1e-3  # relative: below the solver's own gap target, a tie
 @click.option("--threads", default=defaults.THREADS, show_default=True, callback=THREADS_CHECK,
               help="0: the profile's.")
 @click.option("--time-limit", type=float, default=None,
-              help="Solver effort per value, in CP-SAT's deterministic seconds (default 1.0, "
-              "about 1.3 s each on two cores; solve's default is 6).")
+              help="Solver effort per value, in CP-SAT's deterministic seconds (default 1, "
+              "solver.sweep.SWEEP_SOLVER_SECONDS: about 1.3 s a value on two cores; solve: 6).")
 @click.option("--png", type=click.Path(dir_okay=False, path_type=Path),
               help="Also draw TTFT, TPS and end-to-end time against the swept axis here.")
 def sweep(model, arch, params, qtype, budget, ctx, pcie_gbps, reserve, profile_name, tiers, users,
@@ -120,7 +120,9 @@ def sweep(model, arch, params, qtype, budget, ctx, pcie_gbps, reserve, profile_n
         con.print(
             f"[red]the optimizer is slower end to end than a named placement at "
             f"{', '.join(_value(axis, r.value) for r in slower)} {axis.unit}[/]"
-        )
+            + ("; pshard's strategies run on our runtime, a llamacpp plan on llama.cpp with its "
+               "own memory terms" if target == "llamacpp" else "")
+        )  # fmt: skip
     if png:
         write_png(axis, rows, png, heading)
         con.print(f"wrote {png}")
@@ -175,7 +177,7 @@ def sweep_table(axis, rows):
             ratio = f.e2e_seconds / r.optimal.e2e_seconds
             vs = f"{ratio:.2f}x" if i else ""
             if i and ratio < 1 - OPTIMIZER_SLOWER:
-                vs = f"[red]{vs} faster[/]"
+                vs = f"[red]{ratio:.3f}x[/]"
             cells = [value if i == 0 else "", label, f"{f.ttft_seconds:.2f}", f"{f.tps:.2f}",
                      f"{f.e2e_seconds:.2f}", vs]  # fmt: skip
             if per:
