@@ -60,6 +60,7 @@ def sweep(model, arch, params, qtype, budget, ctx, pcie_gbps, reserve, profile_n
     with no plan (a budget below the minimum) is a row that says why. Each value is one solve with
     a short time limit (--time-limit)."""
     from rich.console import Console
+    from rich.markup import escape
 
     from solver.budget import device_budgets, parse_tiers
     from solver.solve import load_profile, request_workload
@@ -88,8 +89,11 @@ def sweep(model, arch, params, qtype, budget, ctx, pcie_gbps, reserve, profile_n
     w = request_workload(prof, int(n_ctx), users, prompt_tokens, gen_tokens, kv_type, fa == "on",
                          threads)  # fmt: skip
     seconds = SWEEP_SOLVER_SECONDS if time_limit is None else time_limit
+    if seconds <= 0:
+        raise UserError(f"--time-limit takes seconds above zero, not {time_limit:g}")
     con = Console(width=max(Console().width, 100))
-    fixed = [f"budget {budget or 'the profile GPU memory - 1024 MiB'}" if name != "budget" else "",
+    default_budget = "the profile's GPU memory - 1024 MiB"
+    fixed = [f"budget {budget or default_budget}" if name != "budget" else "",
              f"ctx {n_ctx}" if name != "ctx" else "",
              f"prompt {prompt_tokens or 'fills ctx - ' + str(gen_tokens)}",
              f"generate {gen_tokens}", f"users {users}",
@@ -108,7 +112,7 @@ def sweep(model, arch, params, qtype, budget, ctx, pcie_gbps, reserve, profile_n
     con.print(sweep_table(axis, rows))
     for r in rows:
         if r.optimal is None:
-            con.print(f"no plan at {_value(axis, r.value)} {axis.unit}: {r.refused}")
+            con.print(f"no plan at {_value(axis, r.value)} {axis.unit}: {escape(r.refused)}")
     slower = [r for r in rows if optimizer_slower(r)]
     gaps = [r.gap for r in rows if r.gap is not None]
     con.print(
