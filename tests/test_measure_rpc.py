@@ -1,0 +1,184 @@
+"""cudarun.measure_rpc against real llama.cpp RPC servers (the session's `rpc_servers`): bytes
+set and got back equal prove the framing and the tensor layout, the memory agrees with what
+llama.cpp itself lists for the device, and what a user can get wrong is one line."""
+
+import re
+import socket
+import subprocess
+import threading
+import time
+
+import numpy as np
+import pytest
+
+from cudarun.measure_rpc import (
+    HELLO_REPLY,
+    MIB,
+    U64,
+    Cmd,
+    RpcClient,
+    check_protocol,
+    measure_rpc,
+)
+from refengine.errors import UserError
+
+
+def one_line(e: pytest.ExceptionInfo) -> str:
+    msg = str(e.value)
+    assert msg and "\n" not in msg
+    return msg
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_random_bytes_set_at_offsets_come_back_equal(rpc_servers):
+    rng = np.random.default_rng(7)
+    nbytes = MIB + 37  # not a multiple of anything the server might round to
+    with RpcClient(rpc_servers[0]) as rpc:
+        assert rpc.protocol == "7.0.0"
+        buf = rpc.alloc(0, nbytes)
+        assert buf.nbytes >= nbytes and buf.base % rpc.alignment(0) == 0
+        data = rng.bytes(nbytes)
+        rpc.set(buf, 0, data)
+        patch = rng.bytes(4099)
+        rpc.set(buf, 12345, patch)  # a second write, inside the first
+        want = data[:12345] + patch + data[12345 + len(patch):]
+        back = bytearray(nbytes)
+        rpc.get(buf, 0, memoryview(back))
+        assert back == want
+        middle = bytearray(1000)
+        rpc.get(buf, 12000, memoryview(middle))  # a read at an offset
+        assert middle == want[12000:13000]
+        rpc.free(buf)
+
+
+def test_a_freed_buffer_is_gone_from_the_server(rpc_servers):
+    with RpcClient(rpc_servers[0]) as rpc:
+        buf = rpc.alloc(0, MIB)
+        rpc.free(buf)
+        # the server drops a client that names a buffer it does not hold
+        with pytest.raises(UserError) as e:
+            rpc.call(Cmd.BUFFER_GET_BASE, U64.pack(buf.handle), U64.size)
+        assert "closed the connection during BUFFER_GET_BASE" in one_line(e)
+    with RpcClient(rpc_servers[0]) as rpc:  # and serves the next one
+        assert rpc.device_count() == 1
+
+
+def test_memory_is_what_llama_cpp_lists_for_the_device(rpc_servers, llama_bin):
+    ep = rpc_servers[1]
+    with RpcClient(ep) as rpc:
+        free, total = rpc.device_memory(0)
+    assert 0 < free <= total
+    out = subprocess.run(
+        [str(llama_bin / "llama-completion"), "--rpc", ep, "--list-devices"],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    m = re.search(rf"RPC0: {re.escape(ep)} \((\d+) MiB, (\d+) MiB free\)", out.stdout + out.stderr)
+    assert m, out.stdout + out.stderr
+    assert total // MIB == int(m[1])
+    # a CPU server reports its host's memory as free; allow for a device whose use moves
+    assert abs(free // MIB - int(m[2])) <= max(64, int(m[1]) // 100)
+
+
+def test_the_link_measured_in_gb_per_second_and_seconds(rpc_servers):
+    from solver.profile import rpc_device
+    from solver.solve import load_profile
+
+    link = measure_rpc(rpc_servers[2], nbytes=4 * MIB, repeats=2)
+    assert link.endpoint == rpc_servers[2] and link.device_name == f"RPC {rpc_servers[2]}"
+    assert link.copy_bytes == 4 * MIB and link.device_count == 1 and link.protocol == "7.0.0"
+    # GB/s: localhost moves MB/s at the least and not TB/s; bytes/s or GiB-ms would fall outside
+    assert 0.01 < link.h2d_gbps < 500 and 0.01 < link.d2h_gbps < 500
+    # one small round trip on localhost: microseconds to milliseconds, not a whole copy
+    assert 1e-6 < link.latency_seconds < 0.05
+    assert link.latency_seconds < link.copy_bytes / (link.d2h_gbps * 1e9)
+    assert 0 < link.free_bytes <= link.total_bytes and link.alignment_bytes > 0
+    # the figures are what the profile's RPC device takes
+    cpu = load_profile("rtx4090-epyc-7742").cpu
+    dev = rpc_device(cpu, link.endpoint, link.total_bytes, 2, **link.figures())
+    assert dev.h2d_gbps.value == link.h2d_gbps and dev.d2h_gbps.value == link.d2h_gbps
+    assert dev.copy_latency_seconds.value == link.latency_seconds
+    assert dev.h2d_gbps.source.startswith("measured: refengine profile --rpc")
+
+
+def test_an_unreachable_endpoint_is_one_line():
+    ep = f"127.0.0.1:{free_port()}"  # nothing listens there now
+    with pytest.raises(UserError) as e:
+        measure_rpc(ep)
+    assert one_line(e).startswith(f"cannot reach the RPC server at {ep}:")
+    for bad in ("localhost", "127.0.0.1:", "127.0.0.1:http", "127.0.0.1:70000"):
+        with pytest.raises(UserError) as e:
+            measure_rpc(bad)
+        assert "is not HOST:PORT" in one_line(e)
+    for kw in ({"nbytes": 4 << 30}, {"nbytes": 100}, {"repeats": 0}):  # refused before connecting
+        with pytest.raises(UserError) as e:
+            measure_rpc(ep, **kw)
+        assert "up to 4 GiB" in one_line(e)
+
+
+def test_a_device_the_server_lacks_is_one_line(rpc_servers):
+    with pytest.raises(UserError) as e:
+        measure_rpc(rpc_servers[0], nbytes=MIB, repeats=1, device=3)
+    assert "has 1 device(s); no device 3" in one_line(e)
+
+
+def test_a_server_busy_with_another_client_is_one_line(rpc_servers):
+    with RpcClient(rpc_servers[0]):  # ggml-rpc-server serves one client at a time
+        with pytest.raises(UserError) as e:
+            RpcClient(rpc_servers[0], timeout_seconds=0.5)
+    assert "did not complete an RPC handshake" in one_line(e)
+    # the server lives on: it later reads the abandoned HELLO, and answering it into a closed
+    # (not reset) socket would have killed it with SIGPIPE
+    time.sleep(0.2)
+    with RpcClient(rpc_servers[0]) as rpc:
+        assert rpc.device_count() == 1
+
+
+def peer(reply: bytes | None) -> tuple[str, threading.Thread]:
+    """A TCP peer on localhost that reads one HELLO (cmd, size, 24 caps bytes) and answers
+    `reply` (None: closes without answering): another version of the protocol, or none."""
+    srv = socket.create_server(("127.0.0.1", 0))
+
+    def serve():
+        with srv:
+            conn, _ = srv.accept()
+            with conn:
+                got = b""
+                while len(got) < 1 + 8 + 24:
+                    chunk = conn.recv(64)
+                    if not chunk:
+                        break
+                    got += chunk
+                assert got[0] == Cmd.HELLO and U64.unpack(got[1:9])[0] == 24
+                if reply is not None:
+                    conn.sendall(reply)
+
+    t = threading.Thread(target=serve, daemon=True)
+    t.start()
+    return f"127.0.0.1:{srv.getsockname()[1]}", t
+
+
+def test_another_protocol_version_is_refused_in_one_line():
+    ep, t = peer(U64.pack(HELLO_REPLY.size) + HELLO_REPLY.pack(8, 0, 0, bytes(24)))
+    with pytest.raises(UserError) as e:
+        RpcClient(ep)
+    t.join(5)
+    assert "speaks protocol 8.0.0; refengine speaks 7.0" in one_line(e)
+    # llama.cpp's rule: the same major, a minor no newer than ours
+    check_protocol("h:1", 7, 0, 9)
+    with pytest.raises(UserError):
+        check_protocol("h:1", 7, 1, 0)
+    with pytest.raises(UserError):
+        check_protocol("h:1", 6, 0, 0)
+
+
+def test_a_peer_that_is_not_an_rpc_server_is_one_line():
+    ep, t = peer(None)  # an older server closes on a HELLO with capabilities, as does this
+    with pytest.raises(UserError) as e:
+        RpcClient(ep)
+    t.join(5)
+    assert f"{ep} did not complete an RPC handshake" in one_line(e)
