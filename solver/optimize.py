@@ -155,9 +155,12 @@ def optimize(
     objective: str = "e2e",
     time_limit_seconds: float = SOLVER_SECONDS,
     hint: dict[int, TierPlacement] | None = None,
+    memo: dict | None = None,
 ) -> Solution:
     """The best plan for p's target: per tier for our runtime; for llama.cpp one static placement
-    (what its flags can say), sized at the largest tier and priced over every ubatch."""
+    (what its flags can say), sized at the largest tier and priced over every ubatch. `memo`
+    (shared between calls on the same model, profile and workload) keeps each tier's program by
+    its tier, ubatch shapes, budgets and target, so candidates sharing a tier solve it once."""
     start = time.perf_counter()
     cm = CostModel(p.spec, p.profile, p.workload, p.target)
     tiers = sorted(p.tiers)
@@ -179,7 +182,13 @@ def optimize(
         mine = [sh for sh in shapes if sh.tier in covered]
         unit_hint = hint.get(top) if hint else None
         limit = time_limit_seconds / len(units)
-        placed, v, b, st = _program(p, cm, top, mine, limit, unit_hint)
+        key = (top, tuple(mine), p.budgets, p.target, objective)
+        if memo is not None and key in memo:
+            placed, v, b, st = memo[key]
+        else:
+            placed, v, b, st = _program(p, cm, top, mine, limit, unit_hint)
+            if memo is not None:
+                memo[key] = (placed, v, b, st)
         hint_seconds = None if unit_hint is None else _tier_seconds(cm, unit_hint, mine)
         if placed is None:  # no solution within the time limit: the warm start stands
             if unit_hint is None:
@@ -694,12 +703,20 @@ def best_start(
 ) -> tuple[str, dict[int, TierPlacement], float]:
     """(name, plan, seconds) of the best warm start under `evaluate`, among `plans` restricted to
     p's tiers (default: `warm_starts(p)`)."""
+    seconds, name, plan = min(score_starts(p, objective, plans), key=lambda x: x[0])
+    return name, plan, seconds
+
+
+def score_starts(
+    p: Problem, objective: str = "e2e", plans: dict[str, dict[int, TierPlacement]] | None = None
+) -> list[tuple[float, str, dict[int, TierPlacement]]]:
+    """(seconds under `evaluate`, name, plan) of each plan restricted to p's tiers (a plan
+    covering fewer, as llama.cpp's fit does, keeps those it has)."""
     plans = warm_starts(p) if plans is None else plans
     scored = []
     for name, plan in plans.items():
-        mine = {t: plan[t] for t in p.tiers}
+        mine = {t: plan[t] for t in p.tiers if t in plan}
         scored.append(
             (evaluate(mine, p.spec, p.profile, p.workload).objective(objective), name, mine)
         )
-    seconds, name, plan = min(scored, key=lambda x: x[0])
-    return name, plan, seconds
+    return scored

@@ -3,6 +3,7 @@ comparison with every named strategy out."""
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -15,7 +16,7 @@ from .budget import viable_or_refuse
 from .cost import PINNED, Loc, Prediction, TierPlacement, Workload, evaluate
 from .groups import ATTN_SIDE, tensor_groups
 from .memory import kv_layer_nbytes
-from .optimize import best_start, optimize, warm_starts
+from .optimize import RELATIVE_GAP, optimize, score_starts, warm_starts
 from .profile import HardwareProfile
 from .strategies import STRATEGIES, Problem, fit_for_runtime
 from .tensor_split import evaluate_tensor_split, short_devices
@@ -62,32 +63,30 @@ def solve(
     """(chosen plan, every named strategy's plan, solver facts). `budget_bytes`: one per GPU
     (the named strategies use the first). Target llamacpp: the best static placement llama.cpp's
     flags can express, warm-started from its --fit placement."""
+    began = time.perf_counter()
     budgets = [budget_bytes] if isinstance(budget_bytes, int) else list(budget_bytes)
-    # seed 004: a GPU too small for one layer, its KV and a workspace takes no part
-    excluded = excluded_devices(spec, w, max(tiers), budgets) if len(budgets) > 1 else {}
-    usable = [0 if d in excluded else b for d, b in enumerate(budgets)]
-    budget_bytes, more = usable[0], tuple(usable[1:])
-    p = Problem(spec, profile, w, tuple(tiers), budget_bytes, target, more)
-    ours = warm_starts(Problem(spec, profile, w, tuple(tiers), budget_bytes))
+    first, more = budgets[0], tuple(budgets[1:])
+    # the warm starts and pshard's strategies use the first GPU; llama.cpp's fit every GPU
+    ours = warm_starts(Problem(spec, profile, w, tuple(tiers), first))
     baselines = []
     for name, make in STRATEGIES.items():
         runs_on = "llamacpp" if name == "fit" else "refengine"
-        plan = ours.get(name) or make(
-            Problem(spec, profile, w, tuple(tiers), budget_bytes, runs_on)
-        )
+        plan = ours.get(name) or make(Problem(spec, profile, w, tuple(tiers), first, runs_on, more))
         baselines.append(Outcome(name, plan, evaluate(plan, spec, profile, w, runs_on), runs_on))
     if strategy is not None:
         if strategy not in STRATEGIES:
             raise UserError(f"unknown strategy {strategy!r} (known: {', '.join(STRATEGIES)})")
         named = next(b for b in baselines if b.name == strategy)
         if named.target != target:  # fit, for our runtime: op-offload as streamed weights
-            tiers_ = fit_for_runtime(
-                Problem(spec, profile, w, tuple(tiers), budget_bytes), named.tiers
-            )
+            tiers_ = fit_for_runtime(Problem(spec, profile, w, tuple(tiers), first), named.tiers)
             named = Outcome(strategy, tiers_, evaluate(tiers_, spec, profile, w, target), target)
         return named, baselines, {}
     all_pinned = _all_pinned(spec, tiers)
-    if target == "refengine" and not more and all(_fits(p, all_pinned[t], t) for t in tiers):
+    if (
+        target == "refengine"
+        and not more
+        and all(_fits(spec, w, all_pinned[t], t, budgets, target) for t in tiers)
+    ):
         return (
             Outcome("not-needed", all_pinned, evaluate(all_pinned, spec, profile, w), "refengine"),
             baselines,
@@ -95,27 +94,57 @@ def solve(
         )
     # The prompt runs in ubatches of the plan's largest tier. A smaller one can be faster where a
     # large tier's workspace crowds out pinned weights (pshard's cache_ubatch), so each largest
-    # prefill tier is a candidate, each optimized with an equal share of the time limit.
+    # prefill tier is a candidate, each optimized with an equal share of the time limit; a GPU
+    # too small for one layer, its KV and that tier's workspace takes no part in it (seed 004).
+    fit_plan = next(b.tiers for b in baselines if b.name == "fit")
+    fit_ours = fit_for_runtime(Problem(spec, profile, w, tuple(tiers), first), fit_plan)
+    starts = {**ours, "fit": fit_ours} if target == "refengine" else {}
     candidates = []
     for top in [t for t in tiers if t >= PREFILL_MIN_TOKENS] or [max(tiers)]:
         below = tuple(t for t in tiers if t <= top)
-        sub = Problem(spec, profile, w, below, budget_bytes, target, more)
+        excluded = excluded_devices(spec, w, top, budgets) if more else {}
+        usable = [0 if d in excluded else b for d, b in enumerate(budgets)]
+        sub = Problem(spec, profile, w, below, usable[0], target, tuple(usable[1:]))
         if target == "llamacpp":
             name, start = "fit", STRATEGIES["fit"](sub)
             seconds = evaluate(start, spec, profile, w, target).objective(objective)
+            scored = []
         else:
-            name, start, seconds = best_start(sub, objective, ours)
-        candidates.append((seconds, top, sub, name, start))
-    best, refusals = None, []
-    for _, top, sub, name, start in sorted(candidates, key=lambda c: c[0]):
+            scored = [
+                (sec, n, plan)
+                for sec, n, plan in score_starts(sub, objective, starts)
+                if plan and _plan_fits(spec, w, plan, usable, target)
+            ]
+            seconds, name, start = min(scored, key=lambda c: c[0], default=(0.0, None, None))
+        candidates.append((seconds, top, sub, name, start, excluded, scored))
+    # our runtime: a program per tier, the shorter tiers' shared by the candidates (memo), so each
+    # distinct program gets an equal share (about a program per tier and one more per candidate);
+    # llama.cpp: one program per candidate
+    memo: dict = {}
+    share = time_limit_seconds / (
+        len(tiers) + len(candidates) if target == "refengine" else len(candidates)
+    )
+    pool, bounds, refusals, solved = [], [], [], None
+    for _, top, sub, name, start, excluded, scored in sorted(candidates, key=lambda c: c[0]):
+        pool += [(sec, 2, f"{n} (ubatch {top})", plan, excluded) for sec, n, plan in scored]
         try:
-            sol = optimize(sub, objective, time_limit_seconds / len(candidates), hint=start)
+            units = len(sub.tiers) if target == "refengine" else 1
+            sol = optimize(sub, objective, share * units, start, memo)
         except UserError as e:  # this prefill ubatch does not fit; a smaller one may
             refusals.append(str(e))
             continue
-        if best is None or sol.objective_seconds < best[0].objective_seconds:
-            best = (sol, name, top)
-    if best is None:
+        bounds.append(sol.bound_seconds)
+        pool.append((sol.objective_seconds, 0, f"optimizer (ubatch {top})", sol.tiers, excluded))
+        if target == "refengine":  # one placement for every tier: no switch to pay
+            for t, place in sorted(sol.tiers.items()):
+                static = {u: place for u in sub.tiers if _fits(spec, w, place, u, sub.budgets)}
+                if static:
+                    sec = evaluate(static, spec, profile, w).objective(objective)
+                    label = f"optimizer's tier {t} in every tier (ubatch {top})"
+                    pool.append((sec, 1, label, static, excluded))
+        if solved is None or sol.objective_seconds < solved[0].objective_seconds:
+            solved = (sol, name, top)
+    if solved is None:
         need = "its workspace" + (
             " and room to copy its largest CPU-held weight" if target == "llamacpp" else ""
         )
@@ -123,22 +152,31 @@ def solve(
             f"no placement fits ({'; '.join(refusals)}): the first GPU needs {need}; "
             "raise --budget or lower --tiers"
         )
-    sol, start_name, top = best
-    chosen = Outcome("optimal", sol.tiers, evaluate(sol.tiers, spec, profile, w, target), target)
+    # Never worse end to end: the whole request (every ubatch, tier switches included) of the
+    # optimizer's plan against every warm start, named strategy and static plan; the best stands.
+    _, _, chosen_from, plan, excluded = min(pool, key=lambda c: c[:2])
+    chosen = Outcome("optimal", plan, evaluate(plan, spec, profile, w, target), target)
     if target == "llamacpp" and more:  # llama.cpp can also split every matrix across the GPUs
-        split = _tensor_split(spec, profile, w, tiers, usable)
+        split = _tensor_split(spec, profile, w, tiers, budgets)
         if split is not None:
             baselines.append(split)
             if split.prediction.objective(objective) < chosen.prediction.objective(objective):
                 chosen = replace(split, name="optimal")
+    sol, start_name, _ = solved
+    value = chosen.prediction.objective(objective)
+    # each candidate's bound holds for plans with its prefill ubatch; the least holds for all
+    # (switches cost nothing in it), so a plan that pays for a switch shows it as gap
+    bound = min(min(bounds), value)
+    gap = max(0.0, (value - bound) / value) if value > 0 else 0.0
     facts = {
-        "status": sol.status,
-        "objective_seconds": sol.objective_seconds,
-        "bound_seconds": sol.bound_seconds,
-        "gap": sol.gap,
-        "wall_seconds": sol.wall_seconds,
+        "status": "OPTIMAL" if gap <= RELATIVE_GAP + 1e-9 else "FEASIBLE",
+        "objective_seconds": value,
+        "bound_seconds": bound,
+        "gap": gap,
+        "wall_seconds": time.perf_counter() - began,  # the whole solve, every candidate
         "warm_start": start_name,
-        "prefill_ubatch": top,
+        "chosen_from": chosen_from,
+        "prefill_ubatch": max(chosen.tiers),
         "excluded": excluded,
     }
     if chosen.split_mode == "tensor":  # the program's figures are the layer split's
@@ -164,9 +202,19 @@ def _all_pinned(spec: ModelSpec, tiers: list[int]) -> dict[int, TierPlacement]:
     return {t: place for t in tiers}
 
 
-def _fits(p: Problem, place: TierPlacement, tier: int) -> bool:
-    u = device_usage(p.spec, tensor_groups(p.spec), place, tier, p.workload, p.target)
-    return u.total <= p.budget_bytes
+def _fits(
+    spec: ModelSpec, w: Workload, place: TierPlacement, tier: int, budgets, target="refengine"
+) -> bool:
+    """Whether a tier's placement fits every GPU's budget."""
+    groups = tensor_groups(spec)
+    return all(
+        device_usage(spec, groups, place, tier, w, target, d).total <= b
+        for d, b in enumerate(budgets)
+    )
+
+
+def _plan_fits(spec: ModelSpec, w: Workload, plan: dict, budgets, target: str) -> bool:
+    return all(_fits(spec, w, place, t, budgets, target) for t, place in plan.items())
 
 
 def excluded_devices(spec: ModelSpec, w: Workload, tier: int, budgets: list[int]) -> dict:

@@ -28,7 +28,7 @@ from typing import Callable
 from refengine.spec import ModelSpec
 
 from .cost import CPU, OP_OFFLOAD_MIN_TOKENS, PINNED, STREAMED, Loc, TierPlacement, Workload
-from .groups import ATTN_SIDE, EMBD, FFN_MATRIX, Group, tensor_groups
+from .groups import ATTN_SIDE, EMBD, EXPERTS, FFN_MATRIX, Group, tensor_groups
 from .profile import HardwareProfile
 from .usage import device_usage
 
@@ -41,7 +41,7 @@ class Problem:
     tiers: tuple[int, ...]
     budget_bytes: int  # device 0, after the reserve
     target: str = "refengine"
-    more_budgets: tuple[int, ...] = ()  # devices 1, 2, ... (the named strategies use device 0)
+    more_budgets: tuple[int, ...] = ()  # devices 1, 2, ... (fit uses them; pshard's, device 0)
 
     @property
     def budgets(self) -> tuple[int, ...]:
@@ -152,11 +152,140 @@ LLAMACPP_UBATCH = 512  # llama.cpp's default -ub: its largest ubatch, and what -
 
 def fit(p: Problem) -> dict[int, TierPlacement]:
     """llama.cpp's --fit: one static placement, sized for its 512-token ubatch; the cost model
-    prices the op-offload of CPU-held weights at >= 32 tokens (evaluate, target "llamacpp")."""
+    prices the op-offload of CPU-held weights at >= 32 tokens (evaluate, target "llamacpp").
+    On several GPUs it uses every one of them, as llama.cpp's does (`_fit_devices`)."""
     groups = tensor_groups(p.spec)
     tiers = [t for t in p.tiers if t <= LLAMACPP_UBATCH] or [min(p.tiers)]
-    place = _fit_layout(p, groups, LLAMACPP_UBATCH, front_to_back=False).placement()
+    if len(p.budgets) > 1:
+        place = _fit_devices(p, groups, LLAMACPP_UBATCH)
+    else:
+        place = _fit_layout(p, groups, LLAMACPP_UBATCH, front_to_back=False).placement()
     return {t: place for t in tiers}
+
+
+@dataclass
+class _Slice:
+    """One GPU's share under llama.cpp's multi-GPU --fit (common/fit.cpp's per-device layer
+    counts): `n_layer` GPU layers in order, the first `n_layer - n_part` whole, the rest partial
+    (the first partial keeps `keep` of its FFN and moves the others to `spill`, each later one
+    is dense-only: its experts on the CPU). The last GPU's slice ends with the output layer."""
+
+    n_layer: int = 0
+    n_part: int = 0
+    keep: str = "MOE"
+    spill: int = -1  # the device the first partial layer's moved tensors go to (-1: the CPU)
+
+
+# what each partial-layer kind keeps on its GPU (LLAMACPP.md; the router sits in the attention
+# side here, so ATTN keeps it)
+_KEEPS = {
+    "MOE": lambda g: g.kind != EXPERTS,
+    "GATE": lambda g: g.kind == ATTN_SIDE or not g.name.split(".")[2].startswith("ffn_down"),
+    "UP": lambda g: g.kind == ATTN_SIDE or g.name.split(".")[2].startswith("ffn_up"),
+    "ATTN": lambda g: g.kind == ATTN_SIDE,
+}
+
+
+def _devices_placement(p: Problem, groups: list[Group], slices: list[_Slice]) -> TierPlacement:
+    """The placement of per-device slices: the GPU layers are the last sum(n_layer) of the
+    n_layer + 1 (the output layer counting last), device 0 taking the earliest."""
+    n = p.spec.hparams.n_layer
+    loc = {g.name: Loc(CPU) for g in groups}
+    kv = {il: Loc(CPU) for il in range(n)}
+    il = n + 1 - sum(s.n_layer for s in slices)
+    for d, s in enumerate(slices):
+        for j in range(s.n_layer):
+            if il == n:  # the output layer
+                loc["output"] = Loc(PINNED, d)
+            else:
+                part = j - (s.n_layer - s.n_part)  # >= 0: a partial layer
+                keep = _KEEPS["MOE" if part > 0 else s.keep]
+                spill = Loc(PINNED, s.spill) if part == 0 and s.spill >= 0 else Loc(CPU)
+                for g in groups:
+                    if g.layer == il:
+                        loc[g.name] = Loc(PINNED, d) if part < 0 or keep(g) else spill
+                kv[il] = Loc(PINNED, d)
+            il += 1
+    return TierPlacement(loc, kv)
+
+
+def _fit_devices(p: Problem, groups: list[Group], tier: int) -> TierPlacement:
+    """llama.cpp's --fit over several GPUs (common/fit.cpp, llama_params_fit): (1) back to front,
+    each GPU takes as many of the unassigned last layers as fit it (MoE: dense-only, experts on
+    the CPU; the last GPU's first layer is the output layer, always whole); (2) MoE, when every
+    layer found a GPU: front to back, each GPU converts dense-only layers (its own, then the next
+    GPUs' from the front) into whole layers as they fit, then tries one more partial layer — UP,
+    and if that fits GATE, else ATTN — whose moved tensors go to the next GPU (the last GPU's:
+    the CPU). The searches are bisections over a monotone fit, where llama.cpp interpolates;
+    both end at the largest count that fits."""
+    n, nd = p.spec.hparams.n_layer, len(p.budgets)
+    moe = p.spec.arch.moe
+
+    def usage(slices: list[_Slice]) -> list[int]:
+        place = _devices_placement(p, groups, slices)
+        return [
+            device_usage(p.spec, groups, place, tier, p.workload, p.target, d).total
+            for d in range(nd)
+        ]
+
+    def with_count(slices: list[_Slice], d: int, k: int) -> list[_Slice]:
+        out = [replace(s) for s in slices]
+        out[d] = _Slice(k, (k - 1 if d == nd - 1 else k) if moe and k else 0)
+        return out
+
+    slices = [_Slice() for _ in range(nd)]
+    for d in range(nd - 1, -1, -1):  # (1)
+        left = n + 1 - sum(s.n_layer for s in slices[d + 1 :])
+        k = _largest(lambda k: usage(with_count(slices, d, k))[d] <= p.budgets[d], left)
+        slices = with_count(slices, d, max(k, 0))
+    if not moe or sum(s.n_layer for s in slices) < n + 1:
+        return _devices_placement(p, groups, slices)
+
+    def convert(slices: list[_Slice], d: int, start: int, k: int) -> tuple[list[_Slice], int]:
+        out = [replace(s) for s in slices]
+        j, moved = start, 0
+        while j < nd:
+            c = min(k - moved, out[j].n_part)
+            out[j].n_layer -= c
+            out[j].n_part -= c
+            out[d].n_layer += c
+            moved += c
+            if out[j].n_part > 0:
+                break
+            j += 1
+        return out, j
+
+    start = next(d for d in range(nd) if slices[d].n_layer > 0)
+    for d in range(start + 1):  # (2)
+        if start >= nd:
+            break
+        pool = sum(s.n_part for s in slices[start:])
+        k = _largest(lambda k: usage(convert(slices, d, start, k)[0])[d] <= p.budgets[d], pool)
+        slices, start = convert(slices, d, start, max(k, 0))
+        if start >= nd or slices[start].n_layer <= (0 if d < nd - 1 else 1):
+            continue
+        trial = [replace(s) for s in slices]
+        trial[start].n_layer -= 1
+        trial[start].n_part -= 1
+        trial[d].n_layer += 1
+        trial[d].n_part += 1
+        nxt = start + 1 if trial[start].n_part == 0 else start
+        spill = d + 1 if d < nd - 1 else -1
+
+        def fits(keep: str) -> bool:
+            trial[d].keep, trial[d].spill = keep, spill
+            u = usage(trial)
+            return u[d] < p.budgets[d] and (spill < 0 or u[spill] < p.budgets[spill])
+
+        for keeps in (("UP", "GATE"), ("ATTN",)):
+            if fits(keeps[0]):
+                best = keeps[0]
+                if len(keeps) > 1 and fits(keeps[1]):
+                    best = keeps[1]
+                trial[d].keep = best
+                slices, start = trial, nxt
+                break
+    return _devices_placement(p, groups, slices)
 
 
 def fit_for_runtime(p: Problem, placements: dict[int, TierPlacement]) -> dict[int, TierPlacement]:

@@ -145,3 +145,52 @@ def test_several_gpus_plan_per_device_and_name_what_is_short(tmp_path):
     assert "device 1" in r.stderr
     r = solve("llama3-8b", "--profile", "rtx4090-epyc-7742", "--budget", "10GiB,10GiB")
     assert r.returncode == 2 and "describes 1 GPU" in r.stderr
+
+
+def test_never_worse_end_to_end_on_a_short_request_and_optimal_only_within_the_gap():
+    """A 60-token prompt and 20 generated tokens (issue 18, item 5): the chosen plan's whole
+    request — prompt ubatches, decode steps, the tier switch — is no slower than any named
+    strategy or warm start; OPTIMAL only when the gap to the bound is within the gap limit."""
+    from refengine.synthetic import preset, spec_from_hparams
+    from solver.budget import default_tiers
+    from solver.cost import Workload, evaluate
+    from solver.optimize import RELATIVE_GAP, warm_starts
+    from solver.solve import load_profile
+    from solver.solve import solve as solve_
+    from solver.strategies import Problem
+
+    spec = spec_from_hparams(preset("qwen3moe-30b-a3b"))
+    prof = load_profile("rtx4090-epyc-7742")
+    w = Workload(n_ctx=4096, prompt_tokens=60, gen_tokens=20)
+    tiers = default_tiers(4096)
+    budget = 16 * 2**30
+    chosen, baselines, facts = solve_(spec, prof, w, tiers, budget, time_limit_seconds=3)
+    e2e = chosen.prediction.e2e_seconds
+    assert all(e2e <= b.prediction.e2e_seconds * (1 + 1e-9) for b in baselines)
+    for plan in warm_starts(Problem(spec, prof, w, tuple(tiers), budget)).values():
+        assert e2e <= evaluate(plan, spec, prof, w).e2e_seconds * (1 + 1e-9)
+    assert facts["bound_seconds"] <= e2e and abs(facts["objective_seconds"] - e2e) < 1e-9
+    assert (facts["status"] == "OPTIMAL") == (facts["gap"] <= RELATIVE_GAP + 1e-9)
+
+
+def test_a_small_second_gpu_is_excluded_per_prefill_ubatch_not_at_the_largest_tier():
+    """70B on 16 + 2 GiB at 8K: the 2 GiB GPU cannot hold a layer and the 4096- or 8192-token
+    workspace, but can at 2048 and below; the plan uses it there and is faster than on one GPU."""
+    from refengine.synthetic import preset, spec_from_hparams
+    from solver.budget import default_tiers
+    from solver.cost import Workload
+    from solver.solve import excluded_devices, load_profile
+    from solver.solve import solve as solve_
+
+    spec = spec_from_hparams(preset("llama3-70b"))
+    prof = load_profile("rtx4090-rtx3060-epyc-7742")
+    w = Workload(n_ctx=8192, prompt_tokens=8000, gen_tokens=100)
+    budgets = [16 * 2**30, 2 * 2**30]
+    assert excluded_devices(spec, w, 8192, budgets) and not excluded_devices(spec, w, 512, budgets)
+    two, _, facts = solve_(spec, prof, w, default_tiers(8192), budgets, time_limit_seconds=2)
+    one, _, _ = solve_(spec, prof, w, default_tiers(8192), budgets[0], time_limit_seconds=2)
+    assert not facts["excluded"]
+    assert any(
+        loc.on_gpu and loc.device == 1 for p in two.tiers.values() for loc in p.groups.values()
+    )
+    assert two.prediction.e2e_seconds < one.prediction.e2e_seconds

@@ -115,3 +115,32 @@ def test_streaming_beats_cpu_prefill_for_a_model_that_does_not_fit():
     stream = evaluate(STRATEGIES["layerpin-layerstream"](p), DENSE, PROFILE, p.workload)
     static = evaluate(STRATEGIES["pshard-fitparams"](p), DENSE, PROFILE, p.workload)
     assert stream.ttft_seconds < static.ttft_seconds / 3
+
+
+def test_fit_on_two_gpus_uses_both_as_llamacpps_fit_does():
+    """common/fit.cpp: back to front, the last GPU takes the last layers and the output layer, the
+    first GPU the layers before them; the rest stay on the CPU. Each GPU within its budget, and
+    the pair no slower than the first GPU alone."""
+    from dataclasses import replace
+
+    prof = replace(PROFILE, gpus=(PROFILE.gpus[0], replace(PROFILE.gpus[0], name="second")))
+    w = Workload(n_ctx=8192, prompt_tokens=4000, gen_tokens=200)
+    for spec, gib in ((DENSE, 2.0), (MOE, 2.0)):
+        one = Problem(spec, prof, w, TIERS, int(gib * GIB), "llamacpp")
+        two = replace(one, more_budgets=(int(gib * GIB),))
+        place = fit(two)[1]
+        groups = tensor_groups(spec)
+        for d in (0, 1):
+            assert device_usage(spec, groups, place, LLAMACPP_UBATCH, w, "llamacpp", d).total <= (
+                gib * GIB
+            )
+        assert place.groups["output"] == place.groups["output"].__class__(PINNED, 1)
+        homes = [  # the GPU of each layer's attention side (None: the CPU)
+            place.groups[f"blk.{il}.attn"].device if place.groups[f"blk.{il}.attn"].on_gpu else None
+            for il in range(spec.hparams.n_layer)
+        ]
+        on = [d for d in homes if d is not None]
+        assert on == sorted(on) and set(on) == {0, 1}  # a contiguous range on each, in order
+        assert homes[-1] == 1 and all(d is not None for d in homes[homes.index(on[0]) :])
+        cost = lambda p: evaluate(fit(p), spec, prof, w, "llamacpp").e2e_seconds  # noqa: E731
+        assert cost(two) < cost(one)
