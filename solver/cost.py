@@ -48,6 +48,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from refengine.errors import UserError
 from refengine.spec import ModelSpec
 
 from .groups import EMBD, EXPERTS, HEAD, Group, tensor_groups
@@ -114,6 +115,18 @@ class Workload:
     kv_type: str = "f16"
     flash_attn: bool = True
     threads: int = 0  # 0: the profile's CPU thread count
+
+    def __post_init__(self) -> None:
+        check_kv_cache(self.kv_type, self.flash_attn)
+
+
+def check_kv_cache(kv_type: str, flash_attn: bool) -> None:
+    """llama.cpp stores a quantized V cache only with flash attention (llama-context.cpp)."""
+    if kv_type != "f16" and not flash_attn:
+        raise UserError(
+            f"a {kv_type} KV cache needs flash attention (llama.cpp quantizes the V cache only "
+            f"with it): use --fa on, or --kv-type f16 with --fa off"
+        )
 
 
 @dataclass

@@ -1,14 +1,18 @@
-"""Exports: a `llamacpp`-target plan as llama.cpp flags that mean exactly its placement, and the
-inverse — llama.cpp's own placement rules applied to flags — that the tests use to prove it.
+"""Exports: a `llamacpp`-target plan as the llama.cpp flags an expert would write for exactly its
+placement, and the inverse -- llama.cpp's own placement rules applied to flags -- that the tests use
+to prove it.
 
-Flags (LLAMACPP.md): `-fit off` (else --fit would move things), an explicit `-c`, `-ngl K` (the
-output layer plus the last K-1 repeating layers go to the GPU, and a layer's KV follows it),
-integer `-ts` counts over several GPUs, `-sm layer`, `-b`/`-ub` (the plan's largest ubatch),
-`-fa`, `-ctk/-ctv`, `-dev CUDA0[,CUDA1...]`, and anchored `-ot` patterns, first match wins, for
-every tensor whose plan location differs from what `-ngl`/`-ts` give it; or, for a tensor-split
-plan, `-sm tensor`. llama.cpp cannot
-express streamed execution, per-tier plans, or a KV placement other than its layer's: a plan
-needing those is refused with the reason.
+Flags (LLAMACPP.md, common/arg.cpp): `-fit off` (else --fit would move things), an explicit `-c`
+(the plan's cells, the total over all sequences: `-np N -kvu` shares one cache among N users, which
+is what the plan priced), `-ngl K` (the output layer plus the last K-1 repeating layers go to the
+GPU, and a layer's KV follows it), integer `-ts` counts over several GPUs, `-sm layer`, `-b`/`-ub`
+(the plan's largest ubatch), `-fa`, `-ctk/-ctv`, `-dev CUDA0[,CUDA1...]`; then the tensors whose
+plan location differs from that: `--cpu-moe` / `--n-cpu-moe N` where the routed experts of the
+first N layers are on the CPU, and `-ot` patterns, one per set of layers and destination, for the
+rest. Every override joins one list in command-line order and the first search match wins, so the
+`-ot` exceptions come before the MoE flag. A tensor-split plan is `-sm tensor`. llama.cpp cannot
+express streamed execution, per-tier plans, a KV placement other than its layer's, or a quantized V
+cache without flash attention: a plan needing those is refused with the reason.
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ from refengine.errors import UserError
 from refengine.spec import ModelSpec, layer_of
 
 from .budget import DEFAULT_N_BATCH
-from .cost import CPU, TierPlacement
+from .cost import CPU, TierPlacement, check_kv_cache
 from .groups import tensor_groups
 
 CPU_BUFT = "CPU"
@@ -44,6 +48,146 @@ def tensor_devices(spec: ModelSpec, place: TierPlacement) -> dict[str, str]:
     return out
 
 
+# llama.cpp's LLM_FFN_EXPS_REGEX (common/common.h): the routed experts --cpu-moe and --n-cpu-moe
+# move; shared experts (_shexp) and the router (ffn_gate_inp) do not match
+EXPERTS_REGEX = r"\.ffn_(up|down|gate|gate_up)_(ch|)exps"
+MODEL_PLACEHOLDER = "MODEL.gguf"
+
+
+def moe_rules(flag: str, n: int = 0) -> list[tuple[str, str]]:
+    """The overrides `--cpu-moe` or `--n-cpu-moe n` add, in llama.cpp's order."""
+    if flag == "--cpu-moe":
+        return [(EXPERTS_REGEX, CPU_BUFT)]
+    return [(f"blk\\.{il}{EXPERTS_REGEX}", CPU_BUFT) for il in range(n)]
+
+
+def apply_rules(devices: dict[str, str], rules: list[tuple[str, str]]) -> dict[str, str]:
+    """Each tensor to the buffer of the first rule whose regex is found in its name (a tied
+    head's second copy, `token_embd.weight@output`, answers to `token_embd.weight`)."""
+    compiled = [(re.compile(rx), buft) for rx, buft in rules]
+    out = dict(devices)
+    for name in out:
+        real = name.removesuffix("@output")
+        out[name] = next((buft for rx, buft in compiled if rx.search(real)), out[name])
+    return out
+
+
+def _moe_flag(spec: ModelSpec, want: dict[str, str], default: dict[str, str]) -> list[str]:
+    """`--cpu-moe` when every routed expert is on the CPU; `--n-cpu-moe N` when those of layers
+    0..N-1 are (N as large as the plan allows) and that moves one -ngl would offload; else none."""
+    rx = re.compile(EXPERTS_REGEX)
+    experts = [t.name for t in spec.tensors if rx.search(t.name)]
+    if not experts or all(default[x] == CPU_BUFT for x in experts if want[x] == CPU_BUFT):
+        return []
+    if all(want[x] == CPU_BUFT for x in experts):
+        return ["--cpu-moe"]
+    n = 0
+    while n < spec.hparams.n_layer and all(
+        want[x] == CPU_BUFT for x in experts if layer_of(x) == n
+    ):
+        n += 1
+    moved = any(default[x] != CPU_BUFT for x in experts if layer_of(x) < n)
+    return ["--n-cpu-moe", str(n)] if moved else []
+
+
+def _alternatives(items: list[str]) -> str:
+    return items[0] if len(items) == 1 else f"({'|'.join(items)})"
+
+
+def _digits(lo: int, hi: int) -> str:
+    return str(lo) if lo == hi else f"[{lo}{hi}]" if hi == lo + 1 else f"[{lo}-{hi}]"
+
+
+def layers_regex(layers: list[int]) -> str:
+    """Layer numbers as decimal ranges, each run of consecutive layers in aligned blocks:
+    [3..30] -> ([3-9]|[12][0-9]|30), [0..4] -> [0-4]."""
+    pieces = []
+    runs: list[list[int]] = []
+    for il in sorted(layers):
+        if runs and il == runs[-1][1] + 1:
+            runs[-1][1] = il
+        else:
+            runs.append([il, il])
+    for lo, hi in runs:
+        while lo <= hi:
+            block = 1  # the largest power of ten that starts at lo and fits before hi
+            while lo and lo % (block * 10) == 0 and lo + block * 10 - 1 <= hi:
+                block *= 10
+            count = min((hi - lo + 1) // block, 10 - (lo // block) % 10)
+            head, first = divmod(lo // block, 10)
+            pieces.append(
+                (str(head) if head else "")
+                + _digits(first, first + count - 1)
+                + "[0-9]" * (len(str(block)) - 1)
+            )
+            lo += count * block
+    return _alternatives(pieces)
+
+
+def _names_regex(stems: list[str]) -> str:
+    """Tensor names without their layer prefix as one short alternation, names sharing a first
+    word factored: attn_q.weight, attn_k.weight, ffn_norm.weight -> (attn_(q|k)|ffn_norm)\\.weight.
+    """
+    suffixes = {s.rsplit(".", 1)[1] for s in stems}
+    if len(suffixes) > 1:
+        return _alternatives([re.escape(s) for s in stems])
+    words: dict[str, list[str]] = {}
+    for s in stems:
+        head, _, rest = s.rsplit(".", 1)[0].partition("_")
+        words.setdefault(head, []).append(rest)
+    alts = []
+    for w, rests in words.items():
+        alts += [re.escape(w)] if "" in rests else []  # `output` beside `output_norm`
+        rests = [r for r in rests if r]
+        tails = {r.rpartition("_")[2] for r in rests}
+        if len(rests) > 1 and len(tails) == 1 and all("_" in r for r in rests):  # (gate|up)_exps
+            tail = tails.pop()
+            heads = [re.escape(r.rpartition("_")[0]) for r in rests]
+            alts.append(f"{re.escape(w)}_{_alternatives(heads)}_{re.escape(tail)}")
+        elif rests:
+            alts.append(f"{re.escape(w)}_{_alternatives([re.escape(r) for r in rests])}")
+    return _alternatives(alts) + re.escape("." + suffixes.pop())
+
+
+def override_patterns(spec: ModelSpec, moves: dict[str, str]) -> list[str]:
+    """`-ot` items moving each tensor of `moves` to its buffer: one per destination and set of
+    layers, naming the tensors they share (`blk\\.(3|4)\\.ffn_(up|down)\\.weight=CPU`, or
+    `blk\\.(3|4)\\.=CPU` for whole layers). Each pattern is the shortest of its forms that finds
+    exactly its tensors in the model (the layers left out, then unanchored, then anchored), so no
+    two patterns find the same tensor and their order does not matter."""
+    layers_of: dict[tuple[str, str], set[int]] = defaultdict(set)  # (stem, buffer) -> layers
+    for name, buft in moves.items():
+        il = layer_of(name)
+        stem = name if il is None else name.split(".", 2)[2]
+        layers_of[(stem, buft)].update(() if il is None else (il,))
+    sets: dict[tuple[tuple[int, ...], str], list[str]] = defaultdict(list)
+    for (stem, buft), layers in layers_of.items():
+        sets[(tuple(sorted(layers)), buft)].append(stem)  # () for tensors outside the layers
+    names = [t.name for t in spec.tensors]
+    out = []
+    for (layers, buft), stems in sorted(sets.items()):
+        if not layers:
+            target = set(stems)
+            forms = [_names_regex(sorted(stems, key=names.index))]
+        else:
+            target = {f"blk.{il}.{s}" for il in layers for s in stems}
+            in_order = [n.split(".", 2)[2] for n in names if layer_of(n) == layers[0]]
+            prefix = f"blk\\.{layers_regex(list(layers))}\\."
+            if all({n for n in names if layer_of(n) == il} <= target for il in layers):
+                forms = [prefix]  # whole layers
+            else:
+                stems_rx = _names_regex(sorted(stems, key=in_order.index))
+                forms = [stems_rx, prefix + stems_rx]
+        for pattern in forms + [f"^{forms[-1]}", f"^{forms[-1]}$"]:
+            rx = re.compile(pattern)
+            if {n for n in names if rx.search(n)} == target:
+                out.append(f"{pattern}={buft}")
+                break
+        else:
+            raise AssertionError(f"no pattern finds exactly {sorted(target)[:3]}...")
+    return out
+
+
 def llamacpp_args(
     spec: ModelSpec,
     place: TierPlacement,
@@ -52,8 +196,10 @@ def llamacpp_args(
     flash_attn: bool,
     n_ubatch: int = 512,
     n_devices: int = 1,
+    users: int = 1,
 ) -> list[str]:
     n = spec.hparams.n_layer
+    check_kv_cache(kv_type, flash_attn)
     gpu_kv = sorted(il for il, loc in place.kv.items() if loc.kind != CPU)
     if any(loc.kind == "streamed" for loc in place.groups.values()) or any(
         loc.kind == "streamed" for loc in place.kv.values()
@@ -82,50 +228,28 @@ def llamacpp_args(
     if ngl:
         ts[head.device if head.on_gpu and head.device >= last_used else last_used] += 1
     default = llamacpp_defaults(spec, ngl, ts)
-    by_pattern: dict[tuple[str, str], list[int]] = defaultdict(list)
-    singles = []
-    for name, dev in want.items():
-        if default[name] == dev or name.endswith("@output"):
-            continue
-        il = layer_of(name)
-        if il is None:
-            singles.append((name, dev))
-        else:
-            base = name.split(".", 2)[2]
-            by_pattern[(base, dev)].append(il)
-    ot = [f"^{re.escape(name)}$={dev}" for name, dev in singles]
-    for (base, dev), layers in sorted(by_pattern.items()):
-        alt = "|".join(str(il) for il in sorted(layers))
-        ot.append(f"^blk\\.({alt})\\.{re.escape(base)}$={dev}")
     tied_head = want.get("token_embd.weight@output")
     if tied_head is not None and tied_head != default["token_embd.weight@output"]:
         raise UserError("a tied output head cannot be placed apart from llama.cpp's output layer")
+    moe = _moe_flag(spec, want, default)
+    after_moe = apply_rules(default, moe_rules(*moe[:1], *map(int, moe[1:])) if moe else [])
+    moves = {
+        name: dev
+        for name, dev in want.items()
+        if after_moe[name] != dev and not name.endswith("@output")
+    }
+    ot = override_patterns(spec, moves)
     split = ["-ts", ",".join(map(str, ts))] if n_devices > 1 else []
+    parallel = ["-np", str(users), "-kvu"] if users > 1 else []
     args = [
-        "-fit",
-        "off",
-        "-c",
-        str(n_ctx),
-        "-ngl",
-        str(ngl),
-        *split,
-        "-sm",
-        "layer",
-        "-b",  # llama.cpp caps -ub at -b (2048 unless given)
-        str(max(n_ubatch, DEFAULT_N_BATCH)),
-        "-ub",
-        str(n_ubatch),
-        "-fa",
-        "on" if flash_attn else "off",
-        "-ctk",
-        kv_type,
-        "-ctv",
-        kv_type,
-        "-dev",
-        ",".join(gpu_buft(d) for d in range(n_devices)),
-    ]
-    if ot:
-        args += ["-ot", ",".join(ot)]
+        "-fit", "off", "-c", str(n_ctx), *parallel, "-ngl", str(ngl), *split, "-sm", "layer",
+        "-b", str(max(n_ubatch, DEFAULT_N_BATCH)),  # llama.cpp caps -ub at -b (2048 unless given)
+        "-ub", str(n_ubatch), "-fa", "on" if flash_attn else "off",
+        "-ctk", kv_type, "-ctv", kv_type, "-dev", ",".join(gpu_buft(d) for d in range(n_devices)),
+        *(["-ot", ",".join(ot)] if ot else []), *moe,
+    ]  # fmt: skip
+    if apply_llamacpp_args(spec, args) != want:
+        raise AssertionError("exported flags do not reproduce the plan")  # a bug, not the user's
     return args
 
 
@@ -133,8 +257,9 @@ def tensor_split_args(plan: dict, spec: ModelSpec) -> list[str]:
     """Flags for a tensor-split plan: every layer offloaded, each matrix split evenly (llama.cpp
     ignores -ts under -sm tensor), flash attention on (it requires it)."""
     fp = plan["fingerprint"]
+    parallel = ["-np", str(fp["users"]), "-kvu"] if fp["users"] > 1 else []
     return [
-        "-fit", "off", "-c", str(fp["n_ctx"]), "-ngl", str(spec.hparams.n_layer + 1),
+        "-fit", "off", "-c", str(fp["n_ctx"]), *parallel, "-ngl", str(spec.hparams.n_layer + 1),
         "-sm", "tensor", "-b", str(max(max(fp["tiers"]), DEFAULT_N_BATCH)),
         "-ub", str(max(fp["tiers"])), "-fa", "on",
         "-ctk", fp["kv_type"], "-ctv", fp["kv_type"],
@@ -170,27 +295,32 @@ def llamacpp_defaults(spec: ModelSpec, ngl: int, ts: list[int] | None = None) ->
 
 
 def apply_llamacpp_args(spec: ModelSpec, args: list[str]) -> dict[str, str]:
-    """llama.cpp's rules applied to flags: `-ngl` first, then each `-ot` pattern searched (not
-    matched) against the full tensor name in order, the first match winning."""
+    """llama.cpp's rules applied to flags: `-ngl`/`-ts` first, then the overrides of `-ot`,
+    `--cpu-moe` and `--n-cpu-moe` in command-line order, each regex searched (not matched) in the
+    full tensor name, the first match winning."""
     ngl = int(args[args.index("-ngl") + 1])
     ts = [int(x) for x in args[args.index("-ts") + 1].split(",")] if "-ts" in args else None
-    devices = llamacpp_defaults(spec, ngl, ts)
-    rules = []
-    if "-ot" in args:
-        for item in args[args.index("-ot") + 1].split(","):
-            pattern, buft = item.split("=", 1)
-            rules.append((re.compile(pattern), buft))
-    for name in list(devices):
-        real = name.removesuffix("@output")
-        for rx, buft in rules:
-            if rx.search(real):
-                devices[name] = buft
-                break
-    return devices
+    rules: list[tuple[str, str]] = []
+    for i, flag in enumerate(args):
+        if flag == "-ot":
+            rules += [tuple(item.split("=", 1)) for item in args[i + 1].split(",")]
+        elif flag == "--cpu-moe":
+            rules += moe_rules(flag)
+        elif flag == "--n-cpu-moe":
+            rules += moe_rules(flag, int(args[i + 1]))
+    return apply_rules(llamacpp_defaults(spec, ngl, ts), rules)
 
 
-def command_line(model_path: str, args: list[str]) -> str:
-    return shlex.join(["llama-server", "-m", model_path, *args])
+def command_line(spec: ModelSpec, args: list[str]) -> str:
+    """`llama-server -m MODEL ...`; for a spec-only shape, which has no file, MODEL.gguf stands
+    in (`placeholder_note` says so)."""
+    return shlex.join(["llama-server", "-m", str(spec.path or MODEL_PLACEHOLDER), *args])
+
+
+def placeholder_note(spec: ModelSpec) -> str | None:
+    if spec.path is not None:
+        return None
+    return f"{spec.name} is a spec-only shape: replace {MODEL_PLACEHOLDER} with a GGUF file of it"
 
 
 def export_plan(d: dict, spec: ModelSpec, fmt: str) -> str:
@@ -200,11 +330,10 @@ def export_plan(d: dict, spec: ModelSpec, fmt: str) -> str:
     from .registry import registry_text
 
     w, fp = plan_workload(d), d["fingerprint"]
-    model = str(spec.path or d["model"]["name"])
     if d.get("split_mode") == "tensor":
         if fmt != "llamacpp":
             raise UserError("a tensor-split plan exports as llama.cpp flags only")
-        return command_line(model, tensor_split_args(d, spec))
+        return command_line(spec, tensor_split_args(d, spec))
     tiers = placements_from_json(d, spec)
     if fmt == "llamacpp":
         if d["target"] != "llamacpp":
@@ -220,8 +349,9 @@ def export_plan(d: dict, spec: ModelSpec, fmt: str) -> str:
             w.flash_attn,
             n_ubatch=max(tiers),
             n_devices=len(fp["budget_bytes"]),
+            users=w.users,
         )
-        return command_line(model, args)
+        return command_line(spec, args)
     per_tier = {
         t: (place, d["prediction"]["tps"], d["tiers"][str(t)]["memory"]["0"]["total"])
         for t, place in tiers.items()

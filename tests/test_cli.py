@@ -293,3 +293,12 @@ def test_threads_reach_the_plan_of_run(small_models, tmp_path):
         assert r.returncode == 0, r.stderr
     plans = [json.loads(p.read_text()) for p in tmp_path.glob("m.gguf.*.plan.json")]
     assert sorted(p["fingerprint"]["threads"] for p in plans) == [1, 2]
+
+
+@pytest.mark.parametrize("command", ["solve", "sweep"])
+def test_a_quantized_kv_cache_without_flash_attention_is_one_line(command):
+    """llama.cpp refuses a quantized V cache without flash attention; so do we, before solving."""
+    extra = ("--budget", "2GiB..4GiB:1GiB") if command == "sweep" else ()
+    r = refengine(command, "llama3-8b", "--profile", "h100", "--kv-type", "q8_0", "--fa", "off",
+                  *extra)
+    assert_one_line_error(r, "q8_0 KV cache needs flash attention", "use --fa on")

@@ -73,8 +73,8 @@ def test_llamacpp_target_exports_flags_and_a_refengine_plan_is_refused(tmp_path)
     assert r.returncode == 0, r.stderr
     cmd = refengine("export", lp)
     assert cmd.returncode == 0, cmd.stderr
-    assert cmd.stdout.startswith("llama-server -m qwen3moe-30b-a3b -fit off -c 8192 -ngl ")
-    assert "ffn_down_exps" in cmd.stdout and "=CPU" in cmd.stdout
+    assert cmd.stdout.startswith("llama-server -m MODEL.gguf -fit off -c 8192 -ngl ")  # spec only
+    assert "_exps" in cmd.stdout and "=CPU" in cmd.stdout
     ours = tmp_path / "ours.json"
     assert (
         solve(

@@ -214,7 +214,7 @@ def solve(
 )
 def export(plan_path: Path, fmt: str, output: Path | None) -> None:
     """Print a plan as a llama.cpp command, or write it as a pshard registry."""
-    from solver.export import export_plan
+    from solver.export import export_plan, placeholder_note
     from solver.plan import load_plan, plan_model
 
     d = load_plan(plan_path)
@@ -222,6 +222,8 @@ def export(plan_path: Path, fmt: str, output: Path | None) -> None:
     text = export_plan(d, spec, fmt)
     if fmt == "llamacpp":
         click.echo(text)
+        if note := placeholder_note(spec):
+            click.echo(note, err=True)
         return
     if output is None:
         if spec.path is None:
