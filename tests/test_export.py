@@ -195,7 +195,7 @@ def test_exceptions_to_n_cpu_moe_come_first():
 def test_an_8b_plan_exports_in_a_few_short_patterns():
     """llama3-8b (spec only, 32 layers): the optimizer's llama.cpp plans at budgets that split
     layers. Each pattern names a set of layers once (runs as decimal ranges), not once per
-    tensor name: the old export wrote about 2 KB here."""
+    tensor name: 117-175 characters of -ot here, where one pattern per tensor name wrote 427-943."""
     from refengine.models import load_model_or_shape
 
     spec = load_model_or_shape("llama3-8b")
@@ -207,7 +207,7 @@ def test_an_8b_plan_exports_in_a_few_short_patterns():
         assert apply_llamacpp_args(spec, args) == tensor_devices(spec, place)
         assert_patterns_disjoint(spec, args)
         ot = args[args.index("-ot") + 1] if "-ot" in args else ""
-        assert len(ot) <= 240 and ot.count("=") <= 3, ot
+        assert len(ot) <= 200 and ot.count("=") <= 3, ot
     # the worst case for ranges: every other layer's FFN on the CPU
     ffn = {f"blk.{il}.ffn_{m}" for il in range(0, 32, 2) for m in ("gate", "up", "down")}
     place = _placement(spec, ffn)
