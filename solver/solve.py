@@ -13,8 +13,8 @@ from refengine.spec import ModelSpec
 
 from .budget import Budgets, default_tiers, minimum_budget_bytes, parse_tiers, plan_budgets
 from .budget import viable_or_refuse
-from .cost import PINNED, Loc, Prediction, TierPlacement, Workload, evaluate
-from .groups import ATTN_SIDE, tensor_groups
+from .cost import CPU, PINNED, Loc, Prediction, TierPlacement, Workload, evaluate
+from .groups import ATTN_SIDE, EXPERTS, FFN_MATRIX, tensor_groups
 from .memory import kv_layer_nbytes
 from .optimize import RELATIVE_GAP, optimize, score_starts, warm_starts
 from .profile import HardwareProfile
@@ -100,7 +100,11 @@ def solve(
     fit_ours = fit_for_runtime(Problem(spec, profile, w, tuple(tiers), first), fit_plan)
     starts = {**ours, "fit": fit_ours} if target == "refengine" else {}
     candidates = []
-    for top in [t for t in tiers if t >= PREFILL_MIN_TOKENS] or [max(tiers)]:
+    tops = [t for t in tiers if t >= PREFILL_MIN_TOKENS] or [max(tiers)]
+    short = [t for t in tiers if t < min(tops)]
+    if target == "refengine" and short:  # a short prompt may be faster in decode-sized ubatches
+        tops.insert(0, max(short))  # (no large tier's workspace, no switch)
+    for top in tops:
         below = tuple(t for t in tiers if t <= top)
         excluded = excluded_devices(spec, w, top, budgets) if more else {}
         usable = [0 if d in excluded else b for d, b in enumerate(budgets)]
@@ -142,6 +146,21 @@ def solve(
                     sec = evaluate(static, spec, profile, w).objective(objective)
                     label = f"optimizer's tier {t} in every tier (ubatch {top})"
                     pool.append((sec, 1, label, static, excluded))
+            # the decode placement kept in the prefill tiers, less what does not fit there (a
+            # switch of a few groups, or none): where a switch costs more than it saves
+            dt = min(sub.tiers)
+            for src, plan in (("optimizer's", sol.tiers), ("fit's", fit_ours)):
+                if dt not in plan:
+                    continue
+                near = {u: _shrink(spec, w, plan[dt], u, sub.budgets) for u in sub.tiers}
+                if all(near.values()):
+                    for how, variant in (
+                        ("per tier", near),
+                        ("in every tier", {u: near[top] for u in sub.tiers}),
+                    ):
+                        sec = evaluate(variant, spec, profile, w).objective(objective)
+                        label = f"{src} tier {dt} shrunk to fit, {how} (ubatch {top})"
+                        pool.append((sec, 1, label, variant, excluded))
         if solved is None or sol.objective_seconds < solved[0].objective_seconds:
             solved = (sol, name, top)
     if solved is None:
@@ -211,6 +230,31 @@ def _fits(
         device_usage(spec, groups, place, tier, w, target, d).total <= b
         for d, b in enumerate(budgets)
     )
+
+
+def _shrink(spec: ModelSpec, w: Workload, place: TierPlacement, tier: int, budgets):
+    """`place` with pinned layer groups moved to the CPU until it fits each GPU in `tier` (expert
+    stacks first, then the last layers' FFN matrices, then attention sides); None if it cannot."""
+    if _fits(spec, w, place, tier, budgets):
+        return place
+    groups = tensor_groups(spec)
+    rank = {EXPERTS: 0, FFN_MATRIX: 1, ATTN_SIDE: 2}
+    movable = sorted(
+        (g for g in groups if g.kind in rank and place.groups[g.name].kind == PINNED),
+        key=lambda g: (rank[g.kind], -g.layer, -g.nbytes),
+    )
+    locs = dict(place.groups)
+    for d, b in enumerate(budgets):
+        over = device_usage(spec, groups, TierPlacement(locs, place.kv), tier, w, "refengine", d)
+        left = over.total - b
+        for g in movable:
+            if left <= 0:
+                break
+            if locs[g.name].device == d:
+                locs[g.name] = Loc(CPU)
+                left -= g.nbytes
+    out = TierPlacement(locs, dict(place.kv))
+    return out if _fits(spec, w, out, tier, budgets) else None
 
 
 def _plan_fits(spec: ModelSpec, w: Workload, plan: dict, budgets, target: str) -> bool:
