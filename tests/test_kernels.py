@@ -389,21 +389,24 @@ def test_gpu_decode_attention_at_a_long_context(window):
     assert normwise(out.copy_to_host(), want) < 1e-3
 
 
-def test_cpu_q8_rows_without_avx2_use_the_generic_ir():
-    """Hosts without AVX2 (or not x86) get the generic IR for pmaddubsw/pmaddwd: same results."""
+@pytest.mark.parametrize("flags", ("simd.AVX2 = simd.VNNI = False", "simd.VNNI = False"))
+def test_cpu_q8_rows_without_avx2_or_vnni(flags):
+    """Hosts without AVX2 (or not x86) get the generic IR for pmaddubsw/pmaddwd, hosts without
+    VNNI pmaddubsw + pmaddwd where vpdpbusd would do: the same results (the in-process tests run
+    the host's own path)."""
     import subprocess
     import sys
 
-    script = """
+    script = f"""
 import numpy as np
 from gguf import GGMLQuantizationType as Q
 from cudarun.kernels import simd
-simd.AVX2 = False  # before any row kernel compiles
+{flags}  # before any row kernel compiles
 from cudarun.kernels import cpu
 from refengine.reference import matmul_q
 from tests.kernels_common import normwise, weights
 rng = np.random.default_rng(5)
-for qtype in (Q.Q4_K, Q.Q8_0, Q.Q6_K, Q.Q5_1):
+for qtype in (Q.Q4_K, Q.Q8_0, Q.Q6_K, Q.Q5_1, Q.Q4_0):
     raw = weights(rng, qtype, 8, 512)
     x = rng.standard_normal((2, 512)).astype(np.float32)
     err = normwise(cpu.matmul(raw, x, qtype, (8, 512)), matmul_q(x, raw, qtype, (8, 512)))

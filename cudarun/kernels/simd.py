@@ -6,7 +6,8 @@ rate. These intrinsics do what ggml's CPU kernels do, with activations quantized
 "q8" path; CONTRACTS.md tolerance for int8 activation dot products): unsigned-by-signed byte
 products summed in pairs (`pmaddubsw`), pairs of those summed with the sub-block scales
 (`pmaddwd`), the block sums kept in a float vector and reduced once per row. On x86 with AVX2
-those two instructions are named; elsewhere the same operations are generic IR.
+those two instructions are named, and where the host has VNNI one `vpdpbusd` does both for the
+32-value types and Q8_0; elsewhere the same operations are generic IR.
 
 A row intrinsic (`q8_row(type, tokens)`) returns one row's dot products with `tokens` tokens'
 quantized activations: `x8` int8 values, `xd` their float32 scale per 32 values, `xs` the sum
@@ -84,6 +85,10 @@ def _host_has(feature: str) -> bool:
 # LLVM does not recognize pmaddubsw in the generic form below when the IR is already vectorized,
 # so on x86 with AVX2 the instruction is named; elsewhere the generic form is correct, slower.
 AVX2 = _host_has("avx2")
+# vpdpbusd: four unsigned-by-signed byte products summed into each int32 lane, one instruction
+# where pmaddubsw + pmaddwd take two (and a third for a sign-extended Q8_0 block); AVX512-VNNI
+# (with VL, for 256-bit vectors) or AVX-VNNI
+VNNI = AVX2 and ((_host_has("avx512vnni") and _host_has("avx512vl")) or _host_has("avxvnni"))
 
 
 def _x86(b, name, ret, *args):
@@ -124,6 +129,35 @@ def madd(b, x16, y16):
     return b.add(
         b.mul(b.sext(xe, wide), b.sext(ye, wide)), b.mul(b.sext(xo, wide), b.sext(yo, wide))
     )
+
+
+def dot4(b, u8, s8):
+    """<32 x i8> unsigned u, signed s -> <8 x i32>: lane j = sum of u[i] s[i] over i = 4j..4j+3
+    (vpdpbusd where the host has VNNI, else pmaddubsw then pmaddwd with ones: the same sums, since
+    our operands never reach pmaddubsw's saturation)."""
+    if VNNI:
+        name = ("llvm.x86.avx512.vpdpbusd.256" if _host_has("avx512vnni")
+                else "llvm.x86.avxvnni.vpdpbusd.256")  # fmt: skip
+        i32x8 = vec(I32, 8)
+        zero = ir.Constant(i32x8, [0] * 8)
+        return _x86(b, name, i32x8, zero, b.bitcast(u8, i32x8), b.bitcast(s8, i32x8))
+    return madd(b, maddubs(b, u8, s8), splat(I16, 16, 1))
+
+
+def sign_of(b, x8, w8):
+    """<32 x i8>: x where w > 0, -x where w < 0, 0 where w = 0 (psignb), so that
+    |w| (unsigned) times it is w x; x is never -128 (activations are quantized to +-127)."""
+    if AVX2:
+        return _x86(b, "llvm.x86.avx2.psign.b", vec(I8, 32), x8, w8)
+    zero = splat(I8, 32, 0)
+    neg = b.select(b.icmp_signed("<", w8, zero), b.sub(zero, x8), x8)
+    return b.select(b.icmp_signed("==", w8, zero), zero, neg)
+
+
+def abs8(b, w8):
+    """<32 x i8> |w|, read as unsigned (|-128| = 128)."""
+    zero = splat(I8, 32, 0)
+    return b.select(b.icmp_signed("<", w8, zero), b.sub(zero, w8), w8)
 
 
 def sum8(b, v16):
@@ -249,7 +283,10 @@ def _fifth_bits(b, arr, at):
 def _block_q8_0(b, arr, base, x_at, g_at):
     w8 = arr.load(0, _at(b, base, 2), I8, 32)
     x8 = arr.load(X8, x_at, I8, 32)
-    isum = sum8(b, madd(b, b.sext(w8, vec(I16, 32)), b.sext(x8, vec(I16, 32))))
+    if VNNI:  # |w| is shared by the tokens of a row; each token's x takes w's sign
+        isum = dot4(b, abs8(b, w8), sign_of(b, x8, w8))
+    else:
+        isum = sum8(b, madd(b, b.sext(w8, vec(I16, 32)), b.sext(x8, vec(I16, 32))))
     scale = b.fmul(half_at(arr, 0, base), _xd(b, arr, g_at, 0), flags=FAST)
     return scaled(b, isum, scale), None
 
@@ -262,7 +299,7 @@ def _block_32(qs, qh, has_min, bias):
         q = _nibbles32(b, arr, _at(b, base, qs))
         if qh:
             q = b.or_(q, _fifth_bits(b, arr, _at(b, base, qh)))
-        isum = madd(b, maddubs(b, q, arr.load(X8, x_at, I8, 32)), splat(I16, 16, 1))
+        isum = dot4(b, q, arr.load(X8, x_at, I8, 32))
         d = half_at(arr, 0, base)
         xs = arr.load(XS, g_at, F32)
         if has_min:
