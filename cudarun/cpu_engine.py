@@ -14,7 +14,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from refengine import defaults
-from refengine.engine import check_tokens, finish
+from refengine.engine import finish, single, split_rows, stack
+from refengine.sequences import Sequences, Ubatch, check_entries, ubatches
 from refengine.spec import ModelSpec
 from solver.cost import CPU, Loc, TierPlacement, Workload
 from solver.groups import tensor_groups
@@ -23,7 +24,7 @@ from . import program
 from .hostmath import Act, HostMath
 from .kernels import cpu, cpu_layer
 from .hostweights import Placed, group_layout, tensors_of
-from .kvstore import KVMirror
+from .kvstore import KVCells, KVMirror
 
 
 @dataclass
@@ -48,7 +49,8 @@ class CpuEngine:
     path = "int8"
 
     def __init__(self, spec: ModelSpec, plan: dict | None = None, threads: int = 0,
-                 n_ctx: int | None = None, tiers: list[int] | None = None, progress: bool = False):  # fmt: skip
+                 n_ctx: int | None = None, tiers: list[int] | None = None, progress: bool = False,
+                 n_seq: int = 1, unified: bool = False):  # fmt: skip
         from .executor import check_plan, workload_of
 
         self.spec = spec
@@ -78,10 +80,11 @@ class CpuEngine:
             self.weights[g.name] = {
                 p.info.name: _in_file(source, p.info) for p in group_layout(spec, g)
             }
-        self.mirror = KVMirror(spec, self.n_ctx)
+        self.seqs = Sequences(self.n_ctx, n_seq, unified)
+        self.mirror = KVMirror(spec, self.n_ctx)  # n_ctx cells, shared out by `cells`
+        self.cells = KVCells(self.seqs, spec.hparams.n_swa)
         self.layers = self._layer_calls()
         self.requested: set[str] = set()  # activations asked for by the current call
-        self.n_past = 0
         self.trace_events = None
 
     def _layer_calls(self) -> list | None:
@@ -106,7 +109,7 @@ class CpuEngine:
 
             swa = spec.is_swa(il)
             base, scale = (hp.rope_base_swa, 1.0) if swa else (hp.rope_base, hp.rope_scale)
-            ints = np.array([0, hp.n_head, hp.n_head_kv, hp.head_dim, hp.head_dim_v, hp.n_rot,
+            ints = np.array([hp.n_head, hp.n_head_kv, hp.head_dim, hp.head_dim_v, hp.n_rot,
                              tr.rope_style == "neox", hp.n_swa if swa else 0, tr.ffn_act == "gelu",
                              spec.by_name[p + "ffn_gate.weight"].shape[0]], np.int64)  # fmt: skip
             floats = np.array([hp.rms_eps, base, scale, hp.attn_scale], np.float64)
@@ -118,52 +121,77 @@ class CpuEngine:
                 vec("post_ffw_norm.weight"),
                 self.mirror.k[il].view(np.uint16), self.mirror.v[il].view(np.uint16),
             )  # fmt: skip
-            out.append((tuple(i.qtype for i in infos), args, ints, floats))
+            out.append((tuple(i.qtype for i in infos), args, ints, floats, swa))
         return out
 
     def _fused_layer(self, st: Act, il: int) -> None:
-        qtypes, args, ints, floats = self.layers[il]
+        qtypes, args, ints, floats, swa = self.layers[il]
         # a copy: the kernel updates the residual in place, and an earlier part may have recorded
         # st.x itself as its block's output
         x = np.array(st.x, np.float32, order="C")
-        ints[0] = st.pos[0]
-        cpu_layer.layer_kernel(qtypes, x.shape[0])(x, *args, ints, floats)
+        c = st.cells
+        cpu_layer.layer_kernel(qtypes, cpu.token_key(x.shape[0]))(
+            x, *args, st.pos, c.write, c.lo_swa if swa else c.lo, c.hi, c.seq, c.cell_pos,
+            c.cell_seq, ints, floats,
+        )  # fmt: skip
         st.x = x
         if f"blk.{il}.out" in self.requested:
             st.record[f"blk.{il}.out"] = x.copy()
 
     # -- Engine API --------------------------------------------------------------------------------
 
+    @property
+    def n_past(self) -> int:
+        return self.seqs.n_past.get(0, 0)
+
     def reset(self) -> None:
-        self.n_past = 0
+        self.seqs.reset()
+        self.cells.reset()
 
     def tier_for(self, n_tokens: int) -> HostTier:
         return self.tiers[next((t for t in self.tier_sizes if t >= n_tokens), self.tier_sizes[-1])]
 
     def prefill(self, tokens, all_logits: bool = False, record=None):
-        ids = check_tokens(tokens, self.spec, self.n_past, self.n_ctx)
-        rec = {} if record is not None else None
-        self.requested = set(record or ())
-        step, out = self.tier_sizes[-1], []
-        for start in range(0, ids.size, step):
-            last = start + step >= ids.size
-            out.append(self._ubatch(ids[start : start + step], all_logits, rec, record,
-                                    all_logits or last))  # fmt: skip
-        result = np.concatenate(out) if all_logits else out[-1][-1]
-        return finish(result, rec, record)
+        return single(self.process([(0, tokens)], all_logits, record))
 
     def decode(self, token: int, record=None):
-        ids = check_tokens([token], self.spec, self.n_past, self.n_ctx)
+        return single(self.process([(0, [token])], False, record))
+
+    # -- several sequences (docs/sequences.md) -------------------------------------------------------
+
+    def add_sequence(self) -> int:
+        return self.seqs.add()
+
+    def remove_sequence(self, seq: int) -> None:
+        self.seqs.remove(seq)
+        self.cells.free(seq)
+
+    def n_past_of(self, seq: int) -> int:
+        self.seqs.check_exists(seq)
+        return self.seqs.n_past[seq]
+
+    def decode_batch(self, pairs, record=None):
+        """One decode step over several sequences: (seq, token) pairs -> [n, n_vocab]."""
+        return stack(self.process([(s, [t]) for s, t in pairs], False, record))
+
+    def process(self, entries, all_logits: bool = False, record=None):
+        """Each entry's (seq, tokens), in ubatches of the largest tier that may mix sequences;
+        per entry, its last token's logits or (all_logits) every token's."""
+        entries = check_entries(self.seqs, entries, self.spec.hparams.n_vocab)
         rec = {} if record is not None else None
         self.requested = set(record or ())
-        return finish(self._ubatch(ids, False, rec, record, True)[-1], rec, record)
+        rows = [self._ubatch(ub, all_logits, rec, record)
+                for ub in ubatches(self.seqs, entries, self.tier_sizes[-1], all_logits)]  # fmt: skip
+        return finish(split_rows(np.concatenate(rows), entries, all_logits), rec, record)
 
-    def _ubatch(self, ids, all_logits, rec, record, want):
-        tier = self.tier_for(ids.size)
-        pos = np.arange(self.n_past, self.n_past + ids.size, dtype=np.int64)
-        st = Act(ids, pos, all_logits)
+    def _ubatch(self, ub: Ubatch, all_logits, rec, record) -> np.ndarray:
+        tier = self.tier_for(ub.size)
+        st = Act(ub.tokens, ub.pos, all_logits)
+        st.cells, st.logit_rows = self.cells.place(ub), ub.logit_rows
         math = self.math
-        fused = self.layers is not None and ids.size < cpu.BLAS_TOKENS
+        # a decode step (of one sequence or many) runs each dense layer as one call
+        fused = (self.layers is not None and ub.size <= cpu.MAX_DECODE_ROWS
+                 and max(n for _, _, n in ub.segments) < cpu.BLAS_TOKENS)  # fmt: skip
         for part in tier.parts:
             if fused and part.layer is not None and self.layers[part.layer] is not None:
                 if part.kind == "qkv":
@@ -172,12 +200,13 @@ class CpuEngine:
                 math.kq_on_host(st, part.layer, self.mirror)
             else:
                 math.run(part.kind, part.layer, st, self.weights[part.group])
-        self.n_past += ids.size
+        for seq, _, n in ub.segments:
+            self.seqs.n_past[seq] += n
         if record is not None:
             for name, x in st.record.items():
                 if name in record:
                     rec[name] = np.concatenate([rec[name], x]) if name in rec else x.copy()
-        return st.logits if want else None
+        return st.logits
 
     def warm_up(self) -> None:
         """Compile every kernel a tier runs before the first token: one token, then one ubatch of

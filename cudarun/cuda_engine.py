@@ -202,7 +202,7 @@ class CudaEngine(PlanExecutor):
         n = st.tokens.size
         ws, stage = self.workspace(tier), self.staging(tier)
         host = Act(st.tokens, st.pos, st.all_logits)  # the CPU segments' activations
-        host.record = st.record
+        host.record, host.cells = st.record, st.cells
         key = (tier.tier, n)
         self.dmath.glu_layers = counts.glu_layers(tier.parts)
         graph = self._graphable(tier, st) and key in self.ran_eagerly  # kernels compiled by then

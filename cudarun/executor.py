@@ -21,6 +21,7 @@ import numpy as np
 from refengine.agreement import PATHS
 from refengine.engine import check_tokens, finish
 from refengine.errors import UserError
+from refengine.sequences import Sequences, one_sequence
 from refengine.spec import ModelSpec
 from solver.cost import PINNED, TierPlacement, Workload
 from solver.groups import tensor_groups
@@ -29,6 +30,7 @@ from solver.plan import Region, fingerprint_hash, placements_from_json
 from solver.usage import kv_shape
 
 from . import program
+from .kvstore import KVCells
 from .schedule import Slot, pipeline_schedule, validate
 from .segments import cpu_segments, ends_with_sync
 from .switch import switch_steps
@@ -124,6 +126,7 @@ class PlanExecutor:
         }
         self.host = HostWeights(spec, set(self.groups) - everywhere, self.host_alloc, progress)
         self.mirror = KVMirror(spec, self.n_ctx, self.host_alloc)
+        self.cells = KVCells(Sequences(self.n_ctx), spec.hparams.n_swa)
         self.tiers = {t: Tier(self, t, p, self.maps[t]) for t, p in self.placements.items()}
         self.current: Tier | None = None
         self.n_past = 0
@@ -172,6 +175,7 @@ class PlanExecutor:
 
     def reset(self) -> None:
         self.n_past = 0
+        self.cells.reset()
 
     def prefill(self, tokens, all_logits: bool = False, record=None):
         ids = self._check_tokens(tokens)
@@ -205,6 +209,7 @@ class PlanExecutor:
             self.switch(tier)
         pos = np.arange(self.n_past, self.n_past + ids.size, dtype=np.int64)
         st = Act(ids, pos, all_logits)
+        st.cells = self.cells.place(one_sequence(ids, pos))
         self.requested = set(record or ())
         self.execute(tier, st)
         self.n_past += ids.size
@@ -238,7 +243,9 @@ class PlanExecutor:
         for size in reversed(self.tier_sizes):
             tier = self.tiers[size]
             self.switch(tier)
-            self.execute(tier, Act(np.zeros(1, np.int64), np.zeros(1, np.int64)))
+            st = Act(np.zeros(1, np.int64), np.zeros(1, np.int64))
+            st.cells = self.cells.place(one_sequence(st.tokens, st.pos))
+            self.execute(tier, st)
         self.reset()
 
     # -- device-specific -----------------------------------------------------------------------

@@ -48,6 +48,8 @@ class Act:
     gates: np.ndarray | None = None  # MoE: their weights [T, k]
     logits: np.ndarray | None = None
     record: dict = field(default_factory=dict)  # activation name -> [T, ...] of this ubatch
+    cells: "CellMap | None" = None  # the host KV cells the tokens write and read (kvstore)
+    logit_rows: np.ndarray | None = None  # the tokens whose logits are wanted (None: the last)
 
 
 def panel_cache_nbytes() -> int:
@@ -185,31 +187,35 @@ class HostMath:
         g2, u2 = (np.ascontiguousarray(a.reshape(-1, shape[-1])) for a in (gate, up))
         return cpu_ops.gated(g2, u2, self.tr.ffn_act == "gelu", _numba_owns(gate)).reshape(shape)
 
-    def attention(self, st: Act, il: int, k, v, k_pos) -> None:
-        """st.q over the cache k, v [S, Hkv, D] (fp16) at positions k_pos -> st.a."""
+    def attention(self, q, q_pos, il: int, k, v, k_pos) -> np.ndarray:
+        """q [T, H, D] at positions q_pos over the cache k, v [S, Hkv, D] (fp16) at positions
+        k_pos -> [T, H, Dv]."""
         hp = self.hp
         window = hp.n_swa if self.spec.is_swa(il) else 0
         if self.exact:
-            st.a = ref.attention(
-                st.q, k.astype(np.float32), v.astype(np.float32), st.pos, k_pos, hp.attn_scale,
-                window,
+            return ref.attention(
+                q, k.astype(np.float32), v.astype(np.float32), q_pos, k_pos, hp.attn_scale, window,
             )  # fmt: skip
-        elif not _numba_owns(st.q):
-            st.a = attention_blas(st.q, k, v, st.pos, k_pos, hp.attn_scale, window)
-        else:
-            st.a = cpu_ops.attention(
-                np.ascontiguousarray(st.q), np.ascontiguousarray(k), np.ascontiguousarray(v),
-                st.pos, np.ascontiguousarray(k_pos), hp.attn_scale, window,
-            )  # fmt: skip
+        if not _numba_owns(q):
+            return attention_blas(q, k, v, q_pos, k_pos, hp.attn_scale, window)
+        return cpu_ops.attention(
+            np.ascontiguousarray(q), np.ascontiguousarray(k), np.ascontiguousarray(v),
+            q_pos, np.ascontiguousarray(k_pos), hp.attn_scale, window,
+        )  # fmt: skip
 
     def kq_on_host(self, st: Act, il: int, mirror) -> None:
-        """The attention of a layer whose KV is in host memory: st.k, st.v into the mirror (fp16),
-        then st.q over the positions a query of the ubatch can see."""
-        start, end = int(st.pos[0]), int(st.pos[-1]) + 1
-        mirror.write(il, start, st.k.astype(np.float16), st.v.astype(np.float16))
-        lo = max(0, start - self.hp.n_swa + 1) if self.spec.is_swa(il) else 0
-        k, v = mirror.k[il][lo:end], mirror.v[il][lo:end]
-        self.attention(st, il, k, v, np.arange(lo, end, dtype=np.int64))
+        """The attention of a layer whose KV is in host memory: st.k, st.v into their cells of
+        the mirror (fp16), then each sequence's queries over the cells they can see."""
+        c = st.cells
+        mirror.k[il][c.write] = st.k.astype(np.float16)
+        mirror.v[il][c.write] = st.v.astype(np.float16)
+        lo_of = c.lo_swa if self.spec.is_swa(il) else c.lo
+        st.a = np.empty((st.q.shape[0], self.hp.n_head, self.hp.head_dim_v), np.float32)
+        for seq, first, n in c.segments:
+            sl = slice(first, first + n)
+            lo, hi = int(lo_of[sl].min()), int(c.hi[sl].max())
+            st.a[sl] = self.attention(st.q[sl], st.pos[sl], il, mirror.k[il][lo:hi],
+                                      mirror.v[il][lo:hi], c.key_positions(seq, lo, hi))  # fmt: skip
 
     # -- parts ---------------------------------------------------------------------------------
 
@@ -292,19 +298,20 @@ class HostMath:
         x = self.norm(st.x, w, "output_norm.weight")
         st.record["output_norm"] = x
         head = "token_embd.weight" if self.spec.tied_output else "output.weight"
-        x = x if st.all_logits else x[-1:]
+        x = x if st.all_logits else x[-1:] if st.logit_rows is None else x[st.logit_rows]
         t = self.spec.by_name[head]
-        if not self.exact and x.shape[0] < cpu.BLAS_TOKENS and t.qtype in cpu.Q8_ROWS:
+        if x.shape[0] == 0:  # a prompt's ubatch before its last
+            st.logits = np.empty((0, t.shape[0]), np.float32)
+            return
+        # a prompt's every row from BLAS_TOKENS on, and more rows than the largest decode step
+        # of many sequences, go to an fp32 panel product
+        most = cpu.BLAS_TOKENS if st.all_logits else cpu.MAX_DECODE_ROWS
+        if not self.exact and x.shape[0] < most and t.qtype in cpu.Q8_ROWS:
             # the logits are what is sampled: the head's activations get a second int8 plane
-            # (half of the int8 path's KL against the reference on SmolLM2 came from the head);
-            # from BLAS_TOKENS rows on, the head is an fp32 panel product
-            st.logits = np.empty((x.shape[0], t.shape[0]), np.float32)
-            step = (cpu.BLAS_TOKENS - 1) // 2
-            for r in range(0, x.shape[0], step):
-                rows = x[r : r + step]
-                two = cpu.quantize_two_planes(np.ascontiguousarray(rows, np.float32))
-                both = np.empty((2 * rows.shape[0], t.shape[0]), np.float32)
-                cpu.q8_matvec(w[head].reshape(-1), two, t.qtype, t.shape, both)
-                st.logits[r : r + step] = both[: rows.shape[0]] + both[rows.shape[0] :]
+            # (half of the int8 path's KL against the reference on SmolLM2 came from the head)
+            two = cpu.quantize_two_planes(np.ascontiguousarray(x, np.float32))
+            both = np.empty((2 * x.shape[0], t.shape[0]), np.float32)
+            cpu.q8_matvec(w[head].reshape(-1), two, t.qtype, t.shape, both)
+            st.logits = both[: x.shape[0]] + both[x.shape[0] :]
         else:
             st.logits = self.mm(x, w, head)

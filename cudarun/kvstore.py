@@ -7,9 +7,13 @@ and on the device (an arena region or a ring slot) as a ring of cells.
 - A device KV buffer of `cells` cells holds position p in cell p % cells: K of all cells, then V.
   A sliding-window layer has fewer cells than the context (solver.memory.kv_cells), and a ring of
   n_swa + n_ubatch cells keeps every key a query of the ubatch can see.
+- With several sequences (`KVCells`), the host cache's rows are cells: a per-sequence stream of
+  each sequence's positions, or one unified pool; a single sequence's cell is its position.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -70,3 +74,67 @@ def fill_ring(mirror: KVMirror, il: int, buf: np.ndarray, cells: int, end: int) 
     for p, cell, n in ring_chunks(cells, 0, end):
         k[cell : cell + n] = mirror.k[il][p : p + n]
         v[cell : cell + n] = mirror.v[il][p : p + n]
+
+
+@dataclass(frozen=True)
+class CellMap:
+    """Where one ubatch's tokens write their K/V in the host cache and which cells each reads:
+    token t writes cell `write[t]` and attends over cells [lo[t], hi[t]) (`lo_swa` on a
+    sliding-window layer), masked to the cells of its own sequence at positions up to its own
+    (`cell_seq`, `cell_pos`: the tables after this ubatch's writes)."""
+
+    write: np.ndarray  # [T] int64
+    lo: np.ndarray  # [T] int64
+    lo_swa: np.ndarray  # [T] int64
+    hi: np.ndarray  # [T] int64
+    seq: np.ndarray  # [T] int64
+    segments: tuple[tuple[int, int, int], ...]  # (seq, first token, count)
+    cell_pos: np.ndarray  # [n_cells] int64
+    cell_seq: np.ndarray  # [n_cells] int64
+
+    def key_positions(self, seq: int, lo: int, hi: int) -> np.ndarray:
+        """The positions of cells [lo, hi) as sequence `seq` sees them: another sequence's cell,
+        or one never written, is EMPTY (always masked)."""
+        return np.where(self.cell_seq[lo:hi] == seq, self.cell_pos[lo:hi], EMPTY)
+
+
+class KVCells:
+    """The cells of the host KV cache (`KVMirror`'s rows) for the engine's sequences
+    (`refengine.sequences.Sequences`). Per-sequence streams: sequence s holds position p in cell
+    s * n_ctx_seq + p and reads only its own stream. Unified (llama.cpp's -kvu): each new token
+    takes the lowest free cell, and every token scans all cells up to the highest one in use,
+    masked by sequence — the cross-sequence work seed 003 removes."""
+
+    def __init__(self, seqs, n_swa: int = 0):
+        self.seqs, self.n_swa = seqs, n_swa
+        self.cell_pos = np.full(seqs.n_ctx, EMPTY, np.int64)
+        self.cell_seq = np.full(seqs.n_ctx, -1, np.int64)
+        self.reset()
+
+    def reset(self) -> None:
+        self.cell_pos[:] = EMPTY
+        self.cell_seq[:] = -1
+        self.n_used = 0  # one past the highest cell in use
+
+    def free(self, seq: int) -> None:
+        mine = self.cell_seq == seq
+        self.cell_pos[mine], self.cell_seq[mine] = EMPTY, -1
+        used = np.flatnonzero(self.cell_seq >= 0)
+        self.n_used = int(used[-1]) + 1 if used.size else 0
+
+    def place(self, ub) -> CellMap:
+        """Cells for a ubatch's tokens (`refengine.sequences.Ubatch`), written into the tables."""
+        if self.seqs.unified:
+            write = np.flatnonzero(self.cell_seq < 0)[: ub.size]
+        else:
+            write = ub.seq * self.seqs.n_ctx_seq + ub.pos
+        self.cell_pos[write], self.cell_seq[write] = ub.pos, ub.seq
+        self.n_used = max(self.n_used, int(write.max()) + 1)
+        if self.seqs.unified:
+            lo = lo_swa = np.zeros(ub.size, np.int64)
+            hi = np.full(ub.size, self.n_used, np.int64)
+        else:
+            lo = ub.seq * self.seqs.n_ctx_seq
+            hi = write + 1
+            lo_swa = np.maximum(lo, hi - self.n_swa) if self.n_swa else lo
+        return CellMap(write, lo, lo_swa, hi, ub.seq, ub.segments, self.cell_pos, self.cell_seq)

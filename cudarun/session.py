@@ -97,7 +97,8 @@ def plan_for_run(
     return plan
 
 
-def make_engine(name: str, spec: ModelSpec, plan: dict, threads: int = 0, **kw):
+def make_engine(name: str, spec: ModelSpec, plan: dict, threads: int = 0, n_seq: int = 1,
+                unified: bool = False, **kw):  # fmt: skip
     """The plan engine, warmed up: kernels compiled and every tier prepared."""
     if name == "cpu":
         from .cpu_engine import CpuEngine as Engine
@@ -107,6 +108,8 @@ def make_engine(name: str, spec: ModelSpec, plan: dict, threads: int = 0, **kw):
         from .cuda_engine import CudaEngine as Engine
     else:
         raise UserError(f"unknown engine {name!r} (known: numpy, {', '.join(PLAN_ENGINES)})")
+    if name == "cpu":
+        kw.update(n_seq=n_seq, unified=unified)
     engine = Engine(spec, plan, threads=threads, progress=True, **kw)
     engine.warm_up()
     return engine
@@ -126,9 +129,15 @@ def plan_engine(
     tiers: str | None,
     threads: int,
     say=print,
+    n_seq: int = 1,
+    unified: bool = False,
 ):
     """(a plan engine, its plan) for the words of `run`, `diff` and `bench`: the cpu engine without
-    a plan runs every part on the host; otherwise `plan_for_run`'s plan on `make_engine`'s engine."""
+    a plan runs every part on the host; otherwise `plan_for_run`'s plan on `make_engine`'s engine.
+    `n_seq` sequences (docs/sequences.md), sharing one cache when `unified`."""
+    if n_seq > 1 and name != "cpu":
+        raise UserError(f"the {name} engine runs one sequence for now; several sequences run on "
+                        "--engine cpu or numpy")  # fmt: skip
     if name == "cpu" and plan_path is None:
         if budget is not None:
             raise UserError("--engine cpu runs every part on the host: --budget does not apply "
@@ -138,9 +147,10 @@ def plan_engine(
         from .cpu_engine import CpuEngine
 
         tier_list = B.parse_tiers(tiers) if tiers else None
-        engine = CpuEngine(spec, threads=threads, n_ctx=n_ctx, tiers=tier_list)
+        engine = CpuEngine(spec, threads=threads, n_ctx=n_ctx, tiers=tier_list, n_seq=n_seq,
+                           unified=unified)  # fmt: skip
         engine.warm_up()
         return engine, {"strategy": "all-host"}
     plan = plan_for_run(spec, name, plan_path, budget, reserve, profile_name, n_ctx, tiers,
                         strategy, n_prompt, n_predict, threads, say)  # fmt: skip
-    return make_engine(name, spec, plan, threads), plan
+    return make_engine(name, spec, plan, threads, n_seq=n_seq, unified=unified), plan

@@ -120,8 +120,8 @@ class StandInEngine(PlanExecutor):
             k[cell : cell + count] = k16[p - start : p - start + count]
             v[cell : cell + count] = v16[p - start : p - start + count]
         used = min(cells, end)  # cells past `end` were never written
-        self.math["compute"].attention(
-            st, il, k[:used], v[:used], ring_positions(cells, end)[:used]
+        st.a = self.math["compute"].attention(
+            st.q, st.pos, il, k[:used], v[:used], ring_positions(cells, end)[:used]
         )
 
 

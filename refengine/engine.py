@@ -3,7 +3,9 @@
 It implements the Engine interface of CONTRACTS.md — `reset()`, `prefill(tokens, all_logits=False,
 record=None)`, `decode(token, record=None)`, `n_past` — with the public operations of
 `refengine.reference`, in fp32 from dequantized weights (fp64 inside norms, RoPE and softmax). It
-does not imitate llama.cpp's f16 KV cache or 8-bit activation quantization. One sequence.
+does not imitate llama.cpp's f16 KV cache or 8-bit activation quantization. Several sequences,
+each with its own cache, extend the API (`add_sequence`, `remove_sequence`, `process`,
+`decode_batch`: docs/sequences.md); the single-sequence calls are sequence 0's.
 
 With `record={names}` a call returns `(logits, activations)`, the activations float32 and keyed by
 `blk.{i}.out` (residual stream after block i, [n_tokens, n_embd]), `output_norm` ([n_tokens,
@@ -19,6 +21,7 @@ import numpy as np
 from . import defaults
 from . import reference as ref
 from .errors import UserError
+from .sequences import Sequences, Ubatch, check_entries, ubatches
 from .spec import ModelSpec, load_spec
 from .weights import GGUFWeights
 
@@ -61,10 +64,10 @@ def finish(logits, rec, record):
 
 
 class KVCache:
-    """Per-layer keys and values of the positions seen so far, grown by doubling up to n_ctx."""
+    """One sequence's keys and values per layer, by position, grown by doubling up to n_cells."""
 
-    def __init__(self, n_layer: int, n_head_kv: int, head_dim: int, head_dim_v: int, n_ctx: int):
-        self.n_ctx, self.n_past = n_ctx, 0  # tokens
+    def __init__(self, n_layer: int, n_head_kv: int, head_dim: int, head_dim_v: int, n_cells: int):
+        self.n_cells = n_cells
         self._shape_k, self._shape_v = (n_head_kv, head_dim), (n_head_kv, head_dim_v)
         self.k = [np.empty((0, *self._shape_k), np.float32) for _ in range(n_layer)]
         self.v = [np.empty((0, *self._shape_v), np.float32) for _ in range(n_layer)]
@@ -75,7 +78,7 @@ class KVCache:
         """Store [T, Hkv, D] keys/values at positions start.. and return the cache up to them."""
         end = start + k.shape[0]
         if end > self.k[il].shape[0]:
-            n_cells = min(self.n_ctx, max(end, 2 * self.k[il].shape[0], 64))
+            n_cells = min(self.n_cells, max(end, 2 * self.k[il].shape[0], 64))
             for store, shape in ((self.k, self._shape_k), (self.v, self._shape_v)):
                 grown = np.empty((n_cells, *shape), np.float32)
                 grown[:start] = store[il][:start]
@@ -86,15 +89,19 @@ class KVCache:
 
 
 class NumpyEngine:
+    """With `n_seq` > 1 the engine holds several sequences, each with its own cache, decoded
+    together (docs/sequences.md); `unified` only changes the room: the sequences share n_ctx
+    cells, and attention, which each sequence runs over its own keys, is the same."""
+
     name = "numpy"
 
-    def __init__(
-        self, model: ModelSpec | str, n_ctx: int | None = None, n_ubatch: int = defaults.N_UBATCH
-    ):
+    def __init__(self, model: ModelSpec | str, n_ctx: int | None = None,
+                 n_ubatch: int = defaults.N_UBATCH, n_seq: int = 1, unified: bool = False):  # fmt: skip
         self.spec = model if isinstance(model, ModelSpec) else load_spec(model)
         hp = self.spec.hparams
         self.n_ctx = min(n_ctx or defaults.N_CTX, hp.n_ctx_train)
         self.n_ubatch = n_ubatch
+        self.seqs = Sequences(self.n_ctx, n_seq, unified)
         self.w = GGUFWeights(self.spec)
         self.output_name = "token_embd.weight" if self.spec.tied_output else "output.weight"
         # Dequantize now, so calls time only the compute; an untied embedding table is read a few
@@ -106,46 +113,61 @@ class NumpyEngine:
 
     @property
     def n_past(self) -> int:
-        return self.kv.n_past
+        return self.seqs.n_past.get(0, 0)
 
     def reset(self) -> None:
+        self.seqs.reset()
+        self.kv = {0: self._new_cache()}
+
+    def _new_cache(self) -> KVCache:
         hp = self.spec.hparams
-        self.kv = KVCache(hp.n_layer, hp.n_head_kv, hp.head_dim, hp.head_dim_v, self.n_ctx)
+        return KVCache(hp.n_layer, hp.n_head_kv, hp.head_dim, hp.head_dim_v, self.seqs.n_ctx_seq)
 
     # -- Engine API ------------------------------------------------------------------------------
 
     def prefill(self, tokens, all_logits: bool = False, record=None):
-        tokens = self._check_tokens(tokens)
-        rec = {} if record is not None else None
-        logits = []
-        for start in range(0, tokens.size, self.n_ubatch):
-            chunk = tokens[start : start + self.n_ubatch]
-            last_chunk = start + self.n_ubatch >= tokens.size
-            logits.append(self._forward(chunk, all_logits or last_chunk, all_logits, rec, record))
-        out = np.concatenate(logits, axis=0) if all_logits else logits[-1][-1]
-        return self._finish(out, rec, record)
+        return single(self.process([(0, tokens)], all_logits, record))
 
     def decode(self, token: int, record=None):
-        tokens = self._check_tokens([token])
+        return single(self.process([(0, [token])], False, record))
+
+    # -- several sequences (docs/sequences.md) ---------------------------------------------------
+
+    def add_sequence(self) -> int:
+        seq = self.seqs.add()
+        self.kv[seq] = self._new_cache()
+        return seq
+
+    def remove_sequence(self, seq: int) -> None:
+        self.seqs.remove(seq)
+        del self.kv[seq]
+
+    def n_past_of(self, seq: int) -> int:
+        self.seqs.check_exists(seq)
+        return self.seqs.n_past[seq]
+
+    def decode_batch(self, pairs, record=None):
+        """One decode step over several sequences: (seq, token) pairs -> [n, n_vocab]."""
+        return stack(self.process([(s, [t]) for s, t in pairs], False, record))
+
+    def process(self, entries, all_logits: bool = False, record=None):
+        """Each entry's (seq, tokens) appended to its sequence, in ubatches of n_ubatch tokens
+        that may mix sequences; per entry, the logits of its last token ([n_vocab]) or, with
+        all_logits, of each of its tokens ([n_tokens, n_vocab])."""
+        entries = check_entries(self.seqs, entries, self.spec.hparams.n_vocab)
         rec = {} if record is not None else None
-        out = self._forward(tokens, True, False, rec, record)[-1]
-        return self._finish(out, rec, record)
+        rows = [self._forward(ub, rec, record) for ub in ubatches(self.seqs, entries,
+                                                                  self.n_ubatch, all_logits)]
+        return finish(split_rows(np.concatenate(rows), entries, all_logits), rec, record)
 
     # -- the forward pass ------------------------------------------------------------------------
 
-    def _check_tokens(self, tokens) -> np.ndarray:
-        return check_tokens(tokens, self.spec, self.n_past, self.n_ctx)
-
-    def _finish(self, logits, rec, record):
-        return finish(logits, rec, record)
-
-    def _forward(self, tokens, want_logits: bool, all_positions: bool, rec, record):
-        """Run one ubatch at positions n_past.. ; logits [T or 1, n_vocab] (or None)."""
+    def _forward(self, ub: Ubatch, rec, record) -> np.ndarray:
+        """Run one ubatch; the logits of its logit rows [R, n_vocab]."""
         spec, hp, tr, w = self.spec, self.spec.hparams, self.spec.arch, self.w
-        n_tok = tokens.size
-        pos = np.arange(self.n_past, self.n_past + n_tok)
+        n_tok, pos = ub.size, ub.pos
 
-        x = w.rows("token_embd.weight", tokens)  # [T, d]
+        x = w.rows("token_embd.weight", ub.tokens)  # [T, d]
         if tr.embed_scale:
             x = x * np.float32(math.sqrt(hp.n_embd))
 
@@ -164,16 +186,19 @@ class NumpyEngine:
             base, scale = (hp.rope_base_swa, 1.0) if swa else (hp.rope_base, hp.rope_scale)
             q = ref.rope(q, pos, hp.n_rot, base, tr.rope_style, scale)
             k = ref.rope(k, pos, hp.n_rot, base, tr.rope_style, scale)
-            k_all, v_all = self.kv.append(il, k, v, self.n_past)
-            a = ref.attention(
-                q,
-                k_all,
-                v_all,
-                pos,
-                np.arange(k_all.shape[0]),
-                scale=hp.attn_scale,
-                window=hp.n_swa if swa else 0,
-            )
+            a = np.empty((n_tok, hp.n_head, hp.head_dim_v), np.float32)
+            for seq, first, n in ub.segments:  # each sequence over its own keys only
+                sl = slice(first, first + n)
+                k_all, v_all = self.kv[seq].append(il, k[sl], v[sl], int(pos[first]))
+                a[sl] = ref.attention(
+                    q[sl],
+                    k_all,
+                    v_all,
+                    pos[sl],
+                    np.arange(k_all.shape[0]),
+                    scale=hp.attn_scale,
+                    window=hp.n_swa if swa else 0,
+                )
             a = self._linear(a.reshape(n_tok, -1), p + "attn_output")
             if tr.post_norms:
                 a = ref.rms_norm(a, w.dense(p + "post_attention_norm.weight"), hp.rms_eps)
@@ -203,18 +228,44 @@ class NumpyEngine:
             x = x + f
             _keep(rec, record, f"blk.{il}.out", x)
 
-        self.kv.n_past += n_tok
-        if not want_logits and rec is None:
-            return None
+        for seq, _, n in ub.segments:
+            self.seqs.n_past[seq] += n
+        if ub.logit_rows.size == 0 and rec is None:
+            return np.empty((0, hp.n_vocab), np.float32)
         x = ref.rms_norm(x, w.dense("output_norm.weight"), hp.rms_eps)
         _keep(rec, record, "output_norm", x)
-        if not want_logits:
-            return None
-        rows = x if all_positions else x[-1:]
-        return ref.matmul(rows, w.dense(self.output_name))
+        return ref.matmul(x[ub.logit_rows], w.dense(self.output_name))
 
     def _linear(self, x: np.ndarray, base: str) -> np.ndarray:
         y = ref.matmul(x, self.w.dense(base + ".weight"))
         if self.w.has(base + ".bias"):
             y = y + self.w.dense(base + ".bias")
         return y
+
+
+def split_rows(rows: np.ndarray, entries, all_logits: bool) -> list[np.ndarray]:
+    """The logit rows of a call (each entry's last token, or all its tokens, in order) per entry."""
+    if not all_logits:
+        return list(rows)
+    cuts = np.cumsum([ids.size for _, ids in entries])[:-1]
+    return np.split(rows, cuts)
+
+
+def single(result):
+    """A one-entry call's result (logits, or (logits, activations)) without the list."""
+    return _reshape(result, lambda rows: rows[0])
+
+
+def stack(result):
+    """A decode step's result with its rows stacked [n, n_vocab]."""
+    return _reshape(result, np.stack)
+
+
+def _reshape(result, how):
+    if not isinstance(result, tuple):
+        return how(result)
+    logits, rec = result
+    out = how(logits)
+    if "logits" in rec:
+        rec["logits"] = out
+    return out, rec

@@ -94,3 +94,46 @@ def generate(engine, prompt: Prompt, n_predict: int, sampler: Sampler, out: Text
     gen_seconds = time.perf_counter() - gen_seconds
     out.write("\n")
     return Generation(generated, prompt_seconds, gen_seconds)
+
+
+
+@dataclass(frozen=True)
+class Together:
+    tokens: list[list[int]]  # each prompt's generated tokens
+    prompt_seconds: float
+    gen_seconds: float
+    steps: int  # decode steps, each over the sequences still generating
+
+
+def generate_together(engine, prompts: list[Prompt], n_predict: int, samplers: list) -> Together:
+    """Several prompts continued together on one engine of as many sequences (docs/sequences.md):
+    their prompts in one call, then decode steps over every sequence still generating; a sequence
+    leaves the steps (its cells freed) at its end of generation or after n_predict tokens."""
+    seqs = [0] + [engine.add_sequence() for _ in prompts[1:]]  # prompt i is sequence seqs[i]
+    prompt_seconds = time.perf_counter()
+    logits = list(engine.process([(s, p.ids) for s, p in zip(seqs, prompts)]))
+    prompt_seconds = time.perf_counter() - prompt_seconds
+    out: list[list[int]] = [[] for _ in prompts]
+    active, steps = list(range(len(prompts))), 0
+    gen_seconds = time.perf_counter()
+    while active and n_predict:
+        going = []
+        for i in active:
+            nxt = samplers[i](logits[i])
+            tok = prompts[i].tokenizer
+            if tok is not None and nxt in tok.eog_ids:
+                continue
+            out[i].append(nxt)
+            if len(out[i]) < n_predict:
+                going.append(i)
+        for i in set(active) - set(going):
+            if seqs[i]:  # sequence 0 stays: it is the single-sequence API's
+                engine.remove_sequence(seqs[i])
+        active = going
+        if going:
+            rows = engine.decode_batch([(seqs[i], out[i][-1]) for i in going])
+            for i, row in zip(going, rows):
+                logits[i] = row
+            steps += 1
+    gen_seconds = time.perf_counter() - gen_seconds
+    return Together(out, prompt_seconds, gen_seconds, steps)

@@ -19,6 +19,7 @@ from functools import lru_cache
 import numpy as np
 from gguf import GGMLQuantizationType as Q
 from numba import njit, prange
+from numba.extending import register_jitable
 
 from ..blocks import LAYOUTS
 from . import simd
@@ -28,6 +29,10 @@ Q8_ROWS = tuple(Q[name] for name in simd.Q8_BLOCKS)
 # count unpacks each block once for all tokens
 BLAS_TOKENS = 8
 PANEL_ROWS = 256
+# a decode step of up to this many sequences keeps the q8 rows (several tokens a row intrinsic,
+# `row_dots`): a step reads each weight once for all of them where an fp32 panel reads four bytes
+# a weight
+MAX_DECODE_ROWS = 64
 FLOAT_TYPES = (Q.F32, Q.F16, Q.BF16)  # widened to fp32 panels by NumPy for BLAS
 
 
@@ -87,18 +92,64 @@ def quantize_activations(x):
     return x8, xd, xs
 
 
+def token_key(tokens: int) -> int | None:
+    """What a kernel over `tokens` tokens is compiled for: each count below BLAS_TOKENS has its
+    own row intrinsic; from there one compilation takes any count (`row_dots`)."""
+    return tokens if tokens < BLAS_TOKENS else None
+
+
 @lru_cache(maxsize=None)
-def _q8_kernel(qtype, tokens: int):
-    row = simd.q8_row(qtype.name, tokens)
+def row_dots(type_name: str, tokens: int | None):
+    """A jitable `dots(w, w_offset, x8, xd, xs, n_blocks, out, r)`: one row's dot products with
+    each token's q8 activations into out[:, r]. For a count below BLAS_TOKENS, one row intrinsic
+    of that count; for None (any count: a decode step of many sequences), chunks of four tokens
+    and a remainder of one to three, which unpack the row's blocks again from L1 rather than read
+    them from memory again."""
+    if tokens is not None:
+        row = simd.q8_row(type_name, tokens)
+
+        @register_jitable
+        def dots(w, w_offset, x8, xd, xs, n_blocks, out, r):
+            s = row(w, w_offset, x8, xd, xs, n_blocks)
+            for t in range(tokens):
+                out[t, r] = s[t]
+
+        return dots
+    one, two, three, four = (simd.q8_row(type_name, n) for n in (1, 2, 3, 4))
+
+    @register_jitable
+    def dots_any(w, w_offset, x8, xd, xs, n_blocks, out, r):
+        n, a = x8.shape[0], 0
+        while a + 4 <= n:
+            s4 = four(w, w_offset, x8[a : a + 4], xd[a : a + 4], xs[a : a + 4], n_blocks)
+            for t in range(4):
+                out[a + t, r] = s4[t]
+            a += 4
+        if n - a == 1:
+            s1 = one(w, w_offset, x8[a:], xd[a:], xs[a:], n_blocks)
+            out[a, r] = s1[0]
+        elif n - a == 2:
+            s2 = two(w, w_offset, x8[a:], xd[a:], xs[a:], n_blocks)
+            for t in range(2):
+                out[a + t, r] = s2[t]
+        elif n - a == 3:
+            s3 = three(w, w_offset, x8[a:], xd[a:], xs[a:], n_blocks)
+            for t in range(3):
+                out[a + t, r] = s3[t]
+
+    return dots_any
+
+
+@lru_cache(maxsize=None)
+def _q8_kernel(qtype, tokens: int | None):
+    dots = row_dots(qtype.name, tokens)
     _, per_block, block_nbytes = LAYOUTS[qtype]
 
     @njit(parallel=True)
     def matvec(raw, x8, xd, xs, out, n_rows, n_cols):
         blocks = n_cols // per_block
         for r in prange(n_rows):
-            sums = row(raw, r * blocks * block_nbytes, x8, xd, xs, blocks)
-            for t in range(tokens):
-                out[t, r] = sums[t]
+            dots(raw, r * blocks * block_nbytes, x8, xd, xs, blocks, out, r)
 
     return matvec
 
@@ -176,8 +227,8 @@ def quantize_two_planes(x: np.ndarray):
 
 def q8_matvec(raw: np.ndarray, q8, qtype, shape: tuple[int, int], out: np.ndarray) -> None:
     """out [T, n_rows] = the activations quantized by `quantize_activations` (`q8`: x8, xd, xs)
-    times the weight, T < BLAS_TOKENS, on the calling thread's Numba threads."""
-    _q8_kernel(qtype, q8[0].shape[0])(raw, *q8, out, shape[0], shape[1])
+    times the weight, on the calling thread's Numba threads."""
+    _q8_kernel(qtype, token_key(q8[0].shape[0]))(raw, *q8, out, shape[0], shape[1])
 
 
 def dense_panel(raw: np.ndarray, qtype, shape: tuple[int, int]) -> np.ndarray:
@@ -218,7 +269,7 @@ def matmul(
     with threads_set(threads):
         if kind == "q8":
             x8, xd, xs = quantize_activations(x)
-            _q8_kernel(qtype, x.shape[0])(raw, x8, xd, xs, out, n_rows, n_cols)
+            _q8_kernel(qtype, token_key(x.shape[0]))(raw, x8, xd, xs, out, n_rows, n_cols)
         elif kind == "f32":
             _f32_kernel(qtype)(raw, x, out, n_rows, n_cols)
         elif kind == "f16":

@@ -8,8 +8,10 @@ Q/K/V rows together, the attention heads, the output rows, the gate and up rows 
 rows), the small operations serial between them. The matmuls are the named int8 path
 (`simd.q8_row`: activations quantized to int8 per 32 as `cpu.quantize_activations` does), the
 rest the `cpu_ops` semantics: RMSNorm with an fp64 sum, RoPE in fp64 (pairs or NeoX), attention
-over the fp16 KV cache by position (scores, one softmax, then V), SiLU or GELU gating. K and V are written
-into the cache (fp16, round to nearest even) before the attention reads it.
+over the fp16 KV cache (scores, one softmax, then V), SiLU or GELU gating. K and V are written
+into the cache (fp16, round to nearest even) before the attention reads it. The tokens may be of
+several sequences (a decode step of many): each writes its own cell and attends over its own
+cells (`kvstore.CellMap`).
 
 `layer_kernel(qtypes, tokens)` compiles one function per tuple of the seven matrix types and the
 token count (a model has one or a few such tuples). Optional tensors (biases, Q/K norms, the
@@ -27,12 +29,11 @@ from numba import njit, prange, types
 from numba.extending import intrinsic, register_jitable
 
 from ..blocks import LAYOUTS
-from . import simd
-from .cpu import quantize_activations
+from .cpu import quantize_activations, row_dots
 from .simd import half_bits
 
 # the integer parameters, in order, of a layer call (`ints`)
-INTS = ("pos0", "n_head", "n_kv", "head_dim", "head_dim_v", "n_rot", "neox", "window", "gelu",
+INTS = ("n_head", "n_kv", "head_dim", "head_dim_v", "n_rot", "neox", "window", "gelu",
         "n_ff")
 FLOATS = ("eps", "rope_base", "rope_scale", "attn_scale")
 
@@ -115,22 +116,22 @@ def _add_bias(y, bias):
 
 
 @lru_cache(maxsize=None)
-def layer_kernel(qtypes: tuple, tokens: int):
-    """The layer function for matrices of these types (q, k, v, o, gate, up, down)."""
-    rows = [simd.q8_row(q.name, tokens) for q in qtypes]
-    rq, rk, rv, ro, rg, ru, rd = rows
+def layer_kernel(qtypes: tuple, tokens: int | None):
+    """The layer function for matrices of these types (q, k, v, o, gate, up, down), for `tokens`
+    tokens or (None) any count (`cpu.token_key`)."""
+    rq, rk, rv, ro, rg, ru, rd = (row_dots(q.name, tokens) for q in qtypes)
     (pq, bq), (pk, bk), (pv, bv), (po, bo), (pg, bg), (pu, bu), (pd, bd) = (
         LAYOUTS[q][1:] for q in qtypes
     )
 
     @njit(parallel=True, fastmath=True)
     def layer(x, wq, wk, wv, wo, wg, wu, wd, biases_q, biases_k, biases_v, attn_norm, q_norm,
-              k_norm, post_attn_norm, ffn_norm, post_ffw_norm, kc, vc, ints, floats):  # fmt: skip
+              k_norm, post_attn_norm, ffn_norm, post_ffw_norm, kc, vc, pos, write, lo, hi, seq,
+              cell_pos, cell_seq, ints, floats):  # fmt: skip
         n_tok, d = x.shape
-        pos0, n_head, n_kv, hd, hdv, n_rot, neox, window, gelu, n_ff = ints
+        n_head, n_kv, hd, hdv, n_rot, neox, window, gelu, n_ff = ints
         eps, rope_base, rope_scale, attn_scale = floats
         nq, nk, nv = n_head * hd, n_kv * hd, n_kv * hdv
-        pos = np.arange(pos0, pos0 + n_tok)
 
         # -- attention in: norm, Q/K/V rows together, biases, Q/K norms, RoPE, the cache write
         h = np.empty_like(x)
@@ -141,19 +142,13 @@ def layer_kernel(qtypes: tuple, tokens: int):
         v = np.empty((n_tok, nv), np.float32)
         for r in prange(nq + nk + nv):
             if r < nq:
-                s = rq(wq, r * (d // pq) * bq, x8, xd, xs, d // pq)
-                for t in range(n_tok):
-                    q[t, r] = s[t]
+                rq(wq, r * (d // pq) * bq, x8, xd, xs, d // pq, q, r)
             elif r < nq + nk:
                 j = r - nq
-                s = rk(wk, j * (d // pk) * bk, x8, xd, xs, d // pk)
-                for t in range(n_tok):
-                    k[t, j] = s[t]
+                rk(wk, j * (d // pk) * bk, x8, xd, xs, d // pk, k, j)
             else:
                 j = r - nq - nk
-                s = rv(wv, j * (d // pv) * bv, x8, xd, xs, d // pv)
-                for t in range(n_tok):
-                    v[t, j] = s[t]
+                rv(wv, j * (d // pv) * bv, x8, xd, xs, d // pv, v, j)
         _add_bias(q, biases_q)
         _add_bias(k, biases_k)
         _add_bias(v, biases_v)
@@ -165,25 +160,29 @@ def layer_kernel(qtypes: tuple, tokens: int):
         _rope_rows(k, pos, n_kv, hd, n_rot, rope_base, rope_scale, neox)
         for t in range(n_tok):
             for i in range(nk):
-                kc[pos[t], i // hd, i % hd] = half_of(k[t, i])
+                kc[write[t], i // hd, i % hd] = half_of(k[t, i])
             for i in range(nv):
-                vc[pos[t], i // hdv, i % hdv] = half_of(v[t, i])
+                vc[write[t], i // hdv, i % hdv] = half_of(v[t, i])
 
-        # -- attention over the cache, per (token, head), in fp32: all the scores first, then one
-        # softmax and one pass over V (an online softmax rescales the output at every key)
+        # -- attention over the cache, per (token, head), in fp32: the scores of the cells
+        # [lo, hi) first (a cell of another sequence, later or out of the window masked after its
+        # score, as a masked matrix product computes it), then one softmax and one pass over V
         a = np.empty((n_tok, n_head * hdv), np.float32)
         group = n_head // n_kv
         for th in prange(n_tok * n_head):
             t, hh = th // n_head, th % n_head
             g = hh // group
-            first = max(0, pos[t] - window + 1) if window > 0 else 0
-            scores = np.empty(pos[t] + 1 - first, np.float32)
+            first = lo[t]
+            scores = np.empty(hi[t] - first, np.float32)
             top = np.float32(-np.inf)
-            for j in range(first, pos[t] + 1):
+            for j in range(first, hi[t]):
                 score = np.float32(0.0)
                 for i in range(hd):
                     score += q[t, hh * hd + i] * half_bits(kc[j, g, i])
                 score *= attn_scale
+                at = cell_pos[j]
+                if cell_seq[j] != seq[t] or at > pos[t] or (window > 0 and pos[t] - at >= window):
+                    score = np.float32(-np.inf)
                 scores[j - first] = score
                 top = max(top, score)
             total = np.float32(0.0)
@@ -191,10 +190,11 @@ def layer_kernel(qtypes: tuple, tokens: int):
                 scores[j] = np.exp(scores[j] - top)
                 total += scores[j]
             acc = np.zeros(hdv, np.float32)
-            for j in range(first, pos[t] + 1):
+            for j in range(first, hi[t]):
                 p = scores[j - first]
-                for i in range(hdv):
-                    acc[i] += p * half_bits(vc[j, g, i])
+                if p > 0:  # a masked cell may hold anything, even NaN
+                    for i in range(hdv):
+                        acc[i] += p * half_bits(vc[j, g, i])
             for i in range(hdv):
                 a[t, hh * hdv + i] = acc[i] / total
 
@@ -203,9 +203,7 @@ def layer_kernel(qtypes: tuple, tokens: int):
         na = n_head * hdv
         f = np.empty((n_tok, d), np.float32)
         for r in prange(d):
-            s = ro(wo, r * (na // po) * bo, a8, ad, a_s, na // po)
-            for t in range(n_tok):
-                f[t, r] = s[t]
+            ro(wo, r * (na // po) * bo, a8, ad, a_s, na // po, f, r)
         if post_attn_norm.size:
             _norm_rows(f, post_attn_norm, eps, f)
         for t in range(n_tok):
@@ -219,14 +217,10 @@ def layer_kernel(qtypes: tuple, tokens: int):
         up = np.empty((n_tok, n_ff), np.float32)
         for r in prange(2 * n_ff):
             if r < n_ff:
-                s = rg(wg, r * (d // pg) * bg, x8, xd, xs, d // pg)
-                for t in range(n_tok):
-                    gate[t, r] = s[t]
+                rg(wg, r * (d // pg) * bg, x8, xd, xs, d // pg, gate, r)
             else:
                 j = r - n_ff
-                s = ru(wu, j * (d // pu) * bu, x8, xd, xs, d // pu)
-                for t in range(n_tok):
-                    up[t, j] = s[t]
+                ru(wu, j * (d // pu) * bu, x8, xd, xs, d // pu, up, j)
         for t in range(n_tok):
             for i in range(n_ff):
                 gv = np.float64(gate[t, i])
@@ -237,9 +231,7 @@ def layer_kernel(qtypes: tuple, tokens: int):
                 gate[t, i] = act * up[t, i]
         g8, gd, gs = quantize_activations(gate)
         for r in prange(d):
-            s = rd(wd, r * (n_ff // pd) * bd, g8, gd, gs, n_ff // pd)
-            for t in range(n_tok):
-                f[t, r] = s[t]
+            rd(wd, r * (n_ff // pd) * bd, g8, gd, gs, n_ff // pd, f, r)
         if post_ffw_norm.size:
             _norm_rows(f, post_ffw_norm, eps, f)
         for t in range(n_tok):

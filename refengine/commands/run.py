@@ -17,7 +17,10 @@ from . import ENGINES, cli, open_for_writing, parse_tokens, plan_engine, plan_op
 
 @cli.command()
 @click.argument("model")
-@click.option("-p", "--prompt", help="Prompt text.")
+@click.option("-p", "--prompt", multiple=True,
+              help="Prompt text; repeat it to continue several prompts together.")  # fmt: skip
+@click.option("--prompts", "prompts_file", type=click.Path(exists=True, dir_okay=False, path_type=Path),
+              help="A file of prompts, one a line, continued together.")  # fmt: skip
 @click.option("--tokens", help="Prompt as comma-separated token ids, instead of text.")
 @click.option(
     "-n",
@@ -51,7 +54,7 @@ from . import ENGINES, cli, open_for_writing, parse_tokens, plan_engine, plan_op
     help="Write a Chrome trace of the plan engine's lanes, and a Gantt PNG next to it.",
 )  # fmt: skip
 def run(
-    model, prompt, tokens, n_predict, ctx_size, engine_name, temp, top_k, top_p, seed, dump_logits,
+    model, prompt, prompts_file, tokens, n_predict, ctx_size, engine_name, temp, top_k, top_p, seed, dump_logits,
     trace, **plan_args,
 ) -> None:  # fmt: skip
     """Generate text from a prompt, streaming it as it comes. With --engine cuda (or standin, the
@@ -60,11 +63,19 @@ def run(
     from ..generate import generate, prompt_for
     from ..sampling import Sampler
 
-    if (prompt is None) == (tokens is None):
-        raise UserError("give a prompt with -p TEXT or token ids with --tokens 1,2,3")
+    texts = list(prompt)
+    if prompts_file is not None:
+        texts += [line for line in prompts_file.read_text().splitlines() if line.strip()]
+    if (not texts) == (tokens is None):
+        raise UserError("give a prompt with -p TEXT (or several, or --prompts FILE) or token ids "
+                        "with --tokens 1,2,3")  # fmt: skip
     if n_predict < 0:
         raise UserError("-n must be 0 or more")
     spec = load_model(model)
+    if len(texts) > 1:
+        return _run_together(spec, texts, n_predict, ctx_size, engine_name, temp, top_k, top_p,
+                             seed, dump_logits, trace, plan_args)  # fmt: skip
+    prompt = texts[0] if texts else None
     ids = parse_tokens(tokens) if tokens is not None else None
     request = prompt_for(spec, prompt, ids, n_predict, ctx_size)
     dump = open_for_writing(dump_logits) if dump_logits is not None else None
@@ -98,3 +109,42 @@ def run(
 
         png = write_trace(engine.trace_events, trace)
         click.echo(f"wrote {trace} and {png}", err=True)
+
+
+def _run_together(spec, texts, n_predict, ctx_size, engine_name, temp, top_k, top_p, seed,
+                  dump_logits, trace, plan_args) -> None:  # fmt: skip
+    """Several prompts as several sequences of one engine, decoded together; each continuation
+    printed after its prompt once all are done. -c is the context of each prompt."""
+    from ..generate import generate_together, prompt_for
+    from ..sampling import Sampler
+
+    if dump_logits or trace:
+        raise UserError("--dump-logits and --trace take one prompt")
+    requests = [prompt_for(spec, t, None, n_predict, ctx_size) for t in texts]
+    n = len(requests)
+    n_ctx = n * min(ctx_size, spec.hparams.n_ctx_train)  # the total, each sequence its share
+    load_seconds = time.perf_counter()
+    if engine_name == "numpy":
+        if any(plan_args[k] for k in ("budget", "plan_path")):
+            raise UserError("--budget and --plan are for the plan engines: add --engine cuda")
+        from ..engine import NumpyEngine
+
+        engine = NumpyEngine(spec, n_ctx=n_ctx, n_seq=n)
+    else:
+        longest = max(len(r.ids) for r in requests)
+        engine, _ = plan_engine(engine_name, spec, n_ctx, dict(plan_args, n_seq=n), longest,
+                                n_predict)  # fmt: skip
+    load_seconds = time.perf_counter() - load_seconds
+    samplers = [Sampler(temp, top_k, top_p, seed + i) for i in range(n)]
+    g = generate_together(engine, requests, n_predict, samplers)
+    for i, (r, toks) in enumerate(zip(requests, g.tokens)):
+        click.echo(f"[{i}] {r.text}{r.tokenizer.decode(toks) if r.tokenizer else toks}")
+    n_ids = sum(len(r.ids) for r in requests)
+    n_gen = sum(len(t) for t in g.tokens)
+    click.echo(
+        f"[{engine_name}] {n} sequences: loaded in {load_seconds:.1f} s; prompts {n_ids} tokens "
+        f"in {g.prompt_seconds:.2f} s ({n_ids / g.prompt_seconds:.1f} t/s); generated {n_gen} "
+        f"tokens in {g.steps} steps, {g.gen_seconds:.2f} s "
+        f"({n_gen / max(g.gen_seconds, 1e-9):.1f} t/s)",
+        err=True,
+    )

@@ -1,0 +1,162 @@
+"""Several sequences in one engine (docs/sequences.md): each sequence's logits in a batch equal its
+own single-sequence run on the same engine — sequences of different lengths, one finishing early,
+one added while others decode, one removed and its cells reused — per-sequence streams and the
+unified cache; the ubatch layout and the one-line mistakes."""
+
+import numpy as np
+import pytest
+
+from refengine.agreement import normwise
+from refengine.engine import NumpyEngine
+from refengine.errors import UserError
+from refengine.sequences import Sequences, check_entries, ubatches
+from refengine.spec import load_spec
+
+N_CTX = 96
+
+
+def alone(make, prompt, steps):
+    """A sequence's logits run by itself on a fresh engine: after its prompt, then after each
+    decode token of `steps`."""
+    engine = make()
+    out = [engine.prefill(prompt)]
+    out += [engine.decode(int(t)) for t in steps]
+    return out
+
+
+def scenario(make, vocab: int, tolerance: float):
+    """Four sequences on one engine, checked against each one alone: 0 and 1 prefilled together in
+    one call (different lengths), 2 added after two steps, 1 finishing after three and removed,
+    then 3 added into its freed stream while 0 and 2 go on."""
+    rng = np.random.default_rng(7)
+    prompts = [rng.integers(0, vocab, n) for n in (9, 4, 6, 5)]
+    steps = [rng.integers(0, vocab, 6) for _ in range(4)]
+    engine = make()
+    got = {s: [] for s in range(4)}
+    ids = {0: 0, 1: engine.add_sequence()}
+    first = engine.process([(ids[0], prompts[0]), (ids[1], prompts[1])])
+    got[0].append(first[0])
+    got[1].append(first[1])
+    done = {s: 0 for s in range(4)}
+
+    def step(active):
+        rows = engine.decode_batch([(ids[s], int(steps[s][done[s]])) for s in active])
+        for s, row in zip(active, rows):
+            got[s].append(row)
+            done[s] += 1
+
+    step([0, 1])
+    step([0, 1])
+    ids[2] = engine.add_sequence()
+    got[2].append(engine.process([(ids[2], prompts[2])])[0])
+    step([0, 1, 2])
+    engine.remove_sequence(ids[1])
+    ids[3] = engine.add_sequence()
+    assert ids[3] == ids[1]  # the freed stream is reused
+    got[3].append(engine.process([(ids[3], prompts[3])])[0])
+    step([0, 2, 3])
+    step([3, 0, 2])
+    for s in range(4):
+        want = alone(make, prompts[s], steps[s][: done[s]])
+        assert len(want) == len(got[s])
+        for i, (a, b) in enumerate(zip(got[s], want)):
+            assert normwise(a, b) <= tolerance, (s, i, normwise(a, b))
+    return engine
+
+
+@pytest.mark.parametrize("arch", ("llama", "gemma3", "qwen3moe"))
+@pytest.mark.parametrize("unified", (False, True))
+def test_numpy_sequences_equal_their_own_runs(small_models, arch, unified):
+    spec = load_spec(str(small_models[arch]))
+    scenario(lambda: NumpyEngine(spec, n_ctx=N_CTX, n_seq=4, unified=unified, n_ubatch=8),
+             spec.hparams.n_vocab, 1e-5)  # fmt: skip
+
+
+def test_the_ubatches_of_a_call():
+    seqs = Sequences(64, n_seq=3)
+    seqs.add()
+    seqs.n_past[0] = 5
+    entries = [(0, np.arange(3)), (1, np.arange(10, 17))]
+    ubs = ubatches(seqs, entries, 4, all_logits=False)
+    assert [ub.size for ub in ubs] == [4, 4, 2]
+    assert ubs[0].segments == ((0, 0, 3), (1, 3, 1)) and ubs[1].segments == ((1, 0, 4),)
+    assert list(ubs[0].pos) == [5, 6, 7, 0] and list(ubs[2].pos) == [5, 6]
+    # the last token of each entry gives logits: sequence 0's in the first ubatch, 1's in the last
+    assert [list(ub.logit_rows) for ub in ubs] == [[2], [], [1]]
+    every = ubatches(seqs, entries, 4, all_logits=True)
+    assert sum(ub.logit_rows.size for ub in every) == 10
+
+
+def test_room_per_stream_and_unified():
+    streams = Sequences(64, n_seq=4)
+    assert streams.n_ctx_seq == 16
+    with pytest.raises(UserError, match="17 tokens do not fit the context of 64 for sequence 0"):
+        streams.check_room({0: 17})
+    shared = Sequences(64, n_seq=4, unified=True)
+    shared.add()
+    shared.check_room({0: 40})  # one sequence may take most of a shared cache
+    shared.n_past[0] = 40
+    with pytest.raises(UserError, match="has 24 free"):
+        shared.check_room({1: 20, 0: 5})
+
+
+def test_mistakes_are_one_line():
+    seqs = Sequences(32, n_seq=2)
+    seqs.add()
+    with pytest.raises(UserError, match="all 2 sequences are in use"):
+        seqs.add()
+    with pytest.raises(UserError, match="there is no sequence 5"):
+        check_entries(seqs, [(5, [1])], 10)
+    with pytest.raises(UserError, match="appears twice"):
+        check_entries(seqs, [(0, [1]), (0, [2])], 10)
+    with pytest.raises(UserError, match="integers in 0..9"):
+        check_entries(seqs, [(0, [10])], 10)
+    with pytest.raises(UserError, match="cannot hold 8 sequences"):
+        Sequences(4, n_seq=8)
+
+
+@pytest.mark.parametrize("arch", ("llama", "gemma3", "qwen3moe"))
+@pytest.mark.parametrize("unified", (False, True))
+def test_cpu_engine_sequences_equal_their_own_runs(small_models, arch, unified):
+    """The fused decode layer takes a step's tokens together (`cpu.row_dots`) and each attends over
+    its own cells only. The row intrinsics of different token counts round differently in the last
+    bit (~3e-7), which can flip an int8 activation a layer later (~4e-4 in the logits on gemma3),
+    so the bound is the int8 path's kernel bound, 1e-2 (CONTRACTS.md), far below what a token
+    attending over another sequence's cells would cost."""
+    from cudarun.cpu_engine import CpuEngine
+
+    spec = load_spec(str(small_models[arch]))
+    engine = scenario(lambda: CpuEngine(spec, n_ctx=N_CTX, tiers=[1, 8], n_seq=4, unified=unified),
+                      spec.hparams.n_vocab, 1e-2)  # fmt: skip
+    assert (engine.layers is None) == (arch == "qwen3moe")
+
+
+def test_prompts_continued_together_equal_each_alone(small_models):
+    """`run -p A -p B -p C`'s loop: greedy continuations of three prompts decoded together equal
+    each prompt's own; the first ends early (its 4th token is made its end of generation) and
+    leaves the steps while the others go on."""
+    from types import SimpleNamespace
+
+    from refengine.generate import Prompt, generate_together
+    from refengine.sampling import Sampler
+
+    spec = load_spec(str(small_models["llama"]))
+    rng = np.random.default_rng(11)
+    ids = [list(rng.integers(0, 300, n)) for n in (5, 9, 3)]
+
+    def greedy_alone(prompt, n):
+        alone = NumpyEngine(spec, n_ctx=32)
+        logits, out = alone.prefill(prompt), []
+        for _ in range(n):
+            out.append(int(np.argmax(logits)))
+            logits = alone.decode(out[-1])
+        return out
+
+    want = [greedy_alone(p, 8) for p in ids]
+    end = SimpleNamespace(eog_ids={want[0][3]})
+    want[0] = want[0][: want[0].index(want[0][3])]
+    prompts = [Prompt(ids[0], end, None)] + [Prompt(p, None, None) for p in ids[1:]]
+    engine = NumpyEngine(spec, n_ctx=3 * 32, n_seq=3)
+    together = generate_together(engine, prompts, 8, [Sampler() for _ in prompts])
+    assert together.tokens == want
+    assert together.steps == 7 and engine.seqs.n_past[0] == 5 + len(want[0])
