@@ -109,6 +109,7 @@ def test_cli_runs_and_benches_the_cpu_engine(small_models):
 
 
 def test_the_heads_second_int8_plane_recovers_what_the_first_rounds_away():
+    """The head's activations to about 15 bits: two int8 planes, or int16 for Q8_0 weights."""
     from gguf import GGMLQuantizationType as Q
     from gguf import quants
 
@@ -124,6 +125,11 @@ def test_the_heads_second_int8_plane_recovers_what_the_first_rounds_away():
     cpu.q8_matvec(raw.reshape(-1), cpu.quantize_two_planes(x), Q.Q8_0, (96, 256), two)
     single, double = normwise(one, want), normwise(two[:3] + two[3:], want)
     assert single > 1e-3 and double < single / 50
+    for tokens in (3, 10):  # one row intrinsic; chunks of four and a remainder
+        xt = np.resize(x, (tokens, 256))
+        wide = np.empty((tokens, 96), np.float32)
+        cpu.q16_matvec(raw.reshape(-1), *cpu.quantize_activations16(xt), Q.Q8_0, (96, 256), wide)
+        assert normwise(wide, xt @ quants.dequantize(raw, Q.Q8_0).T) < single / 50
 
 
 def test_a_recorded_block_output_survives_the_next_fused_layer(small_models):

@@ -99,14 +99,14 @@ def token_key(tokens: int) -> int | None:
 
 
 @lru_cache(maxsize=None)
-def row_dots(type_name: str, tokens: int | None):
+def row_dots(type_name: str, tokens: int | None, wide: bool = False):
     """A jitable `dots(w, w_offset, x8, xd, xs, n_blocks, out, r)`: one row's dot products with
     each token's q8 activations into out[:, r]. For a count below BLAS_TOKENS, one row intrinsic
     of that count; for None (any count: a decode step of many sequences), chunks of four tokens
     and a remainder of one to three, which unpack the row's blocks again from L1 rather than read
-    them from memory again."""
+    them from memory again. `wide`: int16 activations (`quantize_activations16`)."""
     if tokens is not None:
-        row = simd.q8_row(type_name, tokens)
+        row = simd.q8_row(type_name, tokens, wide)
 
         @register_jitable
         def dots(w, w_offset, x8, xd, xs, n_blocks, out, r):
@@ -115,11 +115,16 @@ def row_dots(type_name: str, tokens: int | None):
                 out[t, r] = s[t]
 
         return dots
-    one, two, three, four = (simd.q8_row(type_name, n) for n in (1, 2, 3, 4))
+    one, two, three, four, eight = (simd.q8_row(type_name, n, wide) for n in (1, 2, 3, 4, 8))
 
     @register_jitable
     def dots_any(w, w_offset, x8, xd, xs, n_blocks, out, r):
         n, a = x8.shape[0], 0
+        while a + 8 <= n:
+            s8 = eight(w, w_offset, x8[a : a + 8], xd[a : a + 8], xs[a : a + 8], n_blocks)
+            for t in range(8):
+                out[a + t, r] = s8[t]
+            a += 8
         while a + 4 <= n:
             s4 = four(w, w_offset, x8[a : a + 4], xd[a : a + 4], xs[a : a + 4], n_blocks)
             for t in range(4):
@@ -141,8 +146,8 @@ def row_dots(type_name: str, tokens: int | None):
 
 
 @lru_cache(maxsize=None)
-def _q8_kernel(qtype, tokens: int | None):
-    dots = row_dots(qtype.name, tokens)
+def _q8_kernel(qtype, tokens: int | None, wide: bool = False):
+    dots = row_dots(qtype.name, tokens, wide)
     _, per_block, block_nbytes = LAYOUTS[qtype]
 
     @njit(parallel=True)
@@ -212,6 +217,36 @@ class threads_set:
         import numba
 
         numba.set_num_threads(self.previous)
+
+
+Q16_ROWS = tuple(Q[name] for name in simd.Q16_BLOCKS)
+
+
+@njit(cache=True)
+def quantize_activations16(x):
+    """x [T, n] fp32 -> (x16 int16 [T, n], xd fp32 [T, n / 32]: value = xd * x16): the head's
+    activations to 15 bits (the logits are what is sampled)."""
+    n_tokens, n = x.shape
+    x16 = np.empty((n_tokens, n), np.int16)
+    xd = np.empty((n_tokens, n // 32), np.float32)
+    for t in range(n_tokens):
+        for g in range(n // 32):
+            amax = np.float32(0.0)
+            for j in range(32 * g, 32 * g + 32):
+                amax = max(amax, abs(x[t, j]))
+            d = amax / np.float32(32767.0)
+            inv = np.float32(1.0) / d if d > 0 else np.float32(0.0)
+            xd[t, g] = d
+            for j in range(32 * g, 32 * g + 32):
+                x16[t, j] = np.int16(round(x[t, j] * inv))
+    return x16, xd
+
+
+def q16_matvec(raw: np.ndarray, x16, xd, qtype, shape: tuple[int, int], out: np.ndarray) -> None:
+    """out [T, n_rows] = int16 activations (`quantize_activations16`) times the weight (a type of
+    Q16_ROWS), on the calling thread's Numba threads."""
+    tokens = token_key(x16.shape[0])
+    _q8_kernel(qtype, tokens, True)(raw, x16, xd, xd, out, shape[0], shape[1])
 
 
 def quantize_two_planes(x: np.ndarray):

@@ -144,6 +144,21 @@ def dot4(b, u8, s8):
     return madd(b, maddubs(b, u8, s8), splat(I16, 16, 1))
 
 
+def dot2_16(b, x16, y16):
+    """<32 x i16> x, y -> <8 x i32>: lane j = the sum of x[i] y[i] over i = 2j, 2j+1 and
+    2j+16, 2j+17 (two vpdpwssd where the host has VNNI, else two pmaddwd and an add)."""
+    if VNNI:
+        name = ("llvm.x86.avx512.vpdpwssd.256" if _host_has("avx512vnni")
+                else "llvm.x86.avxvnni.vpdpwssd.256")  # fmt: skip
+        i32x8 = vec(I32, 8)
+        (x0, x1), (y0, y1) = _halves(b, x16), _halves(b, y16)
+        acc = ir.Constant(i32x8, [0] * 8)
+        for xh, yh in ((x0, y0), (x1, y1)):
+            acc = _x86(b, name, i32x8, acc, b.bitcast(xh, i32x8), b.bitcast(yh, i32x8))
+        return acc
+    return sum8(b, madd(b, x16, y16))
+
+
 def sign_of(b, x8, w8):
     """<32 x i8>: x where w > 0, -x where w < 0, 0 where w = 0 (psignb), so that
     |w| (unsigned) times it is w x; x is never -128 (activations are quantized to +-127)."""
@@ -291,6 +306,15 @@ def _block_q8_0(b, arr, base, x_at, g_at):
     return scaled(b, isum, scale), None
 
 
+def _block_q8_0_x16(b, arr, base, x_at, g_at):
+    """Q8_0 against int16 activations (`x8` is then an int16 array): the head's path, 15 bits of
+    each activation where int8 keeps 7."""
+    w16 = b.sext(arr.load(0, _at(b, base, 2), I8, 32), vec(I16, 32))
+    isum = dot2_16(b, w16, arr.load(X8, x_at, I16, 32))
+    scale = b.fmul(half_at(arr, 0, base), _xd(b, arr, g_at, 0), flags=FAST)
+    return scaled(b, isum, scale), None
+
+
 def _block_32(qs, qh, has_min, bias):
     """Q4_0, Q4_1, Q5_0, Q5_1: unsigned q (nibble, plus a fifth bit from the uint32 at qh),
     value d (q - bias) or d q + m; sum(x) comes from xs (the quantized activations' own sum)."""
@@ -400,11 +424,16 @@ Q8_BLOCKS = {
 }
 
 
+# type name -> the same against int16 activations (`quantize_activations16`)
+Q16_BLOCKS = {"Q8_0": (_block_q8_0_x16, 34, 32)}
+
+
 @lru_cache(maxsize=None)
-def q8_row(type_name: str, tokens: int):
-    """The row intrinsic of a type for `tokens` tokens at once."""
-    block, nbytes, per_block = Q8_BLOCKS[type_name]
-    return _row_intrinsic(f"row_{type_name.lower()}_x{tokens}", block, nbytes, per_block, tokens)
+def q8_row(type_name: str, tokens: int, wide: bool = False):
+    """The row intrinsic of a type for `tokens` tokens at once (`wide`: int16 activations)."""
+    block, nbytes, per_block = (Q16_BLOCKS if wide else Q8_BLOCKS)[type_name]
+    name = f"row_{type_name.lower()}_{'w' if wide else ''}x{tokens}"
+    return _row_intrinsic(name, block, nbytes, per_block, tokens)
 
 
 @intrinsic
