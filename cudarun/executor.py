@@ -26,7 +26,7 @@ from refengine.spec import ModelSpec
 from solver.cost import PINNED, TierPlacement, Workload
 from solver.groups import tensor_groups
 from solver.memory import kv_cell_nbytes, kv_layer_nbytes
-from solver.plan import Region, fingerprint_hash, placements_from_json
+from solver.plan import Region, fingerprint_hash, placements_from_json, plan_workload
 from solver.usage import kv_shape
 
 from . import program
@@ -66,9 +66,7 @@ def check_plan(plan: dict, spec: ModelSpec) -> None:
 
 
 def workload_of(plan: dict) -> Workload:
-    fp, wl = plan["fingerprint"], plan["workload"]
-    return Workload(fp["n_ctx"], wl["prompt_tokens"], wl["gen_tokens"], fp["users"],
-                    fp["kv_type"], fp["flash_attn"], fp["threads"])  # fmt: skip
+    return plan_workload(plan)
 
 
 class Tier:

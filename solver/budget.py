@@ -51,10 +51,19 @@ def apply_reserve(budgets: list[int], reserve: str) -> list[int]:
     return [b - r for b, r in zip(budgets, reserves)]
 
 
+MANY_USERS_DECODE_TIERS = (1, 4, 16, 32, 64)
+
+
 def default_tiers(n_ctx: int, users: int = 1, n_batch: int = DEFAULT_N_BATCH) -> list[int]:
-    """Decode {1, 16} ({1, 4, 16, 32, 64} with several users), then prefill 512 * 2^k up to
-    min(max(n_batch, 16384), n_ctx) (PSHARD.md)."""
-    tiers = [1, 16] if users == 1 else [1, 4, 16, 32, 64]
+    """Decode {1, 16}; with several users {1, 4, 16, 32, 64} up to the first that holds a step of
+    all of them (8 users: 1, 4, 16); then prefill 512 * 2^k up to min(max(n_batch, 16384), n_ctx)
+    (PSHARD.md)."""
+    if users == 1:
+        tiers = [1, 16]
+    else:
+        tiers = [t for t in MANY_USERS_DECODE_TIERS if t < users]
+        tiers.append(next((t for t in MANY_USERS_DECODE_TIERS if t >= users),
+                          MANY_USERS_DECODE_TIERS[-1]))  # fmt: skip
     top, t = min(max(n_batch, 16384), n_ctx), 512
     while t <= top:
         tiers.append(t)

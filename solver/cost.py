@@ -17,7 +17,9 @@ Formulas (every rate from the HardwareProfile; M = tokens in the ubatch, the tie
 4. Attention at context depth d (per sequence; S sequences share the ubatch): each of the M
    tokens attends to d + (M/S + 1)/2 keys (causal; a sliding layer to at most n_swa), costing
    4 * n_head * head_dim flops per key, and S * d + M cached cells are read; it runs where the
-   layer's KV lives. Under llama.cpp a CPU-held layer's attention runs on the GPU for ubatches of
+   layer's KV lives. That is a KV stream per sequence (seed 003); with one cache shared by the
+   sequences (unified, llama.cpp's -kvu, which a llamacpp plan exports) each token scores all
+   S * d + M cells, the other sequences' masked. Under llama.cpp a CPU-held layer's attention runs on the GPU for ubatches of
    32 tokens and more (its scheduler places it between the op-offloaded matmuls), copying the
    cells it reads up first; on the CPU, ggml's kernel reads the cells once per query head
    (n_head / n_head_kv times).
@@ -115,6 +117,9 @@ class Workload:
     kv_type: str = "f16"
     flash_attn: bool = True
     threads: int = 0  # 0: the profile's CPU thread count
+    # the users share one cache and attention runs over all of its cells, masked (llama.cpp's
+    # -kvu); else a KV stream per user of n_ctx / users cells (seed 003)
+    unified: bool = False
 
     def __post_init__(self) -> None:
         check_kv_cache(self.kv_type, self.flash_attn)
@@ -190,6 +195,8 @@ class CostModel:
     ):
         self.spec, self.profile, self.w = spec, profile, workload
         self.target = target
+        # a llamacpp plan exports -np N -kvu: its users share one cache
+        self.unified = workload.unified or target == "llamacpp"
         self.overlap = target != "llamacpp"  # our runtime and pshard's prefetch; llama.cpp does not
         self.groups = tensor_groups(spec)
         self.by_layer: dict[int | None, list[Group]] = {}
@@ -264,6 +271,8 @@ class CostModel:
         if self.spec.is_swa(il):
             keys = np.minimum(keys, hp.n_swa)
             cells = np.minimum(cells, sequences * hp.n_swa + tokens)
+        if self.unified and sequences > 1:  # every token scores every cell in use, masked
+            keys = cells
         flops = 4.0 * hp.n_head * hp.head_dim * tokens * keys
         nbytes = cells * self.cell_nbytes
         if loc.on_gpu:

@@ -87,6 +87,7 @@ def fingerprint(
         "model_nbytes": spec.file_nbytes,
         "n_ctx": w.n_ctx,
         "users": w.users,
+        "kv_unified": w.unified,
         "kv_type": w.kv_type,
         "flash_attn": w.flash_attn,
         "threads": w.threads,
@@ -230,4 +231,5 @@ def plan_workload(d: dict) -> Workload:
         kv_type=fp["kv_type"],
         flash_attn=fp["flash_attn"],
         threads=fp["threads"],
+        unified=fp.get("kv_unified", False),
     )

@@ -323,10 +323,11 @@ def request_workload(
     kv_type: str,
     flash_attn: bool,
     threads: int,
+    unified: bool = False,
 ) -> Workload:
-    """The workload of a `solve` request: one unified KV cache of `n_ctx` cells shared by the
-    users; the prompt fills each user's share less the generated tokens unless given; threads 0
-    is the profile's (resolved, so the fingerprint names it)."""
+    """The workload of a `solve` request: `n_ctx` cells for the users, a stream of n_ctx / users
+    each or (`unified`) one cache they share; the prompt fills each user's share less the generated
+    tokens unless given; threads 0 is the profile's (resolved, so the fingerprint names it)."""
     per_user = n_ctx // users
     prompt = prompt_tokens if prompt_tokens is not None else per_user - gen_tokens
     if prompt < 1 or prompt + gen_tokens > per_user:
@@ -342,6 +343,7 @@ def request_workload(
         kv_type=kv_type,
         flash_attn=flash_attn,
         threads=threads or profile.cpu.threads,
+        unified=unified,
     )
 
 

@@ -194,7 +194,7 @@ def sweep(
             else:
                 row_w = request_workload(
                     profile, int(value), w.users, None if prompt_fills else w.prompt_tokens,
-                    w.gen_tokens, w.kv_type, w.flash_attn, w.threads,
+                    w.gen_tokens, w.kv_type, w.flash_attn, w.threads, w.unified,
                 )  # fmt: skip
             solved = solve_request(spec, row_profile, row_w, tiers, row_budget, reserve,
                                    objective, None, time_limit_seconds, target)  # fmt: skip

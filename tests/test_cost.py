@@ -1,6 +1,8 @@
 """The cost model on hand-computed cases. A toy profile with round rates makes each expected time
 a line of arithmetic, written beside the assertion."""
 
+from dataclasses import replace
+
 import pytest
 
 from refengine.synthetic import SyntheticConfig, spec_from_hparams
@@ -151,6 +153,42 @@ def test_attention_at_real_depth_and_token_count():
     assert cm.attention_seconds(0, 1, 8000, Loc(PINNED)) > cm.attention_seconds(
         0, 1, 4000, Loc(PINNED)
     )
+
+
+def test_several_users_attend_over_their_own_stream_or_the_whole_unified_cache():
+    """A decode step of 32 users at depth 2000 on the CPU (20 GB/s, 100 GFLOP/s). With a KV
+    stream per user each token scores its own 2000 + 1 keys; with one unified cache (and always
+    under llama.cpp, whose plans export -kvu) each scores all 32 x 2000 + 32 cells, the other
+    users' masked: 32x the flops, the waste seed 003 removes. Both read the same cells."""
+    hp, users, depth = DENSE.hparams, 32, 2000
+    w = Workload(n_ctx=32 * 4096, prompt_tokens=2000, gen_tokens=100, users=users)
+    streams, unified, llama = (
+        CostModel(DENSE, toy_profile(), wl, target).attention_seconds(0, users, depth, Loc(CPU),
+                                                                      users)  # fmt: skip
+        for wl, target in ((w, "refengine"), (replace(w, unified=True), "refengine"),
+                           (w, "llamacpp"))  # fmt: skip
+    )
+    per_key = 4 * hp.n_head * hp.head_dim * users / 100e9
+    cells = users * depth + users
+    read = cells * 2 * 1024 * 2 / 20e9  # 0.0131 s: the streams are bound by it
+    assert streams == pytest.approx(max(read, per_key * (depth + 1)))
+    assert unified == pytest.approx(max(read, per_key * cells))  # 0.0839 s of flops
+    assert unified > 6 * streams
+    # llama.cpp's CPU kernel also reads the cells once per query head, at its own efficiency
+    assert llama >= unified
+    one = Workload(n_ctx=4096, prompt_tokens=2000, gen_tokens=100)
+    assert CostModel(DENSE, toy_profile(), replace(one, unified=True)).attention_seconds(
+        0, 1, depth, Loc(CPU)
+    ) == CostModel(DENSE, toy_profile(), one).attention_seconds(0, 1, depth, Loc(CPU))
+
+
+def test_decode_tiers_of_several_users_reach_the_first_that_holds_them():
+    from solver.budget import default_tiers
+
+    assert default_tiers(4096) == [1, 16, 512, 1024, 2048, 4096]
+    assert default_tiers(4096, users=8) == [1, 4, 16, 512, 1024, 2048, 4096]
+    assert default_tiers(4096, users=4)[:3] == [1, 4, 512]
+    assert default_tiers(4096, users=100)[:6] == [1, 4, 16, 32, 64, 512]
 
 
 def test_llamacpp_runs_cpu_kv_attention_on_the_gpu_for_prefill_and_rereads_it_per_head():

@@ -206,3 +206,25 @@ def test_a_small_second_gpu_is_excluded_per_prefill_ubatch_not_at_the_largest_ti
         loc.on_gpu and loc.device == 1 for p in two.tiers.values() for loc in p.groups.values()
     )
     assert two.prediction.e2e_seconds < one.prediction.e2e_seconds
+
+
+def test_several_users_plan_their_decode_tiers_and_say_whether_they_share_one_cache(tmp_path):
+    """--users 8: decode tiers 1, 4 and 16 (the first that holds a step of all eight); the plan
+    states whether the users share one cache (--kv-unified), and reading it back gives the
+    workload it was solved for; the unified plan predicts a slower decode (each token scores every
+    user's cells)."""
+    from solver.plan import load_plan, plan_workload
+
+    plans = {}
+    for unified in (False, True):
+        out = tmp_path / f"plan{unified}.json"
+        r = solve("llama3-8b", "--profile", "rtx4090-epyc-7742", "--budget", "6GiB", "--ctx",
+                  "32768", "--users", "8", "--gen-tokens", "100", "--time-limit", "1", "-o", out,
+                  *(["--kv-unified"] if unified else []))  # fmt: skip
+        assert r.returncode == 0, r.stderr
+        plans[unified] = load_plan(out)
+    for unified, plan in plans.items():
+        assert sorted(int(t) for t in plan["tiers"])[:3] == [1, 4, 16]
+        assert plan["fingerprint"]["kv_unified"] is unified
+        assert plan_workload(plan).unified is unified and plan_workload(plan).users == 8
+    assert plans[True]["prediction"]["decode_seconds"] > plans[False]["prediction"]["decode_seconds"]

@@ -35,6 +35,9 @@ from . import THREADS_CHECK, USERS_CHECK, cli, open_for_writing
 @click.option("--ctx", "n_ctx", default=defaults.N_CTX, show_default=True, help="Context, tokens.")
 @click.option("--tiers", help="Tokens per ubatch to plan for, e.g. 1,16,512 (default: PSHARD's).")
 @click.option("--users", default=defaults.USERS, show_default=True, callback=USERS_CHECK)
+@click.option("--kv-unified", "kv_unified", is_flag=True,
+              help="The users share one KV cache, attention over all of it masked (llama.cpp's "
+              "-kvu; a llamacpp plan always does); default: a KV stream per user.")  # fmt: skip
 @click.option("--prompt-tokens", type=int, help="Default: ctx - gen tokens.")
 @click.option("--gen-tokens", default=defaults.GEN_TOKENS, show_default=True)
 @click.option("--strategy", help="Use a named strategy instead of the optimizer.")
@@ -83,6 +86,7 @@ def solve(
     n_ctx,
     tiers,
     users,
+    kv_unified,
     prompt_tokens,
     gen_tokens,
     strategy,
@@ -110,7 +114,7 @@ def solve(
     spec = load_model_or_shape(shape_argument(model, arch, params, qtype))
     prof = load_profile(profile_name)
     w = request_workload(prof, n_ctx, users, prompt_tokens, gen_tokens, kv_type, fa == "on",
-                         threads)  # fmt: skip
+                         threads, kv_unified)  # fmt: skip
     solved = solve_request(spec, prof, w, tiers, budget, reserve, objective, strategy, time_limit,
                            target)  # fmt: skip
     budgets, chosen, facts = solved.budgets.bytes, solved.chosen, solved.facts
