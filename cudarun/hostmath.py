@@ -28,6 +28,7 @@ from refengine.spec import ModelSpec
 from refengine.weights import GGUFWeights
 
 from .hostweights import dense
+from .kvstore import CellMap
 from .kernels import cpu, cpu_ops
 
 
@@ -48,7 +49,7 @@ class Act:
     gates: np.ndarray | None = None  # MoE: their weights [T, k]
     logits: np.ndarray | None = None
     record: dict = field(default_factory=dict)  # activation name -> [T, ...] of this ubatch
-    cells: "CellMap | None" = None  # the host KV cells the tokens write and read (kvstore)
+    cells: CellMap | None = None  # the host KV cells the tokens write and read
     logit_rows: np.ndarray | None = None  # the tokens whose logits are wanted (None: the last)
 
 

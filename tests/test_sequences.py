@@ -115,8 +115,9 @@ def test_mistakes_are_one_line():
         Sequences(4, n_seq=8)
 
 
-@pytest.mark.parametrize("arch", ("llama", "gemma3", "qwen3moe"))
-@pytest.mark.parametrize("unified", (False, True))
+@pytest.mark.parametrize(
+    "arch, unified", [("llama", False), ("gemma3", True), ("qwen3moe", False)]
+)  # the fused layer with streams; sliding windows in the shared cache; MoE part by part
 def test_cpu_engine_sequences_equal_their_own_runs(small_models, arch, unified):
     """The fused decode layer takes a step's tokens together (`cpu.row_dots`) and each attends over
     its own cells only. The row intrinsics of different token counts round differently in the last
@@ -160,3 +161,32 @@ def test_prompts_continued_together_equal_each_alone(small_models):
     together = generate_together(engine, prompts, 8, [Sampler() for _ in prompts])
     assert together.tokens == want
     assert together.steps == 7 and engine.seqs.n_past[0] == 5 + len(want[0])
+
+
+def test_batched_bench_and_several_prompts_from_the_command_line(small_models):
+    """batched-bench prints llama-batched-bench's table, or its JSONL records; a row whose cells
+    do not fit -c is skipped and said; run -p A -p B prints each continuation after its prompt."""
+    import json
+
+    from tests.conftest import refengine
+
+    model = small_models["llama"]
+    r = refengine("batched-bench", model, "--engine", "numpy", "-npp", "8,40", "-ntg", "4",
+                  "-npl", "1,2", "-c", "64")  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    assert "|     PP |     TG |    B |   N_KV |   T_PP s | S_PP t/s |" in r.stdout
+    rows = [line for line in r.stdout.splitlines() if line.startswith("|      8 |")]
+    assert len(rows) == 2 and rows[1].split("|")[4].strip() == "24"  # N_KV = 2 x (8 + 4)
+    assert "skipped PP 40, TG 4, B 2" in r.stderr  # 2 x 44 cells > 64
+    r = refengine("batched-bench", model, "--engine", "cpu", "-npp", "8", "-ntg", "2", "-npl",
+                  "3", "--unified", "-o", "json")  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    (record,) = [json.loads(line) for line in r.stdout.splitlines()]
+    assert set(record) == {"pp", "tg", "pl", "n_kv", "t_pp", "speed_pp", "t_tg", "speed_tg",
+                           "t", "speed"} and record["n_kv"] == 30  # fmt: skip
+    r = refengine("batched-bench", model, "-npp", "8,x")
+    assert r.returncode == 2 and "-npp takes comma-separated token counts" in r.stderr
+    r = refengine("run", model, "-p", "hello", "-p", "world", "-n", "3", "--engine", "numpy")
+    assert r.returncode == 0, r.stderr
+    assert [line[:4] for line in r.stdout.splitlines()] == ["[0] ", "[1] "]
+    assert "2 sequences" in r.stderr
