@@ -14,7 +14,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from refengine import defaults
-from refengine.engine import finish, single, split_rows, stack
+from refengine.engine import SequenceCalls, finish, split_rows
 from refengine.sequences import Sequences, Ubatch, check_entries, ubatches
 from refengine.spec import ModelSpec
 from solver.cost import CPU, Loc, TierPlacement, Workload
@@ -43,7 +43,7 @@ def all_cpu(spec: ModelSpec) -> TierPlacement:
     )
 
 
-class CpuEngine:
+class CpuEngine(SequenceCalls):
     name = "cpu"
     tolerance = 5e-2  # CONTRACTS.md: the named int8 path
     path = "int8"
@@ -138,11 +138,7 @@ class CpuEngine:
         if f"blk.{il}.out" in self.requested:
             st.record[f"blk.{il}.out"] = x.copy()
 
-    # -- Engine API --------------------------------------------------------------------------------
-
-    @property
-    def n_past(self) -> int:
-        return self.seqs.n_past.get(0, 0)
+    # -- Engine API (prefill, decode and the calls of several sequences: SequenceCalls) -----------
 
     def reset(self) -> None:
         self.seqs.reset()
@@ -151,28 +147,8 @@ class CpuEngine:
     def tier_for(self, n_tokens: int) -> HostTier:
         return self.tiers[next((t for t in self.tier_sizes if t >= n_tokens), self.tier_sizes[-1])]
 
-    def prefill(self, tokens, all_logits: bool = False, record=None):
-        return single(self.process([(0, tokens)], all_logits, record))
-
-    def decode(self, token: int, record=None):
-        return single(self.process([(0, [token])], False, record))
-
-    # -- several sequences (docs/sequences.md) -------------------------------------------------------
-
-    def add_sequence(self) -> int:
-        return self.seqs.add()
-
-    def remove_sequence(self, seq: int) -> None:
-        self.seqs.remove(seq)
+    def _removed(self, seq: int) -> None:
         self.cells.free(seq)
-
-    def n_past_of(self, seq: int) -> int:
-        self.seqs.check_exists(seq)
-        return self.seqs.n_past[seq]
-
-    def decode_batch(self, pairs, record=None):
-        """One decode step over several sequences: (seq, token) pairs -> [n, n_vocab]."""
-        return stack(self.process([(s, [t]) for s, t in pairs], False, record))
 
     def process(self, entries, all_logits: bool = False, record=None):
         """Each entry's (seq, tokens), in ubatches of the largest tier that may mix sequences;

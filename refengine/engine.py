@@ -88,7 +88,46 @@ class KVCache:
         return self.k[il][:end], self.v[il][:end]
 
 
-class NumpyEngine:
+class SequenceCalls:
+    """The calls every engine of several sequences shares (docs/sequences.md), over its `seqs`
+    (`Sequences`) and its own `process`; `_added` and `_removed` give an engine its say when a
+    sequence comes and goes. The single-sequence calls are sequence 0's."""
+
+    @property
+    def n_past(self) -> int:
+        return self.seqs.n_past.get(0, 0)
+
+    def prefill(self, tokens, all_logits: bool = False, record=None):
+        return single(self.process([(0, tokens)], all_logits, record))
+
+    def decode(self, token: int, record=None):
+        return single(self.process([(0, [token])], False, record))
+
+    def add_sequence(self) -> int:
+        seq = self.seqs.add()
+        self._added(seq)
+        return seq
+
+    def remove_sequence(self, seq: int) -> None:
+        self.seqs.remove(seq)
+        self._removed(seq)
+
+    def n_past_of(self, seq: int) -> int:
+        self.seqs.check_exists(seq)
+        return self.seqs.n_past[seq]
+
+    def decode_batch(self, pairs, record=None):
+        """One decode step over several sequences: (seq, token) pairs -> [n, n_vocab]."""
+        return stack(self.process([(s, [t]) for s, t in pairs], False, record))
+
+    def _added(self, seq: int) -> None:
+        pass
+
+    def _removed(self, seq: int) -> None:
+        pass
+
+
+class NumpyEngine(SequenceCalls):
     """With `n_seq` > 1 the engine holds several sequences, each with its own cache, decoded
     together (docs/sequences.md); `unified` only changes the room: the sequences share n_ctx
     cells, and attention, which each sequence runs over its own keys, is the same."""
@@ -111,10 +150,6 @@ class NumpyEngine:
                 self.w.dense(t.name)
         self.reset()
 
-    @property
-    def n_past(self) -> int:
-        return self.seqs.n_past.get(0, 0)
-
     def reset(self) -> None:
         self.seqs.reset()
         self.kv = {0: self._new_cache()}
@@ -123,32 +158,13 @@ class NumpyEngine:
         hp = self.spec.hparams
         return KVCache(hp.n_layer, hp.n_head_kv, hp.head_dim, hp.head_dim_v, self.seqs.n_ctx_seq)
 
-    # -- Engine API ------------------------------------------------------------------------------
+    # -- Engine API (prefill, decode and the calls of several sequences: SequenceCalls) ---------
 
-    def prefill(self, tokens, all_logits: bool = False, record=None):
-        return single(self.process([(0, tokens)], all_logits, record))
-
-    def decode(self, token: int, record=None):
-        return single(self.process([(0, [token])], False, record))
-
-    # -- several sequences (docs/sequences.md) ---------------------------------------------------
-
-    def add_sequence(self) -> int:
-        seq = self.seqs.add()
+    def _added(self, seq: int) -> None:
         self.kv[seq] = self._new_cache()
-        return seq
 
-    def remove_sequence(self, seq: int) -> None:
-        self.seqs.remove(seq)
+    def _removed(self, seq: int) -> None:
         del self.kv[seq]
-
-    def n_past_of(self, seq: int) -> int:
-        self.seqs.check_exists(seq)
-        return self.seqs.n_past[seq]
-
-    def decode_batch(self, pairs, record=None):
-        """One decode step over several sequences: (seq, token) pairs -> [n, n_vocab]."""
-        return stack(self.process([(s, [t]) for s, t in pairs], False, record))
 
     def process(self, entries, all_logits: bool = False, record=None):
         """Each entry's (seq, tokens) appended to its sequence, in ubatches of n_ubatch tokens
