@@ -100,9 +100,10 @@ def main() -> None:
                     tg = {k[2]: statistics.median(r[k]["speed_tg"] for r in rows)
                           for k in rows[0] if k[0] == pp}  # fmt: skip
                     one = tg.get(1)
-                    ratios = ", ".join(f"B={b}: {v / one:.2f}x" for b, v in sorted(tg.items())
-                                       if b > 1 and one)  # fmt: skip
-                    lines.append(f"  {mode:<8} {who:<10} PP {pp}: {ratios}")
+                    if one and len(tg) > 1:  # -npl has 1 and more
+                        ratios = ", ".join(f"B={b}: {v / one:.2f}x" for b, v in sorted(tg.items())
+                                           if b > 1)  # fmt: skip
+                        lines.append(f"  {mode:<8} {who:<10} PP {pp}: {ratios}")
         lines.append("")
     text = "\n".join(lines)
     print(text)
