@@ -51,12 +51,14 @@ class CpuEngine(SequenceCalls):
     def __init__(self, spec: ModelSpec, plan: dict | None = None, threads: int = 0,
                  n_ctx: int | None = None, tiers: list[int] | None = None, progress: bool = False,
                  n_seq: int = 1, unified: bool = False):  # fmt: skip
-        from .executor import check_plan, workload_of
+        from solver.plan import plan_workload
+
+        from .executor import check_plan
 
         self.spec = spec
         if plan is not None:
             check_plan(plan, spec)
-            self.workload = workload_of(plan)
+            self.workload = plan_workload(plan)
             tiers = sorted(int(t) for t in plan["tiers"])
         else:
             n_ctx = min(n_ctx or defaults.N_CTX, spec.hparams.n_ctx_train)

@@ -23,7 +23,7 @@ from refengine.engine import check_tokens, finish
 from refengine.errors import UserError
 from refengine.sequences import Sequences, one_sequence
 from refengine.spec import ModelSpec
-from solver.cost import PINNED, TierPlacement, Workload
+from solver.cost import PINNED, TierPlacement
 from solver.groups import tensor_groups
 from solver.memory import kv_cell_nbytes, kv_layer_nbytes
 from solver.plan import Region, fingerprint_hash, placements_from_json, plan_workload
@@ -65,10 +65,6 @@ def check_plan(plan: dict, spec: ModelSpec) -> None:
         raise PlanError("the runtime keeps an f16 KV cache for one user; solve with those")
 
 
-def workload_of(plan: dict) -> Workload:
-    return plan_workload(plan)
-
-
 class Tier:
     """What the runtime prepares for one tier of the plan."""
 
@@ -103,7 +99,7 @@ class PlanExecutor:
         from .kvstore import KVMirror
 
         check_plan(plan, spec)
-        self.spec, self.plan, self.workload = spec, plan, workload_of(plan)
+        self.spec, self.plan, self.workload = spec, plan, plan_workload(plan)
         self.n_ctx = plan["fingerprint"]["n_ctx"]
         self.budget_bytes = plan["fingerprint"]["budget_bytes"][0]
         self.cell_nbytes = kv_cell_nbytes(spec, "f16")
