@@ -4,7 +4,8 @@ named int8 path), with the fp16 KV of every layer in host memory (`kvstore.KVMir
 
 The weights are read in place from the memory-mapped GGUF: nothing is copied at load. A plan, when
 given, supplies its context, workload and tiers; its placement does not matter here, since every
-part runs on the host.
+part runs on the host. Several sequences (docs/sequences.md) share the mirror's cells
+(`kvstore.KVCells`): a decode step over many of them is one fused call a layer.
 """
 
 from __future__ import annotations
