@@ -341,9 +341,16 @@ def test_real_llamacpp_reads_np_and_kvu_as_one_cache_of_the_plans_cells(small_mo
 def test_real_llamacpp_refuses_a_quantized_v_cache_without_flash_attention(small_models, llama_bin):
     import subprocess
 
-    p = subprocess.run([str(llama_bin / "llama-completion"), "-m", str(small_models["llama"]),
-                        "-fit", "off", "-c", "256", "-fa", "off", "-ctk", "q8_0", "-ctv", "q8_0",
-                        "-n", "1", "-p", "hi", "-no-cnv", "--no-warmup"],
-                       capture_output=True, text=True, timeout=300)  # fmt: skip
-    assert p.returncode != 0
-    assert "quantized V cache requires flash_attn to be enabled" in p.stdout + p.stderr
+    def completes(fa: str, ctv: str) -> bool:
+        # qwen3's heads of 32 hold whole q8_0 blocks of 32 (llama's 16 do not)
+        p = subprocess.run([str(llama_bin / "llama-completion"), "-m", str(small_models["qwen3"]),
+                            "-fit", "off", "-c", "256", "-fa", fa, "-ctk", "q8_0", "-ctv", ctv,
+                            "-n", "1", "-p", "hi", "-no-cnv", "--no-warmup"],
+                           capture_output=True, timeout=300)  # fmt: skip
+        return p.returncode == 0
+
+    # llama.cpp logs from a worker thread that an early exit does not drain, so its reason
+    # ("quantized V cache requires flash_attn") is printed only some of the time: the exit codes say it.
+    assert not completes("off", "q8_0")
+    assert completes("on", "q8_0")
+    assert completes("off", "f16")

@@ -333,20 +333,6 @@ def test_prefill_matmul_on_the_tensor_cores(qtype):
     assert normwise(out.copy_to_host(), matmul_q(x, raw, qtype, (n_rows, n_cols))) < 1e-2
 
 
-def test_every_cuda_kernel_compiles_for_the_h100():
-    """The simulator runs Python that a device compile may reject; NVVM compiles each kernel."""
-    import os
-    import subprocess
-    import sys
-
-    env = dict(os.environ, NUMBA_ENABLE_CUDASIM="0")
-    r = subprocess.run(
-        [sys.executable, "-m", "cudarun.ptx_check"], capture_output=True, text=True, env=env
-    )
-    assert r.returncode == 0, r.stdout + r.stderr
-    assert ", 0 failed" in r.stdout
-
-
 # -- the same checks at real shapes, on a GPU ------------------------------------------------------
 
 
