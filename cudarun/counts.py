@@ -196,8 +196,9 @@ def graphable(parts, place: TierPlacement, tokens: int) -> bool:
 
 def ubatch_counts(spec: ModelSpec, parts, segments: list[Segment], final_sync: bool,
                   tokens: int, graph: bool) -> Counts:  # fmt: skip
-    """What the CUDA engine issues for one ubatch of `tokens` tokens of a tier (the last row's
-    logits; no activations requested, untraced)."""
+    """What the CUDA engine issues for one ubatch of `tokens` tokens of one sequence of a tier (the
+    last row's logits; no activations requested, untraced); several sequences add an attention
+    launch a sequence on full-context layers and head launches a chunk of rows."""
     if graph:  # one replay, one wait for it
         return Counts(1, 1)
     glu = glu_layers(parts)

@@ -15,8 +15,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from refengine import defaults
-from refengine.engine import SequenceCalls, finish, split_rows
-from refengine.sequences import Sequences, Ubatch, check_entries, ubatches
+from refengine.engine import SequenceCalls, keep_all
+from refengine.sequences import Sequences, Ubatch
 from refengine.spec import ModelSpec
 from solver.cost import CPU, Loc, TierPlacement, Workload
 from solver.groups import tensor_groups
@@ -67,6 +67,7 @@ class CpuEngine(SequenceCalls):
                                      defaults.GEN_TOKENS, threads=threads)  # fmt: skip
         self.n_ctx = self.workload.n_ctx
         self.tier_sizes = sorted(tiers or [1, defaults.N_UBATCH])
+        self.ubatch_tokens = self.tier_sizes[-1]
         place = all_cpu(spec)
         parts = program.parts(spec, place)
         self.tiers = {t: HostTier(t, place, parts) for t in self.tier_sizes}
@@ -87,7 +88,6 @@ class CpuEngine(SequenceCalls):
         self.mirror = KVMirror(spec, self.n_ctx)  # n_ctx cells, shared out by `cells`
         self.cells = KVCells(self.seqs, spec.hparams.n_swa)
         self.layers = self._layer_calls()
-        self.requested: set[str] = set()  # activations asked for by the current call
         self.trace_events = None
 
     def _layer_calls(self) -> list | None:
@@ -153,17 +153,7 @@ class CpuEngine(SequenceCalls):
     def _removed(self, seq: int) -> None:
         self.cells.free(seq)
 
-    def process(self, entries, all_logits: bool = False, record=None):
-        """Each entry's (seq, tokens), in ubatches of the largest tier that may mix sequences;
-        per entry, its last token's logits or (all_logits) every token's."""
-        entries = check_entries(self.seqs, entries, self.spec.hparams.n_vocab)
-        rec = {} if record is not None else None
-        self.requested = set(record or ())
-        rows = [self._ubatch(ub, all_logits, rec, record)
-                for ub in ubatches(self.seqs, entries, self.tier_sizes[-1], all_logits)]  # fmt: skip
-        return finish(split_rows(np.concatenate(rows), entries, all_logits), rec, record)
-
-    def _ubatch(self, ub: Ubatch, all_logits, rec, record) -> np.ndarray:
+    def _forward(self, ub: Ubatch, all_logits, rec, record) -> np.ndarray:
         tier = self.tier_for(ub.size)
         st = Act(ub.tokens, ub.pos, all_logits)
         st.cells, st.logit_rows = self.cells.place(ub), ub.logit_rows
@@ -179,12 +169,7 @@ class CpuEngine(SequenceCalls):
                 math.kq_on_host(st, part.layer, self.mirror)
             else:
                 math.run(part.kind, part.layer, st, self.weights[part.group])
-        for seq, _, n in ub.segments:
-            self.seqs.n_past[seq] += n
-        if record is not None:
-            for name, x in st.record.items():
-                if name in record:
-                    rec[name] = np.concatenate([rec[name], x]) if name in rec else x.copy()
+        keep_all(rec, record, st.record)
         return st.logits
 
     def warm_up(self) -> None:

@@ -29,9 +29,13 @@ from . import counts
 from .devicemath import DeviceMath, device_tensors
 from .executor import PlanExecutor, Tier, group_bytes, weight_steps
 from .hostmath import Act, HostMath
-from .kvstore import ring_chunks, ring_positions, ring_views
+from .kvstore import EMPTY, host_runs, kv_views
 from .schedule import Compute, Copy, Record, Wait
 from .segments import Segment, SegmentRunner
+
+
+# what every ubatch with device parts uploads, beside the KV cells' keys
+INPUTS = ("tokens", "pos", "q_key", "write", "write_swa")
 
 
 def simulated() -> bool:
@@ -41,7 +45,8 @@ def simulated() -> bool:
 class CudaEngine(PlanExecutor):
     name = "cuda"
 
-    def __init__(self, spec: ModelSpec, plan: dict, threads: int = 0, progress: bool = False):
+    def __init__(self, spec: ModelSpec, plan: dict, threads: int = 0, progress: bool = False,
+                 n_seq: int = 1, unified: bool = False):  # fmt: skip
         from . import driver
 
         if not simulated():
@@ -50,7 +55,7 @@ class CudaEngine(PlanExecutor):
         from numba import cuda
 
         self.cuda = cuda
-        super().__init__(spec, plan, progress)
+        super().__init__(spec, plan, progress, n_seq, unified)
         self.arena = cuda.device_array(self.budget_bytes, np.uint8)  # the one allocation
         if simulated():
             self.compute, self.copy = cuda.stream(), cuda.stream()
@@ -68,6 +73,7 @@ class CudaEngine(PlanExecutor):
         self.workspaces: dict[int, dict] = {}  # tier -> its workspace arrays
         self.stagings: dict[int, dict] = {}  # tier -> its pinned host staging arrays
         self.pinned: list = []  # the staging buffers' owners
+        self.swa_stages: dict[tuple[int, int], np.ndarray] = {}  # (tier, layer) -> pinned rows
         self.copy_done = self._event()  # the copy stream's end, waited for by the compute stream
         self.tally = counts.Tally()  # launches, syncs, segments per (tier, tokens, graph)
         self.counted = ("launches", "syncs", "segments")
@@ -120,6 +126,7 @@ class CudaEngine(PlanExecutor):
                 if loc.kind == PINNED:
                     self._download_kv(il, self.region(self.current, f"kv:{il}"),
                                       self.current.kv_cells[il])  # fmt: skip
+        self.pool = self.new_pool(tier)
         for s in weight_steps(self.current.map if self.current else None, tier.map):
             if s.kind == "move":
                 src = self.arena[s.src : s.src + s.nbytes]
@@ -129,28 +136,53 @@ class CudaEngine(PlanExecutor):
             elif s.kind == "upload":
                 data = group_bytes(self, s.name.removeprefix("weights:"))
                 self.arena[s.dst : s.dst + s.nbytes].copy_to_device(data)
+        self.current = tier
         for il, loc in tier.place.kv.items():
             if loc.kind == PINNED:
                 self._upload_kv(il, self.region(tier, f"kv:{il}"), tier.kv_cells[il], None)
         self.synchronize()
-        self.current = tier
 
     def _upload_kv(self, il: int, buf, cells: int, stream) -> None:
-        """Lay the mirror's positions [0, n_past) of layer il into a device KV ring `buf`."""
-        k, v = self._ring(buf, cells)
-        for p, cell, n in ring_chunks(cells, 0, self.n_past):
-            k[cell : cell + n].copy_to_device(self.mirror.k[il][p : p + n], stream=stream or 0)
-            v[cell : cell + n].copy_to_device(self.mirror.v[il][p : p + n], stream=stream or 0)
+        """Lay the mirror's keys and values of layer il into a device KV buffer `buf` of the
+        current tier (`kvstore`): a full-context layer's cells in use as they are; the
+        sliding-window pool's rows gathered into pinned staging first (every copy from it has
+        ended by the next ubatch's: each has a reader that a later hand-off or sync waits for)."""
+        k, v = self._kv(buf, cells)
+        if not self.spec.is_swa(il):
+            n = self.cells.n_used
+            k[:n].copy_to_device(self.mirror.k[il][:n], stream=stream or 0)
+            v[:n].copy_to_device(self.mirror.v[il][:n], stream=stream or 0)
+            return
+        host = self.pool.host
+        stage = self._swa_stage(il, cells)
+        sk, sv = kv_views(stage, cells, self.mirror.k_shape, self.mirror.v_shape)
+        held = host >= 0
+        sk[held], sv[held] = self.mirror.k[il][host[held]], self.mirror.v[il][host[held]]
+        n = self.pool.n_used
+        k[:n].copy_to_device(sk[:n], stream=stream or 0)
+        v[:n].copy_to_device(sv[:n], stream=stream or 0)
 
     def _download_kv(self, il: int, buf, cells: int) -> None:
-        """The ring's positions (the last `cells` of [0, n_past)) into the mirror."""
-        k, v = self._ring(buf, cells)
-        for p, cell, n in ring_chunks(cells, 0, self.n_past):
-            k[cell : cell + n].copy_to_host(self.mirror.k[il][p : p + n])
-            v[cell : cell + n].copy_to_host(self.mirror.v[il][p : p + n])
+        """A device KV buffer of the current tier back into the mirror."""
+        k, v = self._kv(buf, cells)
+        if not self.spec.is_swa(il):
+            n = self.cells.n_used
+            k[:n].copy_to_host(self.mirror.k[il][:n])
+            v[:n].copy_to_host(self.mirror.v[il][:n])
+            return
+        host = self.pool.host
+        held = host >= 0
+        self.mirror.k[il][host[held]] = k.copy_to_host()[held]
+        self.mirror.v[il][host[held]] = v.copy_to_host()[held]
 
-    def _ring(self, buf, cells: int):
-        return ring_views(buf, cells, self.mirror.k_shape, self.mirror.v_shape)
+    def _swa_stage(self, il: int, cells: int) -> np.ndarray:
+        key = (self.current.tier, il)
+        if key not in self.swa_stages:
+            self.swa_stages[key] = self.host_alloc(cells * self.cell_nbytes)
+        return self.swa_stages[key]
+
+    def _kv(self, buf, cells: int):
+        return kv_views(buf, cells, self.mirror.k_shape, self.mirror.v_shape)
 
     def synchronize(self) -> None:
         self.compute.synchronize()
@@ -160,8 +192,7 @@ class CudaEngine(PlanExecutor):
 
     def workspace(self, tier: Tier) -> dict:
         if tier.tier not in self.workspaces:
-            rows = 1 if tier.place.groups["output"].kind != CPU else 0
-            slices = layout(self.spec, tier.tier, rows, self.n_ctx)
+            slices = layout(self.spec, tier.tier, self._logit_rows(tier), self.n_ctx)
             self.workspaces[tier.tier] = arrays(self.region(tier, "workspace"), slices)
         return self.workspaces[tier.tier]
 
@@ -175,11 +206,11 @@ class CudaEngine(PlanExecutor):
             if isinstance(op, Wait) and op.queue == "cpu":
                 name = op.event.removeprefix("done:")
                 assert any(p.name == name and p.queue == "compute" for p in tier.parts), op
-        rows = 1 if tier.place.groups["output"].kind != CPU else 0
+        rows = self._logit_rows(tier)
         slices = layout(self.spec, tier.tier, rows, self.n_ctx)
         names = {f for seg in tier.segments for f in seg.reads + seg.writes}
         if any(p.queue == "compute" for p in tier.parts):
-            names |= {"tokens", "pos", *self._cell_counts(tier)} | ({"logits"} if rows else set())
+            names |= {*INPUTS, *self._cell_counts(tier)} | ({"logits"} if rows else set())
         want = {n: slices[n] for n in sorted(names)}
         sizes = {n: int(np.prod(sl.shape)) * np.dtype(sl.dtype).itemsize for n, sl in want.items()}
         total = sum(-(-b // 256) * 256 for b in sizes.values())
@@ -197,6 +228,13 @@ class CudaEngine(PlanExecutor):
             offset += -(-sizes[n] // 256) * 256
         self.stagings[tier.tier] = out
         return out
+
+    def _logit_rows(self, tier: Tier) -> int:
+        """Rows of logits the device head computes at once: one a sequence (what the memory
+        model reserves), none with the head on the CPU."""
+        if tier.place.groups["output"].kind == CPU:
+            return 0
+        return min(tier.tier, self.seqs.n_seq, MAX_DECODE_TOKENS)  # the matvec kernels' rows
 
     def execute(self, tier: Tier, st: Act) -> None:
         n = st.tokens.size
@@ -243,12 +281,17 @@ class CudaEngine(PlanExecutor):
         return self.cuda.event() if simulated() else self.cuda.event(False)
 
     def _upload_inputs(self, tier: Tier, st: Act, ws: dict, stage: dict) -> None:
-        """Token ids, positions and the positions each KV ring cell holds, through staging."""
-        n, end = st.tokens.size, int(st.pos[0]) + st.tokens.size
-        values = {"tokens": st.tokens, "pos": st.pos}
-        for key, count in {"tokens": n, "pos": n, **self._cell_counts(tier)}.items():
+        """Token ids, positions, the device cells the tokens write and the keys they and every
+        KV cell hold (`kvstore.DeviceCells`; cells past those in use are EMPTY), through
+        staging."""
+        d, n = st.device, st.tokens.size
+        values = {"tokens": st.tokens, "pos": st.pos, "q_key": d.q_keys, "write": d.write,
+                  "write_swa": d.write_swa, "k_pos": d.keys, "k_pos_swa": d.keys_swa}  # fmt: skip
+        counts = {name: n for name in INPUTS if ws[name].size}
+        for key, count in {**counts, **self._cell_counts(tier)}.items():
             src = stage[key][:count]
-            src[:] = values[key] if key in values else ring_positions(count, end)
+            src[: values[key].size] = values[key]
+            src[values[key].size :] = EMPTY
             ws[key][:count].copy_to_device(src, stream=self.compute)
 
     def _graphable(self, tier: Tier, st: Act) -> bool:
@@ -258,6 +301,7 @@ class CudaEngine(PlanExecutor):
             self.use_graphs
             and counts.graphable(tier.parts, tier.place, st.tokens.size)
             and not st.all_logits
+            and list(st.logit_rows) == [st.tokens.size - 1]  # the head's one captured row
             and not self.requested
             and self.trace_events is None  # a traced run is timed op by op, eagerly
         )
@@ -346,38 +390,44 @@ class CudaEngine(PlanExecutor):
             loc = tier.place.kv[il]
             buf = self.region(tier, f"kv:{il}") if loc.kind == PINNED else self._slot(tier, slot)
             cells = tier.kv_cells[il]
-            k, v = self._ring(buf, cells)
-            k_pos = ws["k_pos_swa" if self.spec.is_swa(il) else "k_pos"][:cells]
-            # cells past the last position are empty; a graph replays at every position
-            used = cells if capturing else min(cells, int(st.pos[-1]) + 1)
-            self.dmath.kq(ws, n, il, k, v, k_pos, s, used)
-            if loc.kind == PINNED:  # the ring stays; the mirror catches up at the next switch
+            k, v = self._kv(buf, cells)
+            swa = self.spec.is_swa(il)
+            k_pos = ws["k_pos_swa" if swa else "k_pos"][:cells]
+            # a graph replays with other cells in use: over every cell, EMPTY ones masked
+            ranges = [(0, n, 0, cells)] if capturing else self.attention_ranges(st, il)
+            self.dmath.kq(ws, n, il, k, v, k_pos, ws["write_swa" if swa else "write"][:n],
+                          self.attention_window(il), ranges, s)  # fmt: skip
+            if loc.kind == PINNED:  # the buffer stays; the mirror catches up at the next switch
                 return
-            start = int(st.pos[0])  # a streamed KV's new rows go back to the host
-            ws["k_stage"][:n].copy_to_host(
-                self.mirror.k[il][start : start + n].reshape(n, -1), stream=s
-            )
-            ws["v_stage"][:n].copy_to_host(
-                self.mirror.v[il][start : start + n].reshape(n, -1), stream=s
-            )
+            for t, cell, count in host_runs(st.cells.write):  # streamed: new rows to the host
+                ws["k_stage"][t : t + count].copy_to_host(
+                    self.mirror.k[il][cell : cell + count].reshape(count, -1), stream=s
+                )
+                ws["v_stage"][t : t + count].copy_to_host(
+                    self.mirror.v[il][cell : cell + count].reshape(count, -1), stream=s
+                )
             return
         w = self._weights(tier, part.group, slot)
         getattr(self.dmath, part.kind)(ws, n, w, part.layer, s)
         if part.kind.startswith("ffn_down"):
             self._record(st, f"blk.{part.layer}.out", ws["x"][:n])
         elif part.kind == "output" and capturing:
-            self.dmath.head(ws, w, n - 1, s)  # the logits are read after the replay
+            self.dmath.head(ws, w, n - 1, 1, s)  # the logits are read after the replay
         elif part.kind == "output":
             self._record(st, "output_norm", ws["h"][:n])
-            rows = range(n) if st.all_logits else [n - 1]
-            st.logits = np.empty((len(rows), self.spec.hparams.n_vocab), np.float32)
-            for i, r in enumerate(rows):  # one staged row at a time, the last after the end's wait
-                self.dmath.head(ws, w, r, s)
-                ws["logits"][:1].copy_to_host(stage["logits"], stream=s)
-                if i + 1 < len(rows):
+            rows = ws["logits"].shape[0]
+            chunks = [(t + i, c + i, min(rows, count - i)) for t, c, count in
+                      host_runs(st.logit_rows) for i in range(0, count, rows)]  # fmt: skip
+            st.logits = np.empty((st.logit_rows.size, self.spec.hparams.n_vocab), np.float32)
+            for j, (first, row, count) in enumerate(chunks):
+                # consecutive rows at once; staged, the last read after the end's wait
+                self.dmath.head(ws, w, row, count, s)
+                ws["logits"][:count].copy_to_host(stage["logits"][:count], stream=s)
+                if j + 1 < len(chunks):
                     self._sync(s)
-                    st.logits[i] = stage["logits"][0]
-            self.pending_logits = st.logits[-1:]
+                    st.logits[first : first + count] = stage["logits"][:count]
+            first, _, count = chunks[-1]
+            self.pending_logits = st.logits[first : first + count]
 
     def _record(self, st: Act, name: str, dev) -> None:
         if name in self.requested:

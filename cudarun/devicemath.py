@@ -109,28 +109,28 @@ class DeviceMath:
                 self.mm(h, w, name, out, ws, stream)
         self.rope_qk(ws["q"][:n], ws["k"][:n], ws["pos"][:n], w, il, stream)
 
-    def kq(self, ws, n, il, k_cache, v_cache, k_pos, stream, used: int) -> None:
-        """Store K and V at their ring cells (fp16; and in the staging strips), then attend over
-        the first `used` cells (the others were never written)."""
+    def kq(self, ws, n, il, k_cache, v_cache, k_pos, write, window: int, ranges, stream) -> None:
+        """Store K and V in their cells `write` (fp16; and in the staging strips), then attend:
+        per (first token, end token, first cell, end cell) range, those queries at their keys
+        (ws["q_key"]) over those cells' keys `k_pos` (`kvstore.device_keys`), in `window`."""
         hp = self.hp
-        pos = ws["pos"][:n]
         k_flat, v_flat = ws["k"][:n].reshape(n, -1), ws["v"][:n].reshape(n, -1)
         glue.store_kv[n, THREADS, stream](
-            k_flat, v_flat, pos, k_cache.reshape(k_cache.shape[0], -1),
+            k_flat, v_flat, write, k_cache.reshape(k_cache.shape[0], -1),
             v_cache.reshape(v_cache.shape[0], -1), ws["k_stage"][:n], ws["v_stage"][:n],
         )  # fmt: skip
-        window = hp.n_swa if self.spec.is_swa(il) else 0
         scale = np.float32(hp.attn_scale)  # a Python float would compile an f64 kernel
-        q, a = ws["q"][:n], ws["a"][:n]
-        k_cache, v_cache, k_pos = k_cache[:used], v_cache[:used], k_pos[:used]
-        if n <= MAX_DECODE_TOKENS:
-            splits = min(attention.decode_splits(k_cache.shape[0], hp.n_head_kv, n),
-                         ws["partial"].shape[1])  # fmt: skip
-            partial = ws["partial"][:n, :splits]
-            attention.attention_decode(q, k_cache, v_cache, pos, k_pos, a, scale, window,
-                                       splits, partial, stream)  # fmt: skip
-        else:
-            attention.attention_prefill(q, k_cache, v_cache, pos, k_pos, a, scale, window, stream)
+        for t0, t1, lo, hi in ranges:
+            q, a, q_key = ws["q"][t0:t1], ws["a"][t0:t1], ws["q_key"][t0:t1]
+            k, v, keys = k_cache[lo:hi], v_cache[lo:hi], k_pos[lo:hi]
+            if n <= MAX_DECODE_TOKENS:  # the workspace has the split-KV partials
+                splits = min(attention.decode_splits(hi - lo, hp.n_head_kv, t1 - t0),
+                             ws["partial"].shape[1])  # fmt: skip
+                partial = ws["partial"][: t1 - t0, :splits]
+                attention.attention_decode(q, k, v, q_key, keys, a, scale, window, splits,
+                                           partial, stream)  # fmt: skip
+            else:
+                attention.attention_prefill(q, k, v, q_key, keys, a, scale, window, stream)
 
     def o(self, ws, n, w, il, stream) -> None:
         p = f"blk.{il}."
@@ -199,7 +199,8 @@ class DeviceMath:
         """The final norm (into h); the head runs per row (`head`)."""
         self.norm(ws["x"][:n], w["output_norm.weight"], ws["h"][:n], stream)
 
-    def head(self, ws, w, row: int, stream) -> None:
-        """logits[0] = the head times row `row` of the normed activations."""
+    def head(self, ws, w, row: int, count: int, stream) -> None:
+        """logits[:count] = the head times rows row .. row + count - 1 of the normed
+        activations."""
         name = "token_embd.weight" if self.spec.tied_output else "output.weight"
-        self.mm(ws["h"][row : row + 1], w, name, ws["logits"][:1], ws, stream)
+        self.mm(ws["h"][row : row + count], w, name, ws["logits"][:count], ws, stream)

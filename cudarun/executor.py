@@ -19,9 +19,9 @@ from __future__ import annotations
 import numpy as np
 
 from refengine.agreement import PATHS
-from refengine.engine import check_tokens, finish
+from refengine.engine import SequenceCalls, keep_all
 from refengine.errors import UserError
-from refengine.sequences import Sequences, one_sequence
+from refengine.sequences import Sequences, Ubatch, one_sequence
 from refengine.spec import ModelSpec
 from solver.cost import PINNED, TierPlacement
 from solver.groups import tensor_groups
@@ -30,7 +30,7 @@ from solver.plan import Region, fingerprint_hash, placements_from_json, plan_wor
 from solver.usage import kv_shape
 
 from . import program
-from .kvstore import KVCells
+from .kvstore import SEQ_WINDOW, KVCells, SwaPool, device_cells
 from .schedule import Slot, pipeline_schedule, validate
 from .segments import cpu_segments, ends_with_sync
 from .switch import switch_steps
@@ -61,8 +61,17 @@ def check_plan(plan: dict, spec: ModelSpec) -> None:
         )
     if len(fp["budget_bytes"]) != 1:
         raise PlanError("the runtime executes single-GPU plans for now; solve with one --budget")
-    if fp["kv_type"] != "f16" or fp["users"] != 1:
-        raise PlanError("the runtime keeps an f16 KV cache for one user; solve with those")
+    if fp["kv_type"] != "f16":
+        raise PlanError("the runtime keeps an f16 KV cache; solve with --kv-type f16")
+
+
+def check_users(plan: dict, n_seq: int) -> None:
+    """One line when a plan's KV (its sliding-window cells, its logit rows) was sized for fewer
+    sequences than asked for."""
+    users = plan["fingerprint"]["users"]
+    if n_seq > users:
+        raise PlanError(f"the plan was solved for {users} user(s), not {n_seq} sequences; solve "
+                        f"again with --users {n_seq}")  # fmt: skip
 
 
 class Tier:
@@ -86,19 +95,24 @@ class Tier:
             // engine.cell_nbytes
             for il in range(engine.spec.hparams.n_layer)
         }
+        swa = [c for il, c in self.kv_cells.items() if engine.spec.is_swa(il)]
+        self.pool_cells = swa[0] if swa else 0  # every sliding-window layer's device cells
         errors = validate(self.schedule, self.slots, engine.unit_nbytes(self))
         if errors:  # the schedule builder is wrong: a bug, never a user error
             raise AssertionError(f"tier {tier}: invalid schedule: {errors[:3]}")
 
 
-class PlanExecutor:
-    """The device-independent half of the runtime: plan, tiers, host memory, the Engine API."""
+class PlanExecutor(SequenceCalls):
+    """The device-independent half of the runtime: plan, tiers, host memory, the Engine API (of
+    `n_seq` sequences, docs/sequences.md)."""
 
-    def __init__(self, spec: ModelSpec, plan: dict, progress: bool = False):
+    def __init__(self, spec: ModelSpec, plan: dict, progress: bool = False, n_seq: int = 1,
+                 unified: bool = False):  # fmt: skip
         from .hostweights import HostWeights
         from .kvstore import KVMirror
 
         check_plan(plan, spec)
+        check_users(plan, n_seq)
         self.spec, self.plan, self.workload = spec, plan, plan_workload(plan)
         self.n_ctx = plan["fingerprint"]["n_ctx"]
         self.budget_bytes = plan["fingerprint"]["budget_bytes"][0]
@@ -113,6 +127,7 @@ class PlanExecutor:
             sum(r.name.startswith("scratch:") for r in m) for m in self.maps.values()
         )
         self.tier_sizes = sorted(self.placements)
+        self.ubatch_tokens = self.tier_sizes[-1]
         everywhere = {
             n
             for n in self.groups
@@ -120,12 +135,12 @@ class PlanExecutor:
         }
         self.host = HostWeights(spec, set(self.groups) - everywhere, self.host_alloc, progress)
         self.mirror = KVMirror(spec, self.n_ctx, self.host_alloc)
-        self.cells = KVCells(Sequences(self.n_ctx), spec.hparams.n_swa)
+        self.seqs = Sequences(self.n_ctx, n_seq, unified)
+        self.cells = KVCells(self.seqs, spec.hparams.n_swa)
         self.tiers = {t: Tier(self, t, p, self.maps[t]) for t, p in self.placements.items()}
         self.current: Tier | None = None
-        self.n_past = 0
+        self.pool: SwaPool | None = None  # the current tier's sliding-window device cells
         self.trace_events: list | None = None  # a list: record (lane, op, start s, end s)
-        self.requested: set[str] = set()  # activations asked for by the current call
 
     host_alloc = None  # pinned host memory on a GPU
 
@@ -165,52 +180,57 @@ class PlanExecutor:
             out[f"kv:{il}"] = cells * self.cell_nbytes
         return out
 
-    # -- Engine API ------------------------------------------------------------------------------
+    def attention_window(self, il: int) -> int:
+        """The window device attention masks layer il with, over `kvstore.device_keys`."""
+        return self.spec.hparams.n_swa if self.spec.is_swa(il) else SEQ_WINDOW
+
+    def attention_ranges(self, st, il: int) -> list[tuple[int, int, int, int]]:
+        """(first token, end token, first cell, end cell) of each device attention call of layer
+        il: with per-sequence streams, each sequence over its own stream of a full-context
+        layer; else every token over every cell in use, the keys masking the others."""
+        d, n = st.device, st.tokens.size
+        if self.spec.is_swa(il):
+            return [(0, n, 0, d.keys_swa.size)]
+        if self.seqs.unified or self.seqs.n_seq == 1:
+            return [(0, n, 0, d.keys.size)]
+        c = st.cells
+        return [(first, first + count, int(c.lo[first]), int(c.hi[first + count - 1]))
+                for _, first, count in c.segments]  # fmt: skip
+
+    # -- Engine API (prefill, decode and the calls of several sequences: SequenceCalls) ---------
 
     def reset(self) -> None:
-        self.n_past = 0
+        self.seqs.reset()
         self.cells.reset()
+        if self.pool is not None:
+            self.pool.refill()
 
-    def prefill(self, tokens, all_logits: bool = False, record=None):
-        ids = self._check_tokens(tokens)
-        rec = {} if record is not None else None
-        logits = []
-        step = self.tier_sizes[-1]
-        for start in range(0, ids.size, step):
-            chunk = ids[start : start + step]
-            last = start + step >= ids.size
-            out = self._ubatch(chunk, all_logits, rec, record, want=all_logits or last)
-            logits.append(out)
-        result = np.concatenate(logits) if all_logits else logits[-1][-1]
-        return finish(result, rec, record)
-
-    def decode(self, token: int, record=None):
-        ids = self._check_tokens([token])
-        rec = {} if record is not None else None
-        return finish(self._ubatch(ids, False, rec, record, True)[-1], rec, record)
-
-    def _check_tokens(self, tokens) -> np.ndarray:
-        return check_tokens(tokens, self.spec, self.n_past, self.n_ctx)
+    def _removed(self, seq: int) -> None:
+        self.cells.free(seq)
 
     def tier_for(self, n_tokens: int) -> Tier:
         return self.tiers[next((t for t in self.tier_sizes if t >= n_tokens), self.tier_sizes[-1])]
 
-    def _ubatch(self, ids, all_logits, rec, record, want):
+    def _forward(self, ub: Ubatch, all_logits: bool, rec, record) -> np.ndarray:
+        st = self._run(self.tier_for(ub.size), ub, all_logits)
+        keep_all(rec, record, st.record)
+        return st.logits
+
+    def _run(self, tier: Tier, ub: Ubatch, all_logits: bool):
         from .hostmath import Act
 
-        tier = self.tier_for(ids.size)
         if tier is not self.current:
             self.switch(tier)
-        pos = np.arange(self.n_past, self.n_past + ids.size, dtype=np.int64)
-        st = Act(ids, pos, all_logits)
-        st.cells = self.cells.place(one_sequence(ids, pos))
-        self.requested = set(record or ())
+        st = Act(ub.tokens, ub.pos, all_logits)
+        st.cells, st.logit_rows = self.cells.place(ub), ub.logit_rows
+        st.device = device_cells(self.cells, st.cells, self.pool)
         self.execute(tier, st)
-        self.n_past += ids.size
-        for name, x in st.record.items():
-            if record is not None and name in record:
-                rec[name] = np.concatenate([rec[name], x]) if name in rec else x.copy()
-        return st.logits if want else None
+        return st
+
+    def new_pool(self, tier: Tier) -> SwaPool | None:
+        """A tier's sliding-window device cells, holding every key a query may still read (the
+        device engine lays them out from the mirror at the switch)."""
+        return SwaPool(tier.pool_cells, self.cells) if tier.pool_cells else None
 
     def memory_report(self) -> list[str]:
         """What the arena holds per tier, against the budget (the device engine adds what it
@@ -232,14 +252,9 @@ class PlanExecutor:
     def warm_up(self) -> None:
         """Compile every kernel and prepare every tier before the first token: one token through
         each tier's schedule (largest first, so the smallest is current after), then reset."""
-        from .hostmath import Act
-
+        zero = np.zeros(1, np.int64)
         for size in reversed(self.tier_sizes):
-            tier = self.tiers[size]
-            self.switch(tier)
-            st = Act(np.zeros(1, np.int64), np.zeros(1, np.int64))
-            st.cells = self.cells.place(one_sequence(st.tokens, st.pos))
-            self.execute(tier, st)
+            self._run(self.tiers[size], one_sequence(zero, zero), False)
         self.reset()
 
     # -- device-specific -----------------------------------------------------------------------

@@ -28,7 +28,7 @@ from refengine.spec import ModelSpec
 from refengine.weights import GGUFWeights
 
 from .hostweights import dense
-from .kvstore import CellMap
+from .kvstore import CellMap, DeviceCells
 from .kernels import cpu, cpu_ops
 
 
@@ -50,6 +50,7 @@ class Act:
     logits: np.ndarray | None = None
     record: dict = field(default_factory=dict)  # activation name -> [T, ...] of this ubatch
     cells: CellMap | None = None  # the host KV cells the tokens write and read
+    device: DeviceCells | None = None  # and the device's (the plan executor's)
     logit_rows: np.ndarray | None = None  # the tokens whose logits are wanted (None: the last)
 
 
@@ -188,11 +189,12 @@ class HostMath:
         g2, u2 = (np.ascontiguousarray(a.reshape(-1, shape[-1])) for a in (gate, up))
         return cpu_ops.gated(g2, u2, self.tr.ffn_act == "gelu", _numba_owns(gate)).reshape(shape)
 
-    def attention(self, q, q_pos, il: int, k, v, k_pos) -> np.ndarray:
+    def attention(self, q, q_pos, il: int, k, v, k_pos, window: int | None = None) -> np.ndarray:
         """q [T, H, D] at positions q_pos over the cache k, v [S, Hkv, D] (fp16) at positions
-        k_pos -> [T, H, Dv]."""
+        k_pos -> [T, H, Dv]; the layer's window unless one is given (`kvstore.device_keys`)."""
         hp = self.hp
-        window = hp.n_swa if self.spec.is_swa(il) else 0
+        if window is None:
+            window = hp.n_swa if self.spec.is_swa(il) else 0
         if self.exact:
             return ref.attention(
                 q, k.astype(np.float32), v.astype(np.float32), q_pos, k_pos, hp.attn_scale, window,

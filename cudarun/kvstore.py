@@ -1,14 +1,15 @@
-"""The KV cache of the runtime: fp16 keys and values, in host memory by position for every layer,
-and on the device (an arena region or a ring slot) as a ring of cells.
+"""The KV cache of the runtime: fp16 keys and values, in host memory for every layer, and on the
+device (an arena region or a ring slot) for the layers a tier keeps or streams there.
 
-- The host mirror holds every layer's K and V at their positions. It is the cache of a layer whose
-  KV is on the CPU, the source of a streamed layer's copy, and what a tier switch lays the device
-  regions out from; a layer whose KV is on the device writes its new rows through to it.
-- A device KV buffer of `cells` cells holds position p in cell p % cells: K of all cells, then V.
-  A sliding-window layer has fewer cells than the context (solver.memory.kv_cells), and a ring of
-  n_swa + n_ubatch cells keeps every key a query of the ubatch can see.
-- With several sequences (`KVCells`), the host cache's rows are cells: a per-sequence stream of
-  each sequence's positions, or one unified pool; a single sequence's cell is its position.
+- The host mirror (`KVMirror`) holds every layer's K and V in its cells (`KVCells`: per-sequence
+  streams, or one unified pool; a single sequence's cell is its position). It is the cache of a
+  layer whose KV is on the CPU, the source of a streamed layer's copy, and what a tier switch lays
+  the device buffers out from; a layer whose KV is on the device writes its new rows through.
+- On the device, a full-context layer's buffer holds host cell c in cell c. A sliding-window
+  layer's holds fewer cells (solver.memory.kv_cells: n_swa per user and a ubatch), shared out by
+  a `SwaPool` to the keys some query can still see.
+- Device attention masks with one key per cell (`DeviceCells`): the sequence and the position in
+  one integer, so a kernel's causal and window tests also keep each sequence to its own cells.
 """
 
 from __future__ import annotations
@@ -39,41 +40,11 @@ class KVMirror:
         self.v[il][start : start + v.shape[0]] = v
 
 
-def ring_views(buf: np.ndarray, cells: int, k_shape, v_shape) -> tuple[np.ndarray, np.ndarray]:
+def kv_views(buf: np.ndarray, cells: int, k_shape, v_shape) -> tuple[np.ndarray, np.ndarray]:
     """K [cells, Hkv, D] and V [cells, Hkv, Dv] fp16 views of a device KV buffer (uint8)."""
     k_n = cells * int(np.prod(k_shape))
     f16 = buf[: 2 * (k_n + cells * int(np.prod(v_shape)))].view(np.float16)
     return f16[:k_n].reshape(cells, *k_shape), f16[k_n:].reshape(cells, *v_shape)
-
-
-def ring_positions(cells: int, end: int) -> np.ndarray:
-    """[cells] int64: the position each cell holds once positions < end are written (EMPTY for a
-    cell never written)."""
-    c = np.arange(cells, dtype=np.int64)
-    held = c + cells * ((end - 1 - c) // cells)
-    return np.where(c < end, held, EMPTY)
-
-
-def ring_chunks(cells: int, start: int, end: int) -> list[tuple[int, int, int]]:
-    """(first position, first cell, count) runs that lay positions [start, end) into the ring; at
-    most the last `cells` positions are kept."""
-    start = max(start, end - cells)
-    out = []
-    p = start
-    while p < end:
-        cell = p % cells
-        n = min(end - p, cells - cell)
-        out.append((p, cell, n))
-        p += n
-    return out
-
-
-def fill_ring(mirror: KVMirror, il: int, buf: np.ndarray, cells: int, end: int) -> None:
-    """Lay the mirror's positions [0, end) of layer il into a device KV buffer (host-side copy)."""
-    k, v = ring_views(buf, cells, mirror.k_shape, mirror.v_shape)
-    for p, cell, n in ring_chunks(cells, 0, end):
-        k[cell : cell + n] = mirror.k[il][p : p + n]
-        v[cell : cell + n] = mirror.v[il][p : p + n]
 
 
 @dataclass(frozen=True)
@@ -138,3 +109,102 @@ class KVCells:
             hi = write + 1
             lo_swa = np.maximum(lo, hi - self.n_swa) if self.n_swa else lo
         return CellMap(write, lo, lo_swa, hi, ub.seq, ub.segments, self.cell_pos, self.cell_seq)
+
+
+# A device key: sequence * SEQ_STRIDE + position. Against a query's key, another sequence's cell is
+# in the future (masked as causal) or SEQ_WINDOW or more in the past, the window a full-context
+# layer's kernel is given; a sliding window is far narrower.
+SEQ_STRIDE = 1 << 32
+SEQ_WINDOW = 1 << 31
+
+
+def device_keys(cell_seq: np.ndarray, cell_pos: np.ndarray) -> np.ndarray:
+    return np.where(cell_seq >= 0, cell_seq * SEQ_STRIDE + cell_pos, EMPTY)
+
+
+class SwaPool:
+    """The device cells of a tier's sliding-window layers, each holding one host cell (`host`,
+    -1 for none). A ubatch's new keys take the cells no query will read again: a removed
+    sequence's, one the host cache gives a new token, or one the window has passed — a sequence
+    whose next query is at position n reads keys from n - n_swa + 1 on. That leaves each sequence
+    at most n_swa - 1 cells besides the ubatch's, which is what the memory model reserves."""
+
+    def __init__(self, n_cells: int, kv: KVCells):
+        self.kv = kv
+        self.host = np.full(n_cells, -1, np.int64)
+        self.refill()
+
+    def _readable(self, cells: np.ndarray) -> np.ndarray:
+        """Which host cells (>= 0) a query may still read: held, and inside the window of their
+        sequence's next query."""
+        kv = self.kv
+        next_pos = np.zeros(kv.seqs.n_seq, np.int64)
+        for s, n in kv.seqs.n_past.items():
+            next_pos[s] = n
+        seq = kv.cell_seq[cells]
+        return (seq >= 0) & (kv.cell_pos[cells] > next_pos[np.maximum(seq, 0)] - kv.n_swa)
+
+    def refill(self) -> None:
+        """Take every host cell a query may still read, from cell 0 (a tier's new pool)."""
+        live = np.flatnonzero(self.kv.cell_seq >= 0)
+        live = live[self._readable(live)]
+        if live.size > self.host.size:  # the memory model reserves enough: a bug
+            raise AssertionError(f"{live.size} live sliding-window keys in {self.host.size} cells")
+        self.host[:] = -1
+        self.host[: live.size] = live
+
+    def place(self, write: np.ndarray) -> np.ndarray:
+        """Device cells for a ubatch's tokens, which the host cache put in cells `write`."""
+        h = self.host
+        alive = (h >= 0) & ~np.isin(h, write) & self._readable(np.maximum(h, 0))
+        free = np.flatnonzero(~alive)
+        if free.size < write.size:  # the memory model reserves enough: a bug, not a user's error
+            raise AssertionError(f"{write.size} new keys, {free.size} free sliding-window cells")
+        self.host[~alive] = -1
+        cells = free[: write.size]
+        self.host[cells] = write
+        return cells
+
+    def keys(self) -> np.ndarray:
+        h = self.host
+        return np.where(h >= 0, device_keys(self.kv.cell_seq[h], self.kv.cell_pos[h]), EMPTY)
+
+    @property
+    def n_used(self) -> int:
+        held = np.flatnonzero(self.host >= 0)
+        return int(held[-1]) + 1 if held.size else 0
+
+
+@dataclass(frozen=True)
+class DeviceCells:
+    """One ubatch on the device: where its tokens write their K and V, the key each device cell
+    holds after, and the tokens' own keys (`device_keys`); full-context layers, then the
+    sliding-window pool (`SwaPool`)."""
+
+    q_keys: np.ndarray  # [T]
+    write: np.ndarray  # [T] full-context cells (the host cells)
+    keys: np.ndarray  # [full cells in use]
+    write_swa: np.ndarray  # [T]
+    keys_swa: np.ndarray  # [pool cells in use]
+
+
+def device_cells(kv: KVCells, cmap: CellMap, pool: SwaPool | None) -> DeviceCells:
+    """After `kv.place` put the ubatch in `cmap`; `pool` places it on the tier's pool."""
+    keys = device_keys(kv.cell_seq[: kv.n_used], kv.cell_pos[: kv.n_used])
+    q_keys = device_keys(cmap.seq, kv.cell_pos[cmap.write])
+    if pool is None:
+        empty = np.zeros(0, np.int64)
+        return DeviceCells(q_keys, cmap.write, keys, empty, empty)
+    write_swa = pool.place(cmap.write)
+    return DeviceCells(q_keys, cmap.write, keys, write_swa, pool.keys()[: pool.n_used])
+
+
+def host_runs(cells: np.ndarray) -> list[tuple[int, int, int]]:
+    """(first index, first cell, count) runs of consecutive cells: the copies that move rows
+    between the host cache and a device buffer laid out alike."""
+    if cells.size == 0:
+        return []
+    cuts = np.flatnonzero(np.diff(cells) != 1) + 1
+    starts = np.concatenate([[0], cuts])
+    ends = np.concatenate([cuts, [cells.size]])
+    return [(int(a), int(cells[a]), int(b - a)) for a, b in zip(starts, ends)]

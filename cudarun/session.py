@@ -58,10 +58,12 @@ def plan_for_run(
     gen_tokens: int,
     threads: int = 0,
     say=print,
+    users: int = 1,
+    unified: bool = False,
 ) -> dict:
     """The plan to run: `plan_path`, or the plan cached under the fingerprint of this request
-    (model, context, KV type, threads, profile, budget, tiers), or a new one, solved and cached.
-    `threads` 0: the profile's CPU threads."""
+    (model, context, KV type, threads, users, profile, budget, tiers), or a new one, solved and
+    cached. `threads` 0: the profile's CPU threads."""
     from solver import budget as B
     from solver.cost import Workload
     from solver.plan import fingerprint, fingerprint_hash, load_plan
@@ -75,12 +77,14 @@ def plan_for_run(
         return load_plan(plan_path)
     prof = load_profile(profile_name)
     n_ctx = min(n_ctx, spec.hparams.n_ctx_train)
-    tier_list = B.parse_tiers(tiers) if tiers else B.default_tiers(n_ctx, 1)
+    tier_list = B.parse_tiers(tiers) if tiers else B.default_tiers(n_ctx, users)
     w = Workload(
         n_ctx=n_ctx,
         prompt_tokens=max(1, min(prompt_tokens, n_ctx - gen_tokens)),
         gen_tokens=gen_tokens,
         threads=threads or prof.cpu.threads,
+        users=users,
+        unified=unified,
     )
     budgets = B.plan_budgets(spec, w, tier_list, budget, reserve, prof,
                              measure_free=measure_free(engine))  # fmt: skip
@@ -108,9 +112,7 @@ def make_engine(name: str, spec: ModelSpec, plan: dict, threads: int = 0, n_seq:
         from .cuda_engine import CudaEngine as Engine
     else:
         raise UserError(f"unknown engine {name!r} (known: numpy, {', '.join(PLAN_ENGINES)})")
-    if name == "cpu":
-        kw.update(n_seq=n_seq, unified=unified)
-    engine = Engine(spec, plan, threads=threads, progress=True, **kw)
+    engine = Engine(spec, plan, threads=threads, progress=True, n_seq=n_seq, unified=unified, **kw)
     engine.warm_up()
     return engine
 
@@ -135,9 +137,6 @@ def plan_engine(
     """(a plan engine, its plan) for the words of `run`, `diff` and `bench`: the cpu engine without
     a plan runs every part on the host; otherwise `plan_for_run`'s plan on `make_engine`'s engine.
     `n_seq` sequences (docs/sequences.md), sharing one cache when `unified`."""
-    if n_seq > 1 and name != "cpu":
-        raise UserError(f"the {name} engine runs one sequence for now; several sequences run on "
-                        "--engine cpu or numpy")  # fmt: skip
     if name == "cpu" and plan_path is None:
         if budget is not None:
             raise UserError("--engine cpu runs every part on the host: --budget does not apply "
@@ -152,5 +151,5 @@ def plan_engine(
         engine.warm_up()
         return engine, {"strategy": "all-host"}
     plan = plan_for_run(spec, name, plan_path, budget, reserve, profile_name, n_ctx, tiers,
-                        strategy, n_prompt, n_predict, threads, say)  # fmt: skip
+                        strategy, n_prompt, n_predict, threads, say, n_seq, unified)  # fmt: skip
     return make_engine(name, spec, plan, threads, n_seq=n_seq, unified=unified), plan

@@ -16,7 +16,7 @@ from . import counts
 from .executor import PlanExecutor, Tier, group_bytes, weight_steps
 from .hostmath import Act, HostMath
 from .hostweights import tensors_of
-from .kvstore import fill_ring, ring_chunks, ring_positions, ring_views
+from .kvstore import kv_views
 from .segments import SegmentRunner
 from .standin import POISON, StandInDevice
 from .switch import apply_steps
@@ -28,10 +28,11 @@ class StandInEngine(PlanExecutor):
     name = "standin"
 
     def __init__(self, spec: ModelSpec, plan: dict, seed: int = 0, threads: int = 0,
-                 progress: bool = False, delays: dict | None = None, reference=None):  # fmt: skip
+                 progress: bool = False, delays: dict | None = None, reference=None,
+                 n_seq: int = 1, unified: bool = False):  # fmt: skip
         """`reference`: a GGUFWeights whose dequantized tensors the compute queue may share (a
         NumPy engine's `w`)."""
-        super().__init__(spec, plan, progress)
+        super().__init__(spec, plan, progress, n_seq, unified)
         self.arena = np.full(self.budget_bytes, POISON, np.uint8)  # one allocation: the budget
         self.math = {
             "compute": HostMath(spec, exact=True, reference=reference),
@@ -48,14 +49,23 @@ class StandInEngine(PlanExecutor):
     def switch(self, tier: Tier) -> None:
         steps = weight_steps(self.current.map if self.current else None, tier.map)
         apply_steps(self.arena, steps, _GroupBytes(self))
+        self.pool = self.new_pool(tier)  # the mirror is written through: nothing to fetch first
         for il, loc in tier.place.kv.items():
             if loc.kind == PINNED:
                 self._lay_kv(il, self.region(tier, f"kv:{il}"), tier.kv_cells[il])
         self.current = tier
 
     def _lay_kv(self, il: int, buf: np.ndarray, cells: int) -> np.ndarray:
+        """The mirror's keys and values of layer il in the device layout (`kvstore`)."""
         buf[:] = 0  # cells never written must not hold NaN (0 x NaN in the masked sum)
-        fill_ring(self.mirror, il, buf, cells, self.n_past)
+        k, v = kv_views(buf, cells, self.mirror.k_shape, self.mirror.v_shape)
+        if self.spec.is_swa(il):
+            host = self.pool.host
+            held = host >= 0
+            k[held], v[held] = self.mirror.k[il][host[held]], self.mirror.v[il][host[held]]
+        else:
+            n = self.cells.n_used
+            k[:n], v[:n] = self.mirror.k[il][:n], self.mirror.v[il][:n]
         return buf
 
     def _host_bytes(self, tier: Tier, unit: str) -> np.ndarray:
@@ -108,21 +118,21 @@ class StandInEngine(PlanExecutor):
         return tensors_of(self.host.layouts[group], buf)
 
     def _kq(self, tier: Tier, il: int, st: Act, views) -> None:
-        loc = tier.place.kv[il]
-        start, n = int(st.pos[0]), st.tokens.size
-        end = start + n
+        loc, d = tier.place.kv[il], st.device
         k16, v16 = st.k.astype(np.float16), st.v.astype(np.float16)
-        self.mirror.write(il, start, k16, v16)  # the host copy, written through
+        self.mirror.k[il][st.cells.write] = k16  # the host copy, written through
+        self.mirror.v[il][st.cells.write] = v16
         buf = self.region(tier, f"kv:{il}") if loc.kind == PINNED else next(iter(views.values()))
-        cells = tier.kv_cells[il]
-        k, v = ring_views(buf, cells, self.mirror.k_shape, self.mirror.v_shape)
-        for p, cell, count in ring_chunks(cells, start, end):
-            k[cell : cell + count] = k16[p - start : p - start + count]
-            v[cell : cell + count] = v16[p - start : p - start + count]
-        used = min(cells, end)  # cells past `end` were never written
-        st.a = self.math["compute"].attention(
-            st.q, st.pos, il, k[:used], v[:used], ring_positions(cells, end)[:used]
-        )
+        k, v = kv_views(buf, tier.kv_cells[il], self.mirror.k_shape, self.mirror.v_shape)
+        swa = self.spec.is_swa(il)
+        write, keys = (d.write_swa, d.keys_swa) if swa else (d.write, d.keys)
+        k[write], v[write] = k16, v16
+        st.a = np.empty((st.q.shape[0], *st.q.shape[1:2], v.shape[2]), np.float32)
+        for t0, t1, lo, hi in self.attention_ranges(st, il):
+            st.a[t0:t1] = self.math["compute"].attention(
+                st.q[t0:t1], d.q_keys[t0:t1], il, k[lo:hi], v[lo:hi], keys[lo:hi],
+                self.attention_window(il),
+            )  # fmt: skip
 
 
 class _GroupBytes:

@@ -32,6 +32,12 @@ def _keep(rec, record, name: str, x: np.ndarray) -> None:
         rec[name] = np.concatenate([rec[name], x]) if name in rec else x.copy()
 
 
+def keep_all(rec, record, produced: dict) -> None:
+    """`_keep` each activation a ubatch produced (name -> rows)."""
+    for name, x in produced.items():
+        _keep(rec, record, name, x)
+
+
 def check_context(n_tokens: int, n_ctx: int, n_ctx_train: int) -> None:
     """UserError when a sequence of n_tokens does not fit a context of n_ctx tokens."""
     if n_tokens > n_ctx:
@@ -90,8 +96,30 @@ class KVCache:
 
 class SequenceCalls:
     """The calls every engine of several sequences shares (docs/sequences.md), over its `seqs`
-    (`Sequences`) and its own `process`; `_added` and `_removed` give an engine its say when a
-    sequence comes and goes. The single-sequence calls are sequence 0's."""
+    (`Sequences`), its ubatch size `ubatch_tokens` and its `_forward` of one ubatch; `_added` and
+    `_removed` give an engine its say when a sequence comes and goes. The single-sequence calls
+    are sequence 0's."""
+
+    requested: set[str] = set()  # activations asked for by the current call
+
+    def process(self, entries, all_logits: bool = False, record=None):
+        """Each entry's (seq, tokens) appended to its sequence, in ubatches of `ubatch_tokens`
+        that may mix sequences; per entry, the logits of its last token ([n_vocab]) or, with
+        all_logits, of each of its tokens ([n_tokens, n_vocab])."""
+        entries = check_entries(self.seqs, entries, self.spec.hparams.n_vocab)
+        rec = {} if record is not None else None
+        self.requested = set(record or ())
+        rows = []
+        for ub in ubatches(self.seqs, entries, self.ubatch_tokens, all_logits):
+            rows.append(self._forward(ub, all_logits, rec, record))
+            for seq, _, n in ub.segments:
+                self.seqs.n_past[seq] += n
+        return finish(split_rows(np.concatenate(rows), entries, all_logits), rec, record)
+
+    def _forward(self, ub: Ubatch, all_logits: bool, rec, record) -> np.ndarray:
+        """Run one ubatch (positions from the sequences' n_past, advanced after it); the logits
+        of its logit rows [R, n_vocab]; requested activations appended to `rec`."""
+        raise NotImplementedError
 
     @property
     def n_past(self) -> int:
@@ -139,7 +167,7 @@ class NumpyEngine(SequenceCalls):
         self.spec = model if isinstance(model, ModelSpec) else load_spec(model)
         hp = self.spec.hparams
         self.n_ctx = min(n_ctx or defaults.N_CTX, hp.n_ctx_train)
-        self.n_ubatch = n_ubatch
+        self.n_ubatch = self.ubatch_tokens = n_ubatch
         self.seqs = Sequences(self.n_ctx, n_seq, unified)
         self.w = GGUFWeights(self.spec)
         self.output_name = "token_embd.weight" if self.spec.tied_output else "output.weight"
@@ -166,20 +194,9 @@ class NumpyEngine(SequenceCalls):
     def _removed(self, seq: int) -> None:
         del self.kv[seq]
 
-    def process(self, entries, all_logits: bool = False, record=None):
-        """Each entry's (seq, tokens) appended to its sequence, in ubatches of n_ubatch tokens
-        that may mix sequences; per entry, the logits of its last token ([n_vocab]) or, with
-        all_logits, of each of its tokens ([n_tokens, n_vocab])."""
-        entries = check_entries(self.seqs, entries, self.spec.hparams.n_vocab)
-        rec = {} if record is not None else None
-        rows = [self._forward(ub, rec, record) for ub in ubatches(self.seqs, entries,
-                                                                  self.n_ubatch, all_logits)]
-        return finish(split_rows(np.concatenate(rows), entries, all_logits), rec, record)
-
     # -- the forward pass ------------------------------------------------------------------------
 
-    def _forward(self, ub: Ubatch, rec, record) -> np.ndarray:
-        """Run one ubatch; the logits of its logit rows [R, n_vocab]."""
+    def _forward(self, ub: Ubatch, all_logits: bool, rec, record) -> np.ndarray:
         spec, hp, tr, w = self.spec, self.spec.hparams, self.spec.arch, self.w
         n_tok, pos = ub.size, ub.pos
 
@@ -244,8 +261,6 @@ class NumpyEngine(SequenceCalls):
             x = x + f
             _keep(rec, record, f"blk.{il}.out", x)
 
-        for seq, _, n in ub.segments:
-            self.seqs.n_past[seq] += n
         if ub.logit_rows.size == 0 and rec is None:
             return np.empty((0, hp.n_vocab), np.float32)
         x = ref.rms_norm(x, w.dense("output_norm.weight"), hp.rms_eps)

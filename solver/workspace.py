@@ -40,6 +40,10 @@ def layout(spec: ModelSpec, tokens: int, logit_rows: int, n_ctx: int) -> dict[st
     want = {
         "tokens": ((t,), "int64"),
         "pos": ((t,), "int64"),
+        # the tokens' device keys (cudarun.kvstore.device_keys) and KV cells
+        "q_key": ((t,), "int64"),
+        "write": ((t,), "int64"),
+        "write_swa": ((t if hp.n_swa else 0,), "int64"),
         "x": ((t, d), "float32"),
         "h": ((t, d), "float32"),
         "f": ((t, d), "float32"),
@@ -53,7 +57,7 @@ def layout(spec: ModelSpec, tokens: int, logit_rows: int, n_ctx: int) -> dict[st
         "up": ((ff_rows, n_ff), "float32"),
         "act": ((ff_rows, n_ff), "float32"),
         "logits": ((logit_rows, hp.n_vocab), "float32"),
-        # the position each KV cell holds, for full-context and sliding-window rings
+        # the key each KV cell holds, for full-context and sliding-window layers
         "k_pos": ((pad_cells(n_ctx),), "int64"),
         "k_pos_swa": ((pad_cells(n_ctx) if hp.n_swa else 0,), "int64"),
     }

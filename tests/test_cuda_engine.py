@@ -95,3 +95,29 @@ def test_prefill_beyond_the_matvec_tokens_runs_the_fp16_gemm_path(tiny):
     for call in (lambda e: e.prefill(ids), lambda e: e.decode(5)):
         ours, want = call(engine), call(reference)
         assert np.abs(ours - want).max() <= 5e-2 * np.abs(want).max()
+
+
+@pytest.mark.parametrize("unified", (False, True))
+def test_the_cuda_engine_runs_several_sequences_as_numpy_does(tiny, unified):
+    """Two sequences through the same tier switches: prompts of different lengths in one call,
+    a decode step of both, the second removed and its cells taken by a third (tier 4: both
+    sequences' keys in one kernel, each masked to its own; tier 1: the head's rows of each)."""
+    spec, _ = tiny
+    w = Workload(n_ctx=N_CTX, prompt_tokens=4, gen_tokens=4, threads=2, users=2, unified=unified)
+    tiers, prof = placements(spec), load_profile("h100")
+    plan = plan_json(spec, w, prof.name, [3 * spec.weights_nbytes + (8 << 20)], tiers,
+                     evaluate(tiers, spec, prof, w), "test", "refengine")  # fmt: skip
+    engine = CudaEngine(spec, plan, n_seq=2, unified=unified)
+    reference = NumpyEngine(spec, n_ctx=N_CTX, n_seq=2, unified=unified)
+    for e in (engine, reference):
+        e.add_sequence()
+    calls = [
+        lambda e: e.process([(0, [5, 9, 2]), (1, [4])]),  # tier 4, two logit rows
+        lambda e: list(e.decode_batch([(1, 8), (0, 7)])),  # tier 4, head on the device
+        lambda e: (e.remove_sequence(1), e.add_sequence(), e.process([(1, [3])]))[2],  # tier 1
+        lambda e: list(e.decode_batch([(0, 6), (1, 2)])),
+    ]
+    for i, call in enumerate(calls):
+        for ours, want in zip(call(engine), call(reference)):
+            assert normwise(ours, want) <= engine.tolerance, (i, normwise(ours, want))
+    assert engine.n_past_of(0) == 5 and engine.n_past_of(1) == 2

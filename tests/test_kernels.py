@@ -263,7 +263,7 @@ def test_gating_and_residual_add(act):
     assert normwise(out.copy_to_host(), g + u) < 1e-6
 
 
-def test_glue_scale_bias_and_the_kv_store_into_ring_cells():
+def test_glue_scale_bias_and_the_kv_store_into_its_cells():
     from numba import cuda
 
     from cudarun.kernels.elementwise import THREADS
@@ -276,12 +276,12 @@ def test_glue_scale_bias_and_the_kv_store_into_ring_cells():
     add_bias[3, THREADS](d, cuda.to_device(b.astype(np.float32)))
     assert normwise(d.copy_to_host(), x * 8 + b.astype(np.float32)) < 1e-6
     k, v = (rng.standard_normal((2, n)).astype(np.float32) for n in (24, 16))
-    pos = np.array([9, 2], np.int64)  # ring of 4 cells: cells 1 and 2
+    write = np.array([2, 1], np.int64)  # 4 cells: token 0 into cell 2, token 1 into cell 1
     caches = [cuda.to_device(np.full((4, n), np.nan, np.float16)) for n in (24, 16, 24, 16)]
-    store_kv[2, THREADS](cuda.to_device(k), cuda.to_device(v), cuda.to_device(pos), *caches)
+    store_kv[2, THREADS](cuda.to_device(k), cuda.to_device(v), cuda.to_device(write), *caches)
     k_cache, v_cache, k_stage, v_stage = (c.copy_to_host() for c in caches)
     for cache, stage, want in ((k_cache, k_stage, k), (v_cache, v_stage, v)):
-        assert np.array_equal(cache[[1, 2]], want.astype(np.float16))
+        assert np.array_equal(cache[[2, 1]], want.astype(np.float16))
         assert np.array_equal(stage[:2], want.astype(np.float16))
         assert np.isnan(cache[[0, 3]]).all()  # the other cells untouched
 

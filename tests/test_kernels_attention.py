@@ -7,10 +7,17 @@ import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as Q
 
-from cudarun.kvstore import EMPTY, ring_positions
+from cudarun.kvstore import EMPTY
 from refengine.reference import attention as reference_attention
 
 from .kernels_common import TYPES, normwise, poisoned, weights
+
+
+def ring_positions(cells: int, end: int) -> np.ndarray:
+    """The position each of `cells` cells holds once positions [0, end) were written into cell
+    p % cells (EMPTY for a cell never written)."""
+    c = np.arange(cells, dtype=np.int64)
+    return np.where(c < end, c + cells * ((end - 1 - c) // cells), EMPTY)
 
 
 def ring(rng, cells, end, kv_heads, dim):

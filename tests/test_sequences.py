@@ -27,7 +27,7 @@ def alone(make, prompt, steps):
 def scenario(make, vocab: int, tolerance: float):
     """Four sequences on one engine, checked against each one alone: 0 and 1 prefilled together in
     one call (different lengths), 2 added after two steps, 1 finishing after three and removed,
-    then 3 added into its freed stream while 0 and 2 go on."""
+    then 3 added into its freed stream while 0 and 2 go on, and 2 steps alone."""
     rng = np.random.default_rng(7)
     prompts = [rng.integers(0, vocab, n) for n in (9, 4, 6, 5)]
     steps = [rng.integers(0, vocab, 6) for _ in range(4)]
@@ -56,6 +56,7 @@ def scenario(make, vocab: int, tolerance: float):
     got[3].append(engine.process([(ids[3], prompts[3])])[0])
     step([0, 2, 3])
     step([3, 0, 2])
+    step([2])  # one sequence's step alone while the others wait
     for s in range(4):
         want = alone(make, prompts[s], steps[s][: done[s]])
         assert len(want) == len(got[s])
@@ -191,3 +192,106 @@ def test_batched_bench_and_several_prompts_from_the_command_line(small_models):
     assert r.returncode == 0, r.stderr
     assert [line[:4] for line in r.stdout.splitlines()] == ["[0] ", "[1] "]
     assert "2 sequences" in r.stderr
+
+
+def mixed_plan(spec, n_ctx: int, users: int, tiers=(1, 4, 8), unified: bool = False) -> dict:
+    """A plan of every kind of place, different in each tier: tier t's layers alternate between
+    the attention pinned with its KV and streamed with its KV (which way round flips from tier to
+    tier), the first FFN matrix of every layer on the CPU and the others streamed; one layer's KV
+    stays on the CPU; the head on the device in the smallest tier, on the CPU in the others."""
+    from solver.cost import CPU, PINNED, STREAMED, Loc, TierPlacement, Workload, evaluate
+    from solver.groups import tensor_groups
+    from solver.plan import plan_json
+    from solver.solve import load_profile
+
+    groups = tensor_groups(spec)
+    n_layer = spec.hparams.n_layer
+    out = {}
+    for i, t in enumerate(tiers):
+        place, kv = {}, {}
+        for il in range(n_layer):
+            attn = Loc(PINNED) if (il + i) % 2 == 0 else Loc(STREAMED)
+            kv[il] = Loc(CPU) if il == n_layer - 1 else attn
+            ffn = [g.name for g in groups if g.layer == il and g.kind != "attn"]
+            place[f"blk.{il}.attn"] = attn
+            place.update({n: Loc(CPU) if j == 0 else Loc(STREAMED) for j, n in enumerate(ffn)})
+        place["token_embd"] = Loc(CPU)
+        place["output"] = Loc(PINNED) if i == 0 else Loc(CPU)
+        assert set(place) == {g.name for g in groups}
+        out[t] = TierPlacement(place, kv)
+    w = Workload(n_ctx=n_ctx, prompt_tokens=8, gen_tokens=8, threads=2, users=users,
+                 unified=unified)  # fmt: skip
+    prof = load_profile("h100")
+    return plan_json(spec, w, prof.name, [3 * spec.weights_nbytes + (16 << 20)], out,
+                     evaluate(out, spec, prof, w), "test", "refengine")  # fmt: skip
+
+
+@pytest.mark.parametrize("arch, unified", [("gemma3", False), ("gemma3", True), ("qwen2", False)])
+def test_plan_executor_sequences_equal_their_own_runs(small_models, arch, unified):
+    """The stand-in runs the whole executor (tier switches, pinned and streamed KV of full-context
+    and sliding-window layers, CPU parts, the head on either side) for four sequences; each
+    equals its own run on the same plan within the int8 path's kernel bound (CPU parts run some
+    of the layers: see the cpu engine's case)."""
+    from cudarun.standin_engine import StandInEngine
+
+    spec = load_spec(str(small_models[arch]))
+    plan = mixed_plan(spec, N_CTX, 4, unified=unified)
+    engine = scenario(lambda: StandInEngine(spec, plan, seed=5, n_seq=4, unified=unified),
+                      spec.hparams.n_vocab, 1e-2)  # fmt: skip
+    assert {t for t, _, _ in engine.tally.rows} == {1, 4, 8}  # every tier ran
+    if spec.hparams.n_swa:  # the sliding-window cells in use: at most n_swa - 1 a sequence + a ubatch
+        assert (engine.pool.host >= 0).sum() <= 4 * (spec.hparams.n_swa - 1) + 8
+
+
+def test_plan_executor_refuses_more_sequences_than_its_plan_has_users(small_models):
+    from cudarun.executor import PlanError
+    from cudarun.standin_engine import StandInEngine
+
+    spec = load_spec(str(small_models["gemma3"]))
+    with pytest.raises(PlanError, match="solved for 2 user\\(s\\), not 4 sequences; solve again "
+                                        "with --users 4"):  # fmt: skip
+        StandInEngine(spec, mixed_plan(spec, N_CTX, 2), n_seq=4)
+
+
+@pytest.mark.parametrize("unified", (False, True))
+def test_the_sliding_window_pool_holds_every_readable_key_in_its_reserved_cells(unified):
+    """Random calls of up to 8 tokens over 4 sequences that come and go: the pool never needs
+    more than n_swa - 1 cells a sequence + a ubatch (what solver.memory.kv_cells reserves per
+    user), and after each ubatch holds every key a later query of its sequence may read, once."""
+    from cudarun.kvstore import KVCells, SwaPool
+    from refengine.sequences import Ubatch
+
+    n_swa, n_seq, ubatch = 5, 4, 8
+    seqs = Sequences(256, n_seq, unified)
+    kv = KVCells(seqs, n_swa)
+    pool = SwaPool(n_seq * (n_swa - 1) + ubatch, kv)
+    rng = np.random.default_rng(3)
+    for _ in range(300):
+        if len(seqs.n_past) < n_seq and rng.random() < 0.2:
+            seqs.add()
+        if len(seqs.n_past) > 1 and rng.random() < 0.1:
+            gone = int(rng.choice(sorted(seqs.n_past)))
+            seqs.remove(gone)
+            kv.free(gone)
+        room = [s for s in seqs.n_past if seqs.room(s) >= 8]
+        if not room:
+            break
+        chosen = rng.permutation(room)[: rng.integers(1, len(room) + 1)]
+        counts = rng.multinomial(ubatch - len(chosen), np.ones(len(chosen)) / len(chosen)) + 1
+        counts = np.minimum(counts, rng.integers(1, 9, len(chosen)))
+        seq = np.repeat(chosen, counts)
+        pos = np.concatenate([np.arange(seqs.n_past[s], seqs.n_past[s] + c)
+                              for s, c in zip(chosen, counts)])  # fmt: skip
+        firsts = np.concatenate([[0], np.cumsum(counts)[:-1]])
+        ub = Ubatch(np.zeros(seq.size, np.int64), seq, pos,
+                    tuple((int(s), int(f), int(c)) for s, f, c in zip(chosen, firsts, counts)),
+                    np.zeros(0, np.int64))  # fmt: skip
+        write = kv.place(ub).write
+        assert np.array_equal(pool.host[pool.place(write)], write)
+        held = pool.host[pool.host >= 0]
+        assert held.size == np.unique(held).size
+        for s, n in seqs.n_past.items():  # each key the ubatch's first query of s may read
+            readable = np.flatnonzero((kv.cell_seq == s) & (kv.cell_pos > n - n_swa))
+            assert np.isin(readable, held).all(), (s, n)
+        for s, c in zip(chosen, counts):
+            seqs.n_past[int(s)] += int(c)

@@ -29,11 +29,11 @@ def add_bias(x, b):
 
 
 @cuda.jit
-def store_kv(k, v, pos, k_cache, v_cache, k_stage, v_stage):
-    """Token t's K [T, n] and V [T, m] (fp32, heads flattened) into ring cell pos[t] % cells of
-    k_cache [cells, n] and v_cache [cells, m] (fp16), and into row t of the staging strips."""
+def store_kv(k, v, write, k_cache, v_cache, k_stage, v_stage):
+    """Token t's K [T, n] and V [T, m] (fp32, heads flattened) into cell write[t] of k_cache
+    [cells, n] and v_cache [cells, m] (fp16), and into row t of the staging strips."""
     t, i0 = cuda.blockIdx.x, cuda.threadIdx.x
-    cell = pos[t] % k_cache.shape[0]
+    cell = write[t]
     for i in range(i0, k.shape[1], THREADS):
         h = k[t, i]
         k_cache[cell, i] = h
