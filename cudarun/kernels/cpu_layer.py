@@ -166,19 +166,22 @@ def layer_kernel(qtypes: tuple, tokens: int | None):
 
         # -- attention over the cache, per (token, head), in fp32: the scores of the cells
         # [lo, hi) first (a cell of another sequence, later or out of the window masked after its
-        # score, as a masked matrix product computes it), then one softmax and one pass over V
+        # score, as a masked matrix product computes it), then one softmax and one pass over V.
+        # Rows are read through 1-D views: LLVM vectorizes those loops (5x at Gemma-3's heads).
         a = np.empty((n_tok, n_head * hdv), np.float32)
         group = n_head // n_kv
         for th in prange(n_tok * n_head):
             t, hh = th // n_head, th % n_head
             g = hh // group
             first = lo[t]
+            q_row = q[t, hh * hd : (hh + 1) * hd]
             scores = np.empty(hi[t] - first, np.float32)
             top = np.float32(-np.inf)
             for j in range(first, hi[t]):
+                k_row = kc[j, g]
                 score = np.float32(0.0)
                 for i in range(hd):
-                    score += q[t, hh * hd + i] * half_bits(kc[j, g, i])
+                    score += q_row[i] * half_bits(k_row[i])
                 score *= attn_scale
                 at = cell_pos[j]
                 if cell_seq[j] != seq[t] or at > pos[t] or (window > 0 and pos[t] - at >= window):
@@ -193,10 +196,12 @@ def layer_kernel(qtypes: tuple, tokens: int | None):
             for j in range(first, hi[t]):
                 p = scores[j - first]
                 if p > 0:  # a masked cell may hold anything, even NaN
+                    v_row = vc[j, g]
                     for i in range(hdv):
-                        acc[i] += p * half_bits(vc[j, g, i])
+                        acc[i] += p * half_bits(v_row[i])
+            out = a[t, hh * hdv : (hh + 1) * hdv]
             for i in range(hdv):
-                a[t, hh * hdv + i] = acc[i] / total
+                out[i] = acc[i] / total
 
         # -- attention out: output rows, post-norm, residual; FFN norm
         a8, ad, a_s = quantize_activations(a)
