@@ -35,10 +35,6 @@ class KVMirror:
         self.k = [flat[il, :k_n].reshape(n_ctx, *self.k_shape) for il in range(hp.n_layer)]
         self.v = [flat[il, k_n:].reshape(n_ctx, *self.v_shape) for il in range(hp.n_layer)]
 
-    def write(self, il: int, start: int, k: np.ndarray, v: np.ndarray) -> None:
-        self.k[il][start : start + k.shape[0]] = k
-        self.v[il][start : start + v.shape[0]] = v
-
 
 def kv_views(buf: np.ndarray, cells: int, k_shape, v_shape) -> tuple[np.ndarray, np.ndarray]:
     """K [cells, Hkv, D] and V [cells, Hkv, Dv] fp16 views of a device KV buffer (uint8)."""
