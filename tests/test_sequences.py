@@ -186,6 +186,11 @@ def test_batched_bench_and_several_prompts_from_the_command_line(small_models):
     (record,) = [json.loads(line) for line in r.stdout.splitlines()]
     assert set(record) == {"pp", "tg", "pl", "n_kv", "t_pp", "speed_pp", "t_tg", "speed_tg",
                            "t", "speed"} and record["n_kv"] == 30  # fmt: skip
+    r = refengine("batched-bench", small_models["gemma3"], "--engine", "standin", "--budget",
+                  "1MiB", "-npp", "8", "-ntg", "2", "-npl", "2", "-c", "64", "-o", "json")  # fmt: skip
+    assert r.returncode == 0, r.stderr  # a plan solved for 2 users, executed for 2 sequences
+    (record,) = [json.loads(line) for line in r.stdout.splitlines()]
+    assert record["pl"] == 2 and record["n_kv"] == 20
     r = refengine("batched-bench", model, "-npp", "8,x")
     assert r.returncode == 2 and "-npp takes comma-separated token counts" in r.stderr
     r = refengine("run", model, "-p", "hello", "-p", "world", "-n", "3", "--engine", "numpy")
