@@ -225,20 +225,21 @@ Q16_ROWS = tuple(Q[name] for name in simd.Q16_BLOCKS)
 @njit(cache=True)
 def quantize_activations16(x):
     """x [T, n] fp32 -> (x16 int16 [T, n], xd fp32 [T, n / 32]: value = xd * x16): the head's
-    activations to 15 bits (the logits are what is sampled)."""
+    activations to 15 bits of each row's largest (the logits are what is sampled). One scale a
+    row, repeated per 32 for the row intrinsics' layout: a block's product then needs only the
+    weight's scale, shared by the tokens, and the row's is applied once at its end."""
     n_tokens, n = x.shape
     x16 = np.empty((n_tokens, n), np.int16)
     xd = np.empty((n_tokens, n // 32), np.float32)
     for t in range(n_tokens):
-        for g in range(n // 32):
-            amax = np.float32(0.0)
-            for j in range(32 * g, 32 * g + 32):
-                amax = max(amax, abs(x[t, j]))
-            d = amax / np.float32(32767.0)
-            inv = np.float32(1.0) / d if d > 0 else np.float32(0.0)
-            xd[t, g] = d
-            for j in range(32 * g, 32 * g + 32):
-                x16[t, j] = np.int16(round(x[t, j] * inv))
+        amax = np.float32(0.0)
+        for j in range(n):
+            amax = max(amax, abs(x[t, j]))
+        d = amax / np.float32(32767.0)
+        inv = np.float32(1.0) / d if d > 0 else np.float32(0.0)
+        xd[t, :] = d
+        for j in range(n):
+            x16[t, j] = np.int16(round(x[t, j] * inv))
     return x16, xd
 
 

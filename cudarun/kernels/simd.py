@@ -258,6 +258,9 @@ def _row_intrinsic(name, block, nbytes, per_block, tokens=1):
                 b.fadd(reduce_fadd(b, b.load(acc)), b.load(offs), flags=FAST)
                 for acc, offs in zip(accs, offsets)
             ]
+            if block in ROW_SCALED:
+                sums = [b.fmul(v, _xd(b, arr, b.mul(_const(row, n_groups), n_groups), 0),
+                               flags=FAST) for row, v in enumerate(sums)]  # fmt: skip
             return context.make_tuple(b, sig.return_type, sums)
 
         return sig, codegen
@@ -307,12 +310,15 @@ def _block_q8_0(b, arr, base, x_at, g_at):
 
 
 def _block_q8_0_x16(b, arr, base, x_at, g_at):
-    """Q8_0 against int16 activations (`x8` is then an int16 array): the head's path, 15 bits of
-    each activation where int8 keeps 7."""
+    """Q8_0 against int16 activations (`x8` is then an int16 array) of one scale a row: the head's
+    path, 15 bits of each row's largest where int8 keeps 7 of each block's. The block's scale is
+    the weight's alone; the row intrinsic applies the row's at the end (`ROW_SCALED`)."""
     w16 = b.sext(arr.load(0, _at(b, base, 2), I8, 32), vec(I16, 32))
     isum = dot2_16(b, w16, arr.load(X8, x_at, I16, 32))
-    scale = b.fmul(half_at(arr, 0, base), _xd(b, arr, g_at, 0), flags=FAST)
-    return scaled(b, isum, scale), None
+    return scaled(b, isum, half_at(arr, 0, base)), None
+
+
+ROW_SCALED = {_block_q8_0_x16}  # blocks whose activations have one scale a row (xd[t, 0])
 
 
 def _block_32(qs, qh, has_min, bias):
