@@ -144,36 +144,30 @@ class CudaEngine(PlanExecutor):
 
     def _upload_kv(self, il: int, buf, cells: int, stream) -> None:
         """Lay the mirror's keys and values of layer il into a device KV buffer `buf` of the
-        current tier (`kvstore`): a full-context layer's cells in use as they are; the
-        sliding-window pool's rows gathered into pinned staging first (every copy from it has
+        current tier (`PlanExecutor.kv_rows`): a full-context layer's straight from the mirror;
+        the sliding-window pool's gathered into pinned staging first (every copy from it has
         ended by the next ubatch's: each has a reader that a later hand-off or sync waits for)."""
         k, v = self._kv(buf, cells)
-        if not self.spec.is_swa(il):
-            n = self.cells.n_used
-            k[:n].copy_to_device(self.mirror.k[il][:n], stream=stream or 0)
-            v[:n].copy_to_device(self.mirror.v[il][:n], stream=stream or 0)
-            return
-        host = self.pool.host
-        stage = self._swa_stage(il, cells)
-        sk, sv = kv_views(stage, cells, self.mirror.k_shape, self.mirror.v_shape)
-        held = host >= 0
-        sk[held], sv[held] = self.mirror.k[il][host[held]], self.mirror.v[il][host[held]]
-        n = self.pool.n_used
-        k[:n].copy_to_device(sk[:n], stream=stream or 0)
-        v[:n].copy_to_device(sv[:n], stream=stream or 0)
+        dev, host = self.kv_rows(il)
+        if isinstance(dev, slice):  # a full-context layer's cells: straight from the mirror
+            src_k, src_v, n = self.mirror.k[il], self.mirror.v[il], dev.stop
+        else:
+            src_k, src_v = self._kv(self._swa_stage(il, cells), cells)
+            src_k[dev], src_v[dev] = self.mirror.k[il][host], self.mirror.v[il][host]
+            n = self.pool.n_used
+        k[:n].copy_to_device(src_k[:n], stream=stream or 0)
+        v[:n].copy_to_device(src_v[:n], stream=stream or 0)
 
     def _download_kv(self, il: int, buf, cells: int) -> None:
         """A device KV buffer of the current tier back into the mirror."""
         k, v = self._kv(buf, cells)
-        if not self.spec.is_swa(il):
-            n = self.cells.n_used
-            k[:n].copy_to_host(self.mirror.k[il][:n])
-            v[:n].copy_to_host(self.mirror.v[il][:n])
-            return
-        host = self.pool.host
-        held = host >= 0
-        self.mirror.k[il][host[held]] = k.copy_to_host()[held]
-        self.mirror.v[il][host[held]] = v.copy_to_host()[held]
+        dev, host = self.kv_rows(il)
+        if isinstance(dev, slice):  # a full-context layer's cells: straight into the mirror
+            k[dev].copy_to_host(self.mirror.k[il][host])
+            v[dev].copy_to_host(self.mirror.v[il][host])
+        else:
+            self.mirror.k[il][host] = k.copy_to_host()[dev]
+            self.mirror.v[il][host] = v.copy_to_host()[dev]
 
     def _swa_stage(self, il: int, cells: int) -> np.ndarray:
         key = (self.current.tier, il)

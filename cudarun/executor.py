@@ -227,6 +227,15 @@ class PlanExecutor(SequenceCalls):
         self.execute(tier, st)
         return st
 
+    def kv_rows(self, il: int):
+        """(device cells, host cells) of layer il's keys in the current tier's device layout
+        (`kvstore`): a full-context layer's cells in use as they are; the held cells of the
+        sliding-window pool."""
+        if not self.spec.is_swa(il):
+            return slice(0, self.cells.n_used), slice(0, self.cells.n_used)
+        held = np.flatnonzero(self.pool.host >= 0)
+        return held, self.pool.host[held]
+
     def new_pool(self, tier: Tier) -> SwaPool | None:
         """A tier's sliding-window device cells, holding every key a query may still read (the
         device engine lays them out from the mirror at the switch)."""

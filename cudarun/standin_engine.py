@@ -59,13 +59,8 @@ class StandInEngine(PlanExecutor):
         """The mirror's keys and values of layer il in the device layout (`kvstore`)."""
         buf[:] = 0  # cells never written must not hold NaN (0 x NaN in the masked sum)
         k, v = kv_views(buf, cells, self.mirror.k_shape, self.mirror.v_shape)
-        if self.spec.is_swa(il):
-            host = self.pool.host
-            held = host >= 0
-            k[held], v[held] = self.mirror.k[il][host[held]], self.mirror.v[il][host[held]]
-        else:
-            n = self.cells.n_used
-            k[:n], v[:n] = self.mirror.k[il][:n], self.mirror.v[il][:n]
+        dev, host = self.kv_rows(il)
+        k[dev], v[dev] = self.mirror.k[il][host], self.mirror.v[il][host]
         return buf
 
     def _host_bytes(self, tier: Tier, unit: str) -> np.ndarray:
@@ -127,7 +122,7 @@ class StandInEngine(PlanExecutor):
         swa = self.spec.is_swa(il)
         write, keys = (d.write_swa, d.keys_swa) if swa else (d.write, d.keys)
         k[write], v[write] = k16, v16
-        st.a = np.empty((st.q.shape[0], *st.q.shape[1:2], v.shape[2]), np.float32)
+        st.a = np.empty((st.tokens.size, self.spec.hparams.n_head, v.shape[2]), np.float32)
         for t0, t1, lo, hi in self.attention_ranges(st, il):
             st.a[t0:t1] = self.math["compute"].attention(
                 st.q[t0:t1], d.q_keys[t0:t1], il, k[lo:hi], v[lo:hi], keys[lo:hi],
