@@ -103,7 +103,7 @@ from .cost import (
 from .groups import EMBD, Group
 from .memory import PIPELINE_COPIES, compute_nbytes, kv_layer_nbytes
 from .strategies import STRATEGIES, Problem, stream_rest
-from .usage import PREFETCH_DEPTH, kv_shape
+from .usage import PREFETCH_DEPTH, fits_budgets, kv_shape
 
 TIME_UNIT = 1e7  # CP-SAT wants integers: 100 ns
 RELATIVE_GAP = 1e-3  # proving the last 0.1% is not worth the seconds
@@ -189,6 +189,10 @@ def optimize(
             placed, v, b, st = _program(p, cm, top, mine, limit, unit_hint)
             if memo is not None:
                 memo[key] = (placed, v, b, st)
+        if unit_hint is not None and not fits_budgets(
+            p.spec, p.workload, unit_hint, top, p.budgets, p.target
+        ):
+            unit_hint = None  # a start that does not fit is no fallback
         hint_seconds = None if unit_hint is None else _tier_seconds(cm, unit_hint, mine)
         if placed is None:  # no solution within the time limit: the warm start stands
             if unit_hint is None:

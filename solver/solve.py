@@ -20,7 +20,7 @@ from .optimize import RELATIVE_GAP, optimize, score_starts, warm_starts
 from .profile import HardwareProfile
 from .strategies import STRATEGIES, Problem, fit_for_runtime
 from .tensor_split import evaluate_tensor_split, short_devices
-from .usage import device_usage, kv_shape
+from .usage import device_usage, fits_budgets, kv_shape
 
 SHIPPED_PROFILES = Path(__file__).resolve().parents[1] / "examples" / "profiles"
 PREFILL_MIN_TOKENS = 512  # the smallest prefill tier (PSHARD.md's 512 * 2^k)
@@ -85,7 +85,7 @@ def solve(
     if (
         target == "refengine"
         and not more
-        and all(_fits(spec, w, all_pinned[t], t, budgets, target) for t in tiers)
+        and all(fits_budgets(spec, w, all_pinned[t], t, budgets, target) for t in tiers)
     ):
         return (
             Outcome("not-needed", all_pinned, evaluate(all_pinned, spec, profile, w), "refengine"),
@@ -141,7 +141,9 @@ def solve(
         pool.append((sol.objective_seconds, 0, f"optimizer (ubatch {top})", sol.tiers, excluded))
         if target == "refengine":  # one placement for every tier: no switch to pay
             for t, place in sorted(sol.tiers.items()):
-                static = {u: place for u in sub.tiers if _fits(spec, w, place, u, sub.budgets)}
+                static = {
+                    u: place for u in sub.tiers if fits_budgets(spec, w, place, u, sub.budgets)
+                }
                 if static:
                     sec = evaluate(static, spec, profile, w).objective(objective)
                     label = f"optimizer's tier {t} in every tier (ubatch {top})"
@@ -221,21 +223,10 @@ def _all_pinned(spec: ModelSpec, tiers: list[int]) -> dict[int, TierPlacement]:
     return {t: place for t in tiers}
 
 
-def _fits(
-    spec: ModelSpec, w: Workload, place: TierPlacement, tier: int, budgets, target="refengine"
-) -> bool:
-    """Whether a tier's placement fits every GPU's budget."""
-    groups = tensor_groups(spec)
-    return all(
-        device_usage(spec, groups, place, tier, w, target, d).total <= b
-        for d, b in enumerate(budgets)
-    )
-
-
 def _shrink(spec: ModelSpec, w: Workload, place: TierPlacement, tier: int, budgets):
     """`place` with pinned layer groups moved to the CPU until it fits each GPU in `tier` (expert
     stacks first, then the last layers' FFN matrices, then attention sides); None if it cannot."""
-    if _fits(spec, w, place, tier, budgets):
+    if fits_budgets(spec, w, place, tier, budgets):
         return place
     groups = tensor_groups(spec)
     rank = {EXPERTS: 0, FFN_MATRIX: 1, ATTN_SIDE: 2}
@@ -254,11 +245,11 @@ def _shrink(spec: ModelSpec, w: Workload, place: TierPlacement, tier: int, budge
                 locs[g.name] = Loc(CPU)
                 left -= g.nbytes
     out = TierPlacement(locs, dict(place.kv))
-    return out if _fits(spec, w, out, tier, budgets) else None
+    return out if fits_budgets(spec, w, out, tier, budgets) else None
 
 
 def _plan_fits(spec: ModelSpec, w: Workload, plan: dict, budgets, target: str) -> bool:
-    return all(_fits(spec, w, place, t, budgets, target) for t, place in plan.items())
+    return all(fits_budgets(spec, w, place, t, budgets, target) for t, place in plan.items())
 
 
 def excluded_devices(spec: ModelSpec, w: Workload, tier: int, budgets: list[int]) -> dict:

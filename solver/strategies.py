@@ -228,6 +228,11 @@ def _fit_devices(p: Problem, groups: list[Group], tier: int) -> TierPlacement:
             for d in range(nd)
         ]
 
+    def within(slices: list[_Slice]) -> bool:
+        # every GPU, not only the one taking layers: once all layers are offloaded llama.cpp
+        # pipelines ubatches, which grows the compute buffer of the GPUs already filled
+        return all(u <= b for u, b in zip(usage(slices), p.budgets))
+
     def with_count(slices: list[_Slice], d: int, k: int) -> list[_Slice]:
         out = [replace(s) for s in slices]
         out[d] = _Slice(k, (k - 1 if d == nd - 1 else k) if moe and k else 0)
@@ -236,7 +241,7 @@ def _fit_devices(p: Problem, groups: list[Group], tier: int) -> TierPlacement:
     slices = [_Slice() for _ in range(nd)]
     for d in range(nd - 1, -1, -1):  # (1)
         left = n + 1 - sum(s.n_layer for s in slices[d + 1 :])
-        k = _largest(lambda k: usage(with_count(slices, d, k))[d] <= p.budgets[d], left)
+        k = _largest(lambda k: within(with_count(slices, d, k)), left)
         slices = with_count(slices, d, max(k, 0))
     if not moe or sum(s.n_layer for s in slices) < n + 1:
         return _devices_placement(p, groups, slices)
@@ -260,7 +265,7 @@ def _fit_devices(p: Problem, groups: list[Group], tier: int) -> TierPlacement:
         if start >= nd:
             break
         pool = sum(s.n_part for s in slices[start:])
-        k = _largest(lambda k: usage(convert(slices, d, start, k)[0])[d] <= p.budgets[d], pool)
+        k = _largest(lambda k: within(convert(slices, d, start, k)[0]), pool)
         slices, start = convert(slices, d, start, max(k, 0))
         if start >= nd or slices[start].n_layer <= (0 if d < nd - 1 else 1):
             continue

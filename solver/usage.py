@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from refengine.spec import ModelSpec
 
 from .cost import CPU, OP_OFFLOAD_MIN_TOKENS, PINNED, STREAMED, TierPlacement, Workload
-from .groups import EMBD, Group
+from .groups import EMBD, Group, tensor_groups
 from .memory import PIPELINE_COPIES, KVShape, compute_nbytes, kv_layer_nbytes
 
 PREFETCH_DEPTH = 2
@@ -98,3 +98,14 @@ def device_usage(
         )
         scratch = biggest if offloads else 0
     return Usage(weights, scratch, kv_bytes, compute)
+
+
+def fits_budgets(
+    spec: ModelSpec, w: Workload, place: TierPlacement, tier: int, budgets, target="refengine"
+) -> bool:
+    """Whether a tier's placement fits every GPU's budget."""
+    groups = tensor_groups(spec)
+    return all(
+        device_usage(spec, groups, place, tier, w, target, d).total <= b
+        for d, b in enumerate(budgets)
+    )

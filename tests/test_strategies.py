@@ -144,3 +144,27 @@ def test_fit_on_two_gpus_uses_both_as_llamacpps_fit_does():
         assert homes[-1] == 1 and all(d is not None for d in homes[homes.index(on[0]) :])
         cost = lambda p: evaluate(fit(p), spec, prof, w, "llamacpp").e2e_seconds  # noqa: E731
         assert cost(two) < cost(one)
+
+
+@pytest.mark.parametrize("budgets_mib", [(200, 150, 120), (300, 200), (160, 120)])
+def test_fit_and_the_optimizer_keep_every_gpu_within_budget_once_llamacpp_pipelines(budgets_mib):
+    """SmolLM2's shape over several GPUs: fit fills the last GPU first, then the earlier ones; once
+    every layer is on a GPU llama.cpp pipelines ubatches, which grows the compute buffer of the
+    GPUs already filled (the last: 147.5 -> 156.9 MiB on 200+150+120 MiB), so each step checks
+    every GPU. The optimizer keeps its warm start only where that fits too."""
+    from dataclasses import replace
+
+    from refengine.synthetic import preset
+    from solver.solve import solve
+    from solver.usage import fits_budgets
+
+    spec = spec_from_hparams(preset("smollm2-135m"))
+    prof = replace(PROFILE, gpus=(PROFILE.gpus[0],) * len(budgets_mib))
+    w = Workload(n_ctx=2048, prompt_tokens=1848, gen_tokens=200)
+    budgets = [b * 2**20 for b in budgets_mib]
+    chosen, baselines, _ = solve(spec, prof, w, [1, 512], budgets, time_limit_seconds=2,
+                                 target="llamacpp")  # fmt: skip
+    fit_plan = next(b for b in baselines if b.name == "fit")
+    for outcome in (chosen, fit_plan):
+        for tier, place in outcome.tiers.items():
+            assert fits_budgets(spec, w, place, tier, budgets, "llamacpp"), (outcome.name, tier)
