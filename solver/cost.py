@@ -31,7 +31,10 @@ Formulas (every rate from the HardwareProfile; M = tokens in the ubatch, the tie
    at the per-kernel graph cost for single-token decode (captured as a CUDA graph).
    Under pshard's runtime (target "pshard") copies run at most at PSHARD_PAGEABLE_H2D_GBPS.
    Under llama.cpp (target "llamacpp") a CPU-held weight runs on the CPU below 32 tokens and is
-   copied to the GPU and computed there at 32 and above (op-offload), unoverlapped.
+   copied to the GPU and computed there at 32 and above (op-offload), unoverlapped. Of a CPU-held
+   expert stack it copies only the D experts the ubatch routes to (ggml-backend's scheduler reads
+   the router's ids back first: one synchronization a layer), one copy per run of consecutive
+   used experts, each run padded by up to 512 bytes.
 7. KV placed `streamed` (pshard's scheme, for its strategies only: our runtime keeps a layer's KV
    on a GPU or on the CPU) uploads the layer's cached cells before it and downloads the new ones.
    A layer takes max(GPU work, copies) + CPU work on our runtime, which prefetches the next layer's
@@ -260,6 +263,37 @@ class CostModel:
             rate = min(rate, PSHARD_PAGEABLE_H2D_GBPS)
         return nbytes / (rate * 1e9) + gpu.copy_latency_seconds.value
 
+    def routed_copy(self, g: Group, held: Loc) -> bool:
+        """Whether llama.cpp op-offloads g copying only its routed experts: a CPU-held expert
+        stack (ggml-backend's scheduler, for a MUL_MAT_ID whose weight is in a host buffer)."""
+        return self.target == "llamacpp" and g.kind == EXPERTS and held.kind == CPU
+
+    def routed_copy_seconds(self, g: Group, tokens: int, device: int, cpu_busy: bool) -> float:
+        """An expert stack's selective copy: the D experts a ubatch touches, as runs of
+        consecutive ids (one copy each, padded by min(expert, 512) bytes but at the last expert);
+        with each expert used independently with p = D/E, E p (1 - p) + p^2 runs are expected,
+        counting only those not ending at the last expert for the padding."""
+        hp = self.spec.hparams
+        e = hp.n_expert
+        used = expected_distinct_experts(e, hp.n_expert_used, tokens)
+        p = used / e
+        runs = p + (e - 1) * p * (1 - p)
+        padded_runs = runs - p  # a run ending at the last expert copies no padding
+        expert_nbytes = g.nbytes / e
+        nbytes = expert_nbytes * used + padded_runs * min(expert_nbytes, 512)
+        latency = self.profile.gpus[device].copy_latency_seconds.value
+        return self.copy_seconds(nbytes, device, cpu_busy) + (runs - 1) * latency
+
+    def ids_readback_seconds(self, tokens: int, device: int) -> float:
+        """The scheduler waits for the router's ids (k int32 a token) on the GPU, once a layer."""
+        gpu = self.profile.gpus[device]
+        nbytes = 4.0 * tokens * self.spec.hparams.n_expert_used
+        return (
+            self.profile.cpu.sync_seconds.value
+            + gpu.copy_latency_seconds.value
+            + nbytes / (gpu.d2h_gbps.value * 1e9)
+        )
+
     # -- attention and hops ------------------------------------------------------------------
 
     def attention_seconds(
@@ -337,13 +371,16 @@ class CostModel:
         previous layer's last op, or the embedding)."""
         hp, t = self.spec.hparams, Terms()
         groups = self.by_layer[il]
-        gpu_mats = 0
+        gpu_mats, ids_read = 0, False
         for g in groups:
             loc = self.effective(g, place.groups[g.name], tokens)
             if loc.on_gpu:
                 t.gpu += self.gpu_seconds(g, tokens, loc.device)
                 gpu_mats += 1
-                if loc.kind == STREAMED:
+                if loc.kind == STREAMED and self.routed_copy(g, place.groups[g.name]):
+                    t.copy += self.routed_copy_seconds(g, tokens, loc.device, cpu_busy)
+                    ids_read = True
+                elif loc.kind == STREAMED:
                     t.copy += self.copy_seconds(g.nbytes, loc.device, cpu_busy)
             else:
                 t.cpu += self.cpu_seconds(g, tokens)
@@ -364,6 +401,8 @@ class CostModel:
         t.latency += hops * self.hop_seconds(tokens, self.hop_width)
         # the residual stream arrives from another device
         t.latency += hops_between(prev, seq[0]) * self.hop_seconds(tokens, hp.n_embd)
+        if ids_read:  # the router's ids read back before the experts' copies: a sync
+            t.latency += self.ids_readback_seconds(tokens, kv.device)
         if gpu_mats or kv.on_gpu:
             t.latency += self.launch_seconds(ELEMENTWISE_KERNELS_PER_LAYER + gpu_mats, tokens)
         inner = np.maximum(t.gpu, t.copy) if self.overlap else t.gpu + t.copy

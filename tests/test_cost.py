@@ -108,6 +108,23 @@ def test_concurrent_cpu_work_slows_the_copies():
     assert cm.copy_seconds(1e9, 0, cpu_busy=True) == pytest.approx(0.2)
 
 
+MOE = spec_from_hparams(
+    SyntheticConfig(
+        "qwen3moe",
+        n_layer=1,
+        n_embd=256,
+        n_ff=512,
+        n_head=4,
+        n_head_kv=2,
+        head_dim=64,
+        n_expert=64,
+        n_expert_used=4,
+        n_ff_exp=256,
+        qtype="F16",
+    )
+)
+
+
 def test_moe_prices_distinct_experts_per_ubatch():
     # E (1 - (1 - k/E)^M): 28 tokens with k = 8 of 256 touch 150.8 experts, not 8 * 28 = 224;
     # 365 tokens touch all 256
@@ -115,26 +132,52 @@ def test_moe_prices_distinct_experts_per_ubatch():
     assert expected_distinct_experts(256, 8, 28) == pytest.approx(150.76, abs=0.01)
     assert expected_distinct_experts(256, 8, 365) == pytest.approx(256, abs=0.01)
     assert expected_distinct_experts(256, 8, 1) == pytest.approx(8)
-    moe = spec_from_hparams(
-        SyntheticConfig(
-            "qwen3moe",
-            n_layer=1,
-            n_embd=256,
-            n_ff=512,
-            n_head=4,
-            n_head_kv=2,
-            head_dim=64,
-            n_expert=64,
-            n_expert_used=4,
-            n_ff_exp=256,
-            qtype="F16",
-        )
-    )
-    cm = CostModel(moe, toy_profile(), W)
+    cm = CostModel(MOE, toy_profile(), W)
     up = next(g for g in cm.groups if g.name == "blk.0.ffn_up_exps")
     nbytes, flops = cm.work(up, 16)
     assert nbytes == pytest.approx(up.nbytes * expected_distinct_experts(64, 4, 16) / 64)
     assert flops == pytest.approx(2 * up.params / 64 * 4 * 16)
+
+
+def test_llamacpp_copies_only_the_routed_experts_of_a_cpu_held_stack():
+    # llama.cpp's scheduler (PR 15346) op-offloads a CPU-held expert stack at >= 32 tokens by
+    # reading the router's ids back (one sync a layer) and copying the D used experts, one copy per
+    # run of consecutive ids, padded by min(expert, 512) bytes but at the last expert
+    base = toy_profile()
+    gpu = replace(base.gpus[0], copy_latency_seconds=Figure(1e-5, "toy"))
+    profile = replace(base, gpus=(gpu,), cpu=replace(base.cpu, sync_seconds=Figure(2e-5, "toy")))
+    cpu, pinned = Loc(CPU), Loc(PINNED)
+    cm = CostModel(MOE, profile, W, target="llamacpp")
+    experts = [g for g in cm.groups if g.kind == "experts"]
+    assert len(experts) == 3
+    place = TierPlacement(
+        {g.name: cpu if g.kind == "experts" else pinned for g in cm.groups}, {0: pinned}
+    )
+    d = expected_distinct_experts(64, 4, 32)  # 56.3 of 64 experts
+    p = d / 64
+    runs = p + 63 * p * (1 - p)  # expected runs of used ids: 7.8
+    expert = experts[0].nbytes / 64  # 128 KiB, so each run but one ending at expert 63 pads 512 B
+    nbytes = expert * d + (runs - p) * 512
+    one = nbytes / 10e9 + runs * 1e-5  # at h2d 10 GB/s, a copy latency per run
+    assert cm.routed_copy_seconds(experts[0], 32, 0, False) == pytest.approx(one)
+    readback = 2e-5 + 1e-5 + 4 * 32 * 4 / 10e9  # sync + latency + 32 x 4 int32 ids down
+    whole = cm.layer_terms(0, place, 32, 0, cpu_busy=False)
+    assert whole.copy == pytest.approx(3 * one)
+    # the same placement with the stacks pinned: no copy, no readback
+    resident = cm.layer_terms(0, TierPlacement(dict.fromkeys(place.groups, pinned), {0: pinned}),
+                              32, 0, cpu_busy=False)  # fmt: skip
+    assert resident.copy == 0
+    assert whole.latency - resident.latency == pytest.approx(readback)
+    # below 32 tokens the stacks run on the CPU: nothing is copied
+    assert cm.layer_terms(0, place, 16, 0, cpu_busy=False).copy == 0
+    # our runtime streams a stack whole (until it copies routed experts itself)
+    ours = CostModel(MOE, profile, W)
+    streamed = TierPlacement(
+        {g.name: Loc(STREAMED) if g.kind == "experts" else pinned for g in cm.groups}, {0: pinned}
+    )
+    full = sum(g.nbytes / 10e9 + 1e-5 for g in experts)
+    assert ours.layer_terms(0, streamed, 32, 0, cpu_busy=False).copy == pytest.approx(full)
+    assert whole.copy < full  # 56.3 of 64 experts and 7.8 copies a stack: 0.96 of the time
 
 
 def test_attention_at_real_depth_and_token_count():
