@@ -13,7 +13,10 @@
   attention, f32 without; sliding-window layers have their own); at the output head, logits and
   the normed input, n_vocab + n_embd per output row. With several devices and every layer
   offloaded without overrides, llama.cpp pipelines ubatches across the devices and keeps
-  PIPELINE_COPIES copies of each device's inputs (the masks and n_embd per token). Measured on dense, MoE and sliding-window
+  PIPELINE_COPIES copies of each input a device receives from another, for the whole graph: the
+  activations entering it (n_embd per token) and, where it attends, the masks (the first device
+  to attend holds the masks themselves, so one copy fewer; a device holding only the head
+  receives no masks). Measured on dense, MoE and sliding-window
   shapes to the 1/64 MiB llama.cpp prints, except where ggml's best-fit allocator fragments
   (an FFN narrower than about 2.5 n_embd; without flash attention the allocator's reuse varies).
 - Scratch ring (our runtime): `prefetch_depth` slots, each as large as the largest set of tensors a
@@ -30,6 +33,7 @@ from refengine.spec import ModelSpec
 CELL_PAD = 256
 KV_TYPES = ("f16", "q8_0")
 PIPELINE_COPIES = 4  # GGML_SCHED_MAX_COPIES
+PIPELINED_INT_INPUT_NBYTES = 24  # per token and copy
 
 
 def pad_cells(n: int) -> int:
@@ -70,6 +74,8 @@ def compute_nbytes(
     output_rows: int,
     target: str = "llamacpp",
     pipeline_copies: int = 1,
+    attends: bool = True,
+    holds_masks: bool = False,
 ) -> int:
     """Compute buffer of one device for ubatches of n_ubatch tokens, `output_rows` of which get
     logits there (llama.cpp reserves for all n_ubatch; our runtime, one per sequence): llama.cpp's
@@ -78,7 +84,8 @@ def compute_nbytes(
         from .workspace import layout, nbytes
 
         return nbytes(layout(spec, n_ubatch, output_rows, n_ctx))
-    return llamacpp_compute_nbytes(spec, n_ubatch, n_ctx, flash_attn, output_rows, pipeline_copies)
+    return llamacpp_compute_nbytes(spec, n_ubatch, n_ctx, flash_attn, output_rows, pipeline_copies,
+                                   attends, holds_masks)  # fmt: skip
 
 
 def llamacpp_compute_nbytes(
@@ -88,9 +95,12 @@ def llamacpp_compute_nbytes(
     flash_attn: bool,
     output_rows: int,
     pipeline_copies: int = 1,
+    attends: bool = True,
+    holds_masks: bool = False,
 ) -> int:
-    """`pipeline_copies`: llama.cpp's scheduler keeps that many copies of each device's inputs
-    (the KQ masks and the incoming activations) when it pipelines ubatches across devices."""
+    """`pipeline_copies`: llama.cpp's scheduler keeps that many copies of each input a device
+    receives (the incoming activations, and the KQ masks where it `attends` but does not hold them
+    itself) when it pipelines ubatches across devices; the defaults bound every device."""
     hp = spec.hparams
     n_kv = pad_cells(n_ctx)
     tokens = min(n_ubatch, n_kv)  # llama.cpp caps the ubatch at the context
@@ -107,8 +117,16 @@ def llamacpp_compute_nbytes(
         attention += 4 * tokens * (max(n_kv_full, n_kv_swa) * hp.n_head + hp.n_embd // 2)
     ffn = 4 * tokens * (3 * hp.n_ff_active + 2 * hp.n_embd + q_dim)
     head = 4 * min(output_rows, tokens) * (hp.n_vocab + hp.n_embd)
-    inputs = masks + 4 * tokens * hp.n_embd
-    return max(masks + max(attention, ffn), head) + (pipeline_copies - 1) * inputs
+    if pipeline_copies == 1:
+        return max(masks + max(attention, ffn), head)
+    # the activations, and the small integer inputs (positions, output ids: measured 20 bytes a
+    # token on a device that attends, 24 on the head's; the larger bounds both)
+    arriving = pipeline_copies * tokens * (4 * hp.n_embd + PIPELINED_INT_INPUT_NBYTES)
+    if not attends:  # the head alone
+        return head + arriving
+    if holds_masks:
+        return max(masks + max(attention, ffn), head) + (pipeline_copies - 1) * masks + arriving
+    return max(max(attention, ffn), head) + pipeline_copies * masks + arriving
 
 
 def expected_distinct_experts(n_expert: int, n_used: int, tokens: int) -> float:

@@ -19,11 +19,14 @@ from .memory import kv_layer_nbytes
 from .optimize import RELATIVE_GAP, optimize, score_starts, warm_starts
 from .profile import HardwareProfile
 from .strategies import STRATEGIES, Problem, fit_for_runtime
-from .tensor_split import evaluate_tensor_split, short_devices
+from .tensor_split import evaluate_tensor_split, short_devices, tensor_split_nbytes
 from .usage import device_usage, fits_budgets, kv_shape
 
 SHIPPED_PROFILES = Path(__file__).resolve().parents[1] / "examples" / "profiles"
 PREFILL_MIN_TOKENS = 512  # the smallest prefill tier (PSHARD.md's 512 * 2^k)
+
+
+SPLIT_MODES = ("layer", "tensor")
 
 
 def load_profile(name_or_path: str | None) -> HardwareProfile:
@@ -59,10 +62,13 @@ def solve(
     strategy: str | None = None,
     time_limit_seconds: float = SOLVER_SECONDS,
     target: str = "refengine",
+    split_mode: str | None = None,
 ) -> tuple[Outcome, list[Outcome], dict]:
     """(chosen plan, every named strategy's plan, solver facts). `budget_bytes`: one per GPU
     (the named strategies use the first). Target llamacpp: the best static placement llama.cpp's
-    flags can express, warm-started from its --fit placement."""
+    flags can express, warm-started from its --fit placement; over several GPUs a layer split or
+    a tensor split (`split_mode` "layer" or "tensor"; None: the faster)."""
+    check_split_mode(split_mode, target, budget_bytes)
     began = time.perf_counter()
     budgets = [budget_bytes] if isinstance(budget_bytes, int) else list(budget_bytes)
     first, more = budgets[0], tuple(budgets[1:])
@@ -177,12 +183,19 @@ def solve(
     # optimizer's plan against every warm start, named strategy and static plan; the best stands.
     _, _, chosen_from, plan, excluded = min(pool, key=lambda c: c[:2])
     chosen = Outcome("optimal", plan, evaluate(plan, spec, profile, w, target), target)
-    if target == "llamacpp" and more:  # llama.cpp can also split every matrix across the GPUs
+    if target == "llamacpp" and more and split_mode != "layer":  # or split every matrix
         split = _tensor_split(spec, profile, w, tiers, budgets)
         if split is not None:
             baselines.append(split)
-            if split.prediction.objective(objective) < chosen.prediction.objective(objective):
+            faster = split.prediction.objective(objective) < chosen.prediction.objective(objective)
+            if faster or split_mode == "tensor":
                 chosen = replace(split, name="optimal")
+        elif split_mode == "tensor":
+            need = tensor_split_nbytes(spec, w, max(tiers), len(budgets))
+            raise UserError(
+                f"a tensor split needs {need / 2**20:.0f} MiB on each GPU and flash attention; "
+                "raise --budget or leave out --split-mode"
+            )
     sol, start_name, _ = solved
     value = chosen.prediction.objective(objective)
     # each candidate's bound holds for plans with its prefill ubatch; the least holds for all
@@ -203,6 +216,19 @@ def solve(
     if chosen.split_mode == "tensor":  # the program's figures are the layer split's
         facts = {"split_mode": "tensor", "excluded": excluded, "prefill_ubatch": max(tiers)}
     return chosen, baselines, facts
+
+
+def check_split_mode(split_mode: str | None, target: str, budget_bytes) -> None:
+    if split_mode is None:
+        return
+    if split_mode not in SPLIT_MODES:
+        raise UserError(f"unknown split mode {split_mode!r} (known: {', '.join(SPLIT_MODES)})")
+    several = not isinstance(budget_bytes, int) and len(budget_bytes) > 1
+    if split_mode == "tensor" and (target != "llamacpp" or not several):
+        raise UserError(
+            "--split-mode tensor is llama.cpp's (-sm tensor) over several GPUs: add "
+            "--target llamacpp and a budget per GPU (our runtime splits by layers)"
+        )
 
 
 def _tensor_split(spec, profile, w, tiers, budgets) -> Outcome | None:
@@ -357,12 +383,14 @@ def solve_request(
     strategy: str | None = None,
     time_limit_seconds: float = SOLVER_SECONDS,
     target: str = "refengine",
+    split_mode: str | None = None,
 ) -> Solved:
     """`solve` as the command line asks it: tiers and budgets as written (`plan_budgets` decides
     the defaults, the reserve and which tiers are viable), then `solve` over the viable tiers."""
     tier_list = parse_tiers(tiers) if tiers else default_tiers(w.n_ctx, w.users)
     b = plan_budgets(spec, w, tier_list, budget, reserve, profile, target)
     chosen, baselines, facts = solve(
-        spec, profile, w, b.tiers, b.bytes, objective, strategy, time_limit_seconds, target
-    )
+        spec, profile, w, b.tiers, b.bytes, objective, strategy, time_limit_seconds, target,
+        split_mode,
+    )  # fmt: skip
     return Solved(b, chosen, baselines, facts)

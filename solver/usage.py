@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from refengine.spec import ModelSpec
 
 from .cost import CPU, OP_OFFLOAD_MIN_TOKENS, PINNED, STREAMED, TierPlacement, Workload
-from .groups import EMBD, Group, tensor_groups
+from .groups import ATTN_SIDE, EMBD, Group, tensor_groups
 from .memory import PIPELINE_COPIES, KVShape, compute_nbytes, kv_layer_nbytes
 
 PREFETCH_DEPTH = 2
@@ -85,8 +85,14 @@ def device_usage(
         and len({loc.device for loc in layers}) > 1
     )
     copies = PIPELINE_COPIES if pipelined else 1
+    attends = not pipelined or any(
+        here(mine[g.name]) for g in groups if g.layer is not None and g.kind == ATTN_SIDE
+    )
+    holds_masks = pipelined and here(mine["blk.0.attn"])  # the first layer's device makes them
     compute = (
-        compute_nbytes(spec, tier, w.n_ctx, w.flash_attn, rows, target, copies)
+        compute_nbytes(
+            spec, tier, w.n_ctx, w.flash_attn, rows, target, copies, attends, holds_masks
+        )
         if holds or offloads
         else 0
     )

@@ -176,3 +176,21 @@ def test_verify_refuses_in_one_line(shapes, llama_bin, tmp_path):
                   "-o", tmp_path / "ours.json")  # fmt: skip
     r = refengine("verify", tmp_path / "ours.json", "--llama-bin", llama_bin)
     assert r.returncode == 2 and "solve with --target llamacpp" in r.stderr
+
+
+@pytest.mark.parametrize("split", ["20,4,7", "21,9,1"], ids=["head-with-layers", "head-alone"])
+def test_pipelined_compute_buffers_per_device(llama_bin, rpc_servers, split):
+    """Every layer offloaded over three devices: llama.cpp pipelines ubatches and keeps four
+    copies of each input a device receives. The first device makes the masks and receives the
+    activations; the second receives both; the last holds the head, with layers (masks received)
+    or alone (none). Each within a tenth of a MiB of llama.cpp's own figure."""
+    path = str(resolve_model("smollm2-135m"))
+    spec = load_model(path)
+    args = ["--rpc", ",".join(rpc_servers), "-dev", "RPC0,RPC1,RPC2", "-fit", "off", "-ngl", "31",
+            "-ts", split, "-sm", "layer", "-c", "2048", "-b", "2048", "-ub", "512", "-fa", "on"]  # fmt: skip
+    log = parse_load_log(run_llamacpp(llama_bin, path, args), spec)
+    roles = [(0, True, True), (0, True, False), (512, split != "21,9,1", False)]
+    for name, (rows, attends, holds_masks) in zip(["RPC0", "RPC1", "RPC2"], roles):
+        planned = llamacpp_compute_nbytes(spec, 512, 2048, True, rows, 4, attends, holds_masks)
+        measured = log.buffers[name].compute_bytes
+        assert abs(measured - planned) <= 0.1 * MIB, (name, measured / MIB, planned / MIB)

@@ -50,6 +50,12 @@ from . import THREADS_CHECK, USERS_CHECK, cli, open_for_writing
     "under llama.cpp's own execution (op-offload, its KV rules); exportable as flags.",
 )
 @click.option(
+    "--split-mode",
+    type=click.Choice(["layer", "tensor"]),
+    help="Over several GPUs with --target llamacpp: llama.cpp's -sm layer or -sm tensor "
+    "(default: the faster).",
+)
+@click.option(
     "--objective", type=click.Choice(["e2e", "tps", "ttft"]), default="e2e", show_default=True
 )
 @click.option(
@@ -91,6 +97,7 @@ def solve(
     gen_tokens,
     strategy,
     target,
+    split_mode,
     objective,
     kv_type,
     fa,
@@ -116,7 +123,7 @@ def solve(
     w = request_workload(prof, n_ctx, users, prompt_tokens, gen_tokens, kv_type, fa == "on",
                          threads, kv_unified)  # fmt: skip
     solved = solve_request(spec, prof, w, tiers, budget, reserve, objective, strategy, time_limit,
-                           target)  # fmt: skip
+                           target, split_mode)  # fmt: skip
     budgets, chosen, facts = solved.budgets.bytes, solved.chosen, solved.facts
     con = Console()
     con.print(
