@@ -520,9 +520,10 @@ def shape_terms(cm: CostModel, tiers: dict[int, TierPlacement], shapes: list[Sha
     for (tier, tokens, sequences), idx in groups.items():
         depths = np.array([shapes[i].depth for i in idx], float)
         t = cm.ubatch_terms(tiers[tier], tokens, depths, sequences)
+        cols = [np.broadcast_to(v, depths.shape).tolist()
+                for v in (t.gpu, t.copy, t.cpu, t.latency, t.total)]  # fmt: skip
         for j, i in enumerate(idx):
-            pick = lambda v: float(np.broadcast_to(v, depths.shape)[j])  # noqa: E731
-            out[i] = Terms(pick(t.gpu), pick(t.copy), pick(t.cpu), pick(t.latency), pick(t.total))
+            out[i] = Terms(*(c[j] for c in cols))
     return out
 
 

@@ -11,6 +11,7 @@ still records a location for every GGUF tensor; a group's tensors share it.
 from __future__ import annotations
 
 import math
+import weakref
 from dataclasses import dataclass
 
 from refengine.spec import ATTENTION, EMBEDDING, EXPERT, FFN, NORM, OUTPUT, ROUTER, ModelSpec
@@ -43,13 +44,28 @@ def _group(name, layer, kind, infos) -> Group:
     )
 
 
+_MEMO: dict[int, tuple[weakref.ref, list[Group]]] = {}
+
+
 def tensor_groups(spec: ModelSpec) -> list[Group]:
     """All groups in execution order: token_embd, then each layer's attention side and FFN
-    matrices, then the output head."""
+    matrices, then the output head. Computed once per spec (the solver asks for them in every
+    budget check); the list is shared, so callers do not change it."""
+    held = _MEMO.get(id(spec))
+    if held is None or held[0]() is not spec:
+        held = (weakref.ref(spec), _tensor_groups(spec))
+        _MEMO[id(spec)] = held
+    return held[1]
+
+
+def _tensor_groups(spec: ModelSpec) -> list[Group]:
     by = spec.by_name
+    per_layer: dict[int | None, list] = {}
+    for t in spec.tensors:
+        per_layer.setdefault(t.layer, []).append(t)
     groups = [_group("token_embd", None, EMBD, [by["token_embd.weight"]])]
     for il in range(spec.hparams.n_layer):
-        infos = spec.layer_tensors(il)
+        infos = per_layer.get(il, [])
         post_ffn = [t for t in infos if t.name == f"blk.{il}.{POST_FFN_NORM}"]
         attn = [t for t in infos if t.role in (ATTENTION, NORM, ROUTER) and t not in post_ffn]
         groups.append(_group(f"blk.{il}.attn", il, ATTN_SIDE, attn))

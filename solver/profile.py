@@ -204,8 +204,15 @@ def _build(cls, d: dict, where: str):
     return cls(**kwargs)
 
 
-def rpc_device(cpu: CPUProfile, endpoint: str, memory_bytes: int, server_threads: int,
-               h2d_gbps: Figure, d2h_gbps: Figure, latency_seconds: Figure) -> GPUProfile:
+def rpc_device(
+    cpu: CPUProfile,
+    endpoint: str,
+    memory_bytes: int,
+    server_threads: int,
+    h2d_gbps: Figure,
+    d2h_gbps: Figure,
+    latency_seconds: Figure,
+) -> GPUProfile:
     """A llama.cpp RPC server as a device: its host's CPU figures (`cpu`, at the server's
     thread count) as its rates, the link's bandwidth and round trip as its copies. llama.cpp
     sends a device one command per graph split, so a kernel costs nothing beyond the round trip
@@ -235,4 +242,3 @@ def rpc_device(cpu: CPUProfile, endpoint: str, memory_bytes: int, server_threads
         backend="rpc",
         endpoint=endpoint,
     )
-
