@@ -142,3 +142,44 @@ def test_a_recorded_block_output_survives_the_next_fused_layer(small_models):
     (_, got), (_, want) = engine.prefill([3, 4], record=record), reference.prefill([3, 4], record=record)
     for name in record:
         assert normwise(got[name], want[name]) < 5e-2, name
+
+
+@pytest.mark.parametrize("window", [0, 40])
+def test_decode_attention_over_chunks_equals_a_dense_softmax(window):
+    """The fused layer's attention splits each token's cells into chunks of KEYS_PER_CHUNK and
+    merges their softmax partials: against one dense softmax per (token, head) over fresh random
+    caches, across chunk boundaries, with grouped heads, cells of another sequence, later
+    positions, a sliding window, and NaN in every masked cell."""
+    rng = np.random.default_rng(7)
+    n_head, n_kv, hd, cells = 6, 2, 16, 300
+    kc = rng.standard_normal((cells, n_kv, hd)).astype(np.float16)
+    vc = rng.standard_normal((cells, n_kv, hd)).astype(np.float16)
+    cell_seq = rng.integers(0, 3, cells).astype(np.int64)  # sequence 2's cells: nobody's
+    cell_pos = np.arange(cells, dtype=np.int64)
+    seq = np.array([0, 1, 0, 1], np.int64)
+    pos = np.array([5, 63, 130, 250], np.int64)
+    cell_seq[pos] = seq  # each token's own key is in the cache
+    lo = np.zeros(4, np.int64)
+    hi = np.array([70, 64, 200, 300], np.int64)  # one chunk, one exactly full, four, five
+    masked = np.zeros((4, cells), bool)
+    for t in range(4):
+        masked[t] = (cell_seq != seq[t]) | (cell_pos > pos[t]) | (np.arange(cells) >= hi[t])
+        if window:
+            masked[t] |= pos[t] - cell_pos >= window
+    poisoned_k, poisoned_v = kc.copy(), vc.copy()
+    poisoned_k[cell_seq == 2], poisoned_v[cell_seq == 2] = np.nan, np.nan  # may hold anything
+    q = rng.standard_normal((4, n_head * hd)).astype(np.float32)
+    out = np.full((4, n_head * hd), np.nan, np.float32)
+    cpu_layer._attention(q, poisoned_k.view(np.uint16), poisoned_v.view(np.uint16), pos, lo, hi,
+                         seq, cell_pos, cell_seq, n_head, n_kv, window, np.float32(0.25), out)  # fmt: skip
+    assert np.isfinite(out).all()
+    for t in range(4):
+        keep = ~masked[t]
+        for h in range(n_head):
+            g = h // (n_head // n_kv)
+            k = kc[keep, g].astype(np.float64)
+            s = k @ q[t, h * hd : (h + 1) * hd].astype(np.float64) * 0.25
+            p = np.exp(s - s.max())
+            want = (p / p.sum()) @ vc[keep, g].astype(np.float64)
+            got = out[t, h * hd : (h + 1) * hd]
+            assert np.allclose(got, want, atol=1e-5), (t, h)

@@ -33,8 +33,7 @@ from .cpu import quantize_activations, row_dots
 from .simd import half_bits
 
 # the integer parameters, in order, of a layer call (`ints`)
-INTS = ("n_head", "n_kv", "head_dim", "head_dim_v", "n_rot", "neox", "window", "gelu",
-        "n_ff")
+INTS = ("n_head", "n_kv", "head_dim", "head_dim_v", "n_rot", "neox", "window", "gelu", "n_ff")
 FLOATS = ("eps", "rope_base", "rope_scale", "attn_scale")
 
 
@@ -115,6 +114,88 @@ def _add_bias(y, bias):
                 y[t, i] += bias[i]
 
 
+KEYS_PER_CHUNK = 64  # a thread's share of a token's cells: chunks keep every core busy
+MASKED = np.float32(-3.0e38)  # a masked score: finite, since fastmath assumes no infinities
+
+
+@njit(parallel=True, fastmath=True)
+def _attention(q, kc, vc, pos, lo, hi, seq, cell_pos, cell_seq, n_head, n_kv, window, attn_scale,
+               out):  # fmt: skip
+    """Attention over the cache, in fp32, for the tokens of a decode step: per (token, chunk of
+    KEYS_PER_CHUNK cells of [lo, hi)) the scores of every query head, cell by cell, so the cache
+    streams through in order (a head at a time over a cell's strided rows was latency-bound:
+    SmolLM2 at depth 1024 spent ~25 ms a token in it, now ~8); the chunks' softmax partials are
+    then merged per (token, head). A cell of another sequence, later, or out of the window is
+    masked after its score, as a masked matrix product computes it (a masked cell may hold
+    anything, even NaN)."""
+    n_tok = q.shape[0]
+    hd, hdv = kc.shape[2], vc.shape[2]
+    group = n_head // n_kv
+    longest = 0
+    for t in range(n_tok):
+        longest = max(longest, hi[t] - lo[t])
+    n_chunks = max(1, -(-longest // KEYS_PER_CHUNK))
+    top = np.zeros((n_tok, n_head, n_chunks), np.float32)
+    mass = np.zeros((n_tok, n_head, n_chunks), np.float32)
+    part = np.zeros((n_tok, n_head, n_chunks, hdv), np.float32)
+    for item in prange(n_tok * n_chunks):
+        t, c = item // n_chunks, item % n_chunks
+        first = lo[t] + c * KEYS_PER_CHUNK
+        last = min(first + KEYS_PER_CHUNK, hi[t])
+        if first >= last:
+            continue
+        # cell by cell, every KV head of a cell (its K and V rows are contiguous in the cache)
+        scores = np.empty((n_head, last - first), np.float32)
+        for j in range(first, last):
+            at = cell_pos[j]
+            masked = cell_seq[j] != seq[t] or at > pos[t] or (window > 0 and pos[t] - at >= window)
+            for hh in range(n_head):
+                k_row = kc[j, hh // group]
+                q_row = q[t, hh * hd : (hh + 1) * hd]
+                score = np.float32(0.0)
+                for i in range(hd):
+                    score += q_row[i] * half_bits(k_row[i])
+                scores[hh, j - first] = MASKED if masked else score * attn_scale
+        for hh in range(n_head):
+            m = MASKED
+            for j in range(last - first):
+                m = max(m, scores[hh, j])
+            top[t, hh, c] = m
+            if m == MASKED:  # every cell of the chunk masked: its mass stays 0
+                continue
+            total = np.float32(0.0)
+            for j in range(last - first):
+                scores[hh, j] = np.exp(scores[hh, j] - m)
+                total += scores[hh, j]
+            mass[t, hh, c] = total
+        for j in range(first, last):
+            for hh in range(n_head):
+                w = scores[hh, j - first]
+                if w > 0:
+                    v_row = vc[j, hh // group]
+                    acc = part[t, hh, c]
+                    for i in range(hdv):
+                        acc[i] += w * half_bits(v_row[i])
+    for th in range(n_tok * n_head):  # the merge: too small to pay for a parallel region
+        t, hh = th // n_head, th % n_head
+        m = MASKED
+        for c in range(n_chunks):
+            if mass[t, hh, c] > 0:
+                m = max(m, top[t, hh, c])
+        row = out[t, hh * hdv : (hh + 1) * hdv]
+        row[:] = 0.0
+        total = np.float32(0.0)
+        for c in range(n_chunks):
+            if mass[t, hh, c] == 0:
+                continue
+            f = np.exp(top[t, hh, c] - m)
+            total += f * mass[t, hh, c]
+            for i in range(hdv):
+                row[i] += f * part[t, hh, c, i]
+        for i in range(hdv):
+            row[i] /= total
+
+
 @lru_cache(maxsize=None)
 def layer_kernel(qtypes: tuple, tokens: int | None):
     """The layer function for matrices of these types (q, k, v, o, gate, up, down), for `tokens`
@@ -164,44 +245,9 @@ def layer_kernel(qtypes: tuple, tokens: int | None):
             for i in range(nv):
                 vc[write[t], i // hdv, i % hdv] = half_of(v[t, i])
 
-        # -- attention over the cache, per (token, head), in fp32: the scores of the cells
-        # [lo, hi) first (a cell of another sequence, later or out of the window masked after its
-        # score, as a masked matrix product computes it), then one softmax and one pass over V.
-        # Rows are read through 1-D views: LLVM vectorizes those loops (5x at Gemma-3's heads).
         a = np.empty((n_tok, n_head * hdv), np.float32)
-        group = n_head // n_kv
-        for th in prange(n_tok * n_head):
-            t, hh = th // n_head, th % n_head
-            g = hh // group
-            first = lo[t]
-            q_row = q[t, hh * hd : (hh + 1) * hd]
-            scores = np.empty(hi[t] - first, np.float32)
-            top = np.float32(-np.inf)
-            for j in range(first, hi[t]):
-                k_row = kc[j, g]
-                score = np.float32(0.0)
-                for i in range(hd):
-                    score += q_row[i] * half_bits(k_row[i])
-                score *= attn_scale
-                at = cell_pos[j]
-                if cell_seq[j] != seq[t] or at > pos[t] or (window > 0 and pos[t] - at >= window):
-                    score = np.float32(-np.inf)
-                scores[j - first] = score
-                top = max(top, score)
-            total = np.float32(0.0)
-            for j in range(scores.size):
-                scores[j] = np.exp(scores[j] - top)
-                total += scores[j]
-            acc = np.zeros(hdv, np.float32)
-            for j in range(first, hi[t]):
-                p = scores[j - first]
-                if p > 0:  # a masked cell may hold anything, even NaN
-                    v_row = vc[j, g]
-                    for i in range(hdv):
-                        acc[i] += p * half_bits(v_row[i])
-            out = a[t, hh * hdv : (hh + 1) * hdv]
-            for i in range(hdv):
-                out[i] = acc[i] / total
+        _attention(q, kc, vc, pos, lo, hi, seq, cell_pos, cell_seq, n_head, n_kv, window,
+                   attn_scale, a)  # fmt: skip
 
         # -- attention out: output rows, post-norm, residual; FFN norm
         a8, ad, a_s = quantize_activations(a)
