@@ -377,11 +377,12 @@ class CostModel:
             if loc.on_gpu:
                 t.gpu += self.gpu_seconds(g, tokens, loc.device)
                 gpu_mats += 1
-                if loc.kind == STREAMED and self.routed_copy(g, place.groups[g.name]):
-                    t.copy += self.routed_copy_seconds(g, tokens, loc.device, cpu_busy)
-                    ids_read = True
-                elif loc.kind == STREAMED:
-                    t.copy += self.copy_seconds(g.nbytes, loc.device, cpu_busy)
+                if loc.kind == STREAMED:
+                    if self.routed_copy(g, place.groups[g.name]):
+                        t.copy += self.routed_copy_seconds(g, tokens, loc.device, cpu_busy)
+                        ids_read = True
+                    else:
+                        t.copy += self.copy_seconds(g.nbytes, loc.device, cpu_busy)
             else:
                 t.cpu += self.cpu_seconds(g, tokens)
         kv = self.attention_loc(place.kv[il], tokens)

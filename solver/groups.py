@@ -51,10 +51,12 @@ def tensor_groups(spec: ModelSpec) -> list[Group]:
     """All groups in execution order: token_embd, then each layer's attention side and FFN
     matrices, then the output head. Computed once per spec (the solver asks for them in every
     budget check); the list is shared, so callers do not change it."""
-    held = _MEMO.get(id(spec))
+    key = id(spec)
+    held = _MEMO.get(key)
     if held is None or held[0]() is not spec:
-        held = (weakref.ref(spec), _tensor_groups(spec))
-        _MEMO[id(spec)] = held
+        # the entry leaves with its spec, before another object can take the same id
+        held = (weakref.ref(spec, lambda _: _MEMO.pop(key, None)), _tensor_groups(spec))
+        _MEMO[key] = held
     return held[1]
 
 

@@ -181,6 +181,10 @@ def optimize(
     for top, covered in units:
         mine = [sh for sh in shapes if sh.tier in covered]
         unit_hint = hint.get(top) if hint else None
+        if unit_hint is not None and not fits_budgets(
+            p.spec, p.workload, unit_hint, top, p.budgets, p.target
+        ):
+            unit_hint = None  # a start that does not fit is neither a hint nor a fallback
         limit = time_limit_seconds / len(units)
         key = (top, tuple(mine), p.budgets, p.target, objective)
         if memo is not None and key in memo:
@@ -189,10 +193,6 @@ def optimize(
             placed, v, b, st = _program(p, cm, top, mine, limit, unit_hint)
             if memo is not None:
                 memo[key] = (placed, v, b, st)
-        if unit_hint is not None and not fits_budgets(
-            p.spec, p.workload, unit_hint, top, p.budgets, p.target
-        ):
-            unit_hint = None  # a start that does not fit is no fallback
         hint_seconds = None if unit_hint is None else _tier_seconds(cm, unit_hint, mine)
         if placed is None:  # no solution within the time limit: the warm start stands
             if unit_hint is None:

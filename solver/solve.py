@@ -24,9 +24,7 @@ from .usage import device_usage, fits_budgets, kv_shape
 
 SHIPPED_PROFILES = Path(__file__).resolve().parents[1] / "examples" / "profiles"
 PREFILL_MIN_TOKENS = 512  # the smallest prefill tier (PSHARD.md's 512 * 2^k)
-
-
-SPLIT_MODES = ("layer", "tensor")
+SPLIT_MODES = ("layer", "tensor")  # llama.cpp's -sm over several GPUs
 
 
 def load_profile(name_or_path: str | None) -> HardwareProfile:
