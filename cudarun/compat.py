@@ -1,7 +1,7 @@
 """The one numpy/numba compatibility shim (GPU_NOTES.md). numba-cuda 0.30.4 calls `numpy.row_stack`,
 which numpy 2.5 removed, at the first kernel compile; the alias restores it. Every module that
 imports numba.cuda imports this first, so it is also where numba's launch-time settings live and
-where the CUDA simulator gets what it lacks (warp shuffles, a fused fma).
+where the CUDA simulator gets what it lacks (warp shuffles, a fused fma, race-free shared arrays).
 
 It leaves the kernels alone: the simulator runs the same kernel code as the GPU."""
 
@@ -35,7 +35,8 @@ def simulator_intrinsics() -> None:
     before the add; kernels that reduce across a warp or compute an exact product error (RoPE's
     angle) would fail there or pass by luck. Under the simulator this gives it both, behaving as
     the GPU's: a shuffle waits for the lanes of its warp (all of them: the full mask), and fma
-    rounds once. A kernel module that shuffles calls it at import (elementwise does; its
+    rounds once; and a block's threads share one array per `cuda.shared.array` line, which it
+    made racily. A kernel module that shuffles calls it at import (elementwise does; its
     `warp_sum` is the shared reduction); on a GPU it does nothing."""
     from numba import config
 
@@ -82,3 +83,33 @@ def simulator_intrinsics() -> None:
     )
     FakeCUDAModule.shfl_sync = lambda m, mask, v, src: exchange(m, v, lambda lane: src)
     FakeCUDAModule.fma = fma
+    _shared_arrays_made_once()
+
+
+def _shared_arrays_made_once() -> None:
+    """The simulator makes a block's shared array when the first thread reaches its line: it
+    looks the line up, and if nothing is there makes an array and stores it, unlocked. Two
+    threads between the lookup and the store each keep an array of their own, so a kernel whose
+    threads read each other's cells reads garbage, at random (CI's qwen3moe decode: normwise 1.29).
+    Made under a lock, every thread gets the one array, as on the GPU."""
+    from numba.core import types
+    from numba.cuda.simulator.kernelapi import FakeCUDAShared
+    from numba.np import numpy_support
+
+    made = FakeCUDAShared.array
+    lock = threading.Lock()
+
+    def array(self, shape, dtype, alignment=None):
+        if shape == 0 or alignment is not None:  # dynamic shared memory or refused: no lookup
+            return made(self, shape, dtype, alignment)
+        if isinstance(dtype, types.Type):
+            dtype = numpy_support.as_dtype(dtype)
+        caller = sys._getframe(1)
+        line = (caller.f_code.co_filename, caller.f_lineno)  # the simulator's key, as it is
+        with lock:
+            held = self._allocations.get(line)
+            if held is None:
+                held = self._allocations[line] = np.empty(shape, dtype)
+        return held
+
+    FakeCUDAShared.array = array
