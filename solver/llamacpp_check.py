@@ -179,19 +179,33 @@ class Verdict:
         return not self.misplaced and all(r.within_budget for r in self.rows)
 
 
-def planned_memory(d: dict) -> dict[int, DeviceBuffers]:
-    """Per GPU, what a llamacpp plan says llama.cpp allocates (`memory_worst`)."""
-    return {
-        int(g): DeviceBuffers(m["weights"], m["kv"], m["compute"])
-        for g, m in d["memory_worst"].items()
-    }
+def planned_memory(d: dict, spec: ModelSpec | None = None) -> dict[int, DeviceBuffers]:
+    """Per GPU, what a llamacpp plan says llama.cpp allocates (`memory_worst`); with `spec`, what
+    it allocates on devices that do no op-offload (RPC servers), from the plan's placement at its
+    largest tier."""
+    if spec is None:
+        return {
+            int(g): DeviceBuffers(m["weights"], m["kv"], m["compute"])
+            for g, m in d["memory_worst"].items()
+        }
+    from .groups import tensor_groups
+    from .plan import placements_from_json, plan_workload
+    from .usage import device_usage
+
+    tiers = placements_from_json(d, spec)
+    tier, w = max(tiers), plan_workload(d)
+    out = {}
+    for g in range(len(d["fingerprint"]["budget_bytes"])):
+        u = device_usage(spec, tensor_groups(spec), tiers[tier], tier, w, "llamacpp", g, False)
+        out[g] = DeviceBuffers(u.weights, u.kv, u.compute)  # no op-offload: no scratch
+    return out
 
 
 def compare(d: dict, planned_devices: dict[str, str], log: LoadLog, device_names: list[str],
-            op_offload: bool = True) -> Verdict:  # fmt: skip
+            memory: dict[int, DeviceBuffers] | None = None) -> Verdict:  # fmt: skip
     """`planned_devices`: tensor -> the llama.cpp device the plan puts it on (CPU for the host);
-    `device_names`: llama.cpp's name of each GPU of the plan. Without op-offload (RPC devices
-    have none), a GPU holding nothing computes nothing."""
+    `device_names`: llama.cpp's name of each GPU of the plan; `memory`: per GPU, what the plan
+    has llama.cpp allocate (default: the plan's `memory_worst`)."""
     misplaced = [
         (name, dev, log.tensors.get(name, "?"))
         for name, dev in sorted(planned_devices.items())
@@ -199,9 +213,7 @@ def compare(d: dict, planned_devices: dict[str, str], log: LoadLog, device_names
     ]
     budgets = d["fingerprint"]["budget_bytes"]
     rows = []
-    for g, mem in sorted(planned_memory(d).items()):
-        if not op_offload and not (mem.model_bytes or mem.kv_bytes):
-            mem = DeviceBuffers()  # its compute buffer was only for ops offloaded to it
+    for g, mem in sorted((memory or planned_memory(d)).items()):
         name = device_names[g]
         rows.append(DeviceRow(name, mem, log.buffers.get(name, DeviceBuffers()), budgets[g]))
     return Verdict(rows, misplaced)
@@ -228,4 +240,5 @@ def verify_plan(d: dict, spec: ModelSpec, model_path: str, bin_dir: Path | None,
         t: dev if dev == HOST else names[int(dev.removeprefix("CUDA"))]
         for t, dev in tensor_devices(spec, tiers[min(tiers)]).items()
     }
-    return compare(d, planned, log, names, op_offload=not rpc), args
+    # RPC servers do no op-offload: the plan's memory as llama.cpp allocates it on them
+    return compare(d, planned, log, names, planned_memory(d, spec) if rpc else None), args

@@ -16,7 +16,13 @@
   PIPELINE_COPIES copies of each input a device receives from another, for the whole graph: the
   activations entering it (n_embd per token) and, where it attends, the masks (the first device
   to attend holds the masks themselves, so one copy fewer; a device holding only the head
-  receives no masks). Measured on dense, MoE and sliding-window
+  receives no masks). A device whose layers' routed experts are computed on the CPU (held there
+  and not offloaded: RPC devices never offload, a GPU only at 32 tokens and more) receives the
+  experts' outputs, k n_embd per token, and mixes them: its FFN term is (k + 3) n_embd per token,
+  (2k + 1) n_embd where it also mixes the layer before its first (CPU-computed experts of a layer
+  elsewhere: their mix runs on the next device), and then the head beside such layers keeps
+  n_embd more; a device holding the head alone mixes the last layer's and keeps those inputs, (k + 1)
+  n_embd per token, beside the head's. Measured on dense, MoE and sliding-window
   shapes to the 1/64 MiB llama.cpp prints, except where ggml's best-fit allocator fragments
   (an FFN narrower than about 2.5 n_embd; without flash attention the allocator's reuse varies).
 - Scratch ring (our runtime): `prefetch_depth` slots, each as large as the largest set of tensors a
@@ -76,6 +82,8 @@ def compute_nbytes(
     pipeline_copies: int = 1,
     attends: bool = True,
     holds_masks: bool = False,
+    mixes_cpu_experts: bool = False,
+    mixes_the_layer_before: bool = False,
 ) -> int:
     """Compute buffer of one device for ubatches of n_ubatch tokens, `output_rows` of which get
     logits there (llama.cpp reserves for all n_ubatch; our runtime, one per sequence): llama.cpp's
@@ -85,7 +93,8 @@ def compute_nbytes(
 
         return nbytes(layout(spec, n_ubatch, output_rows, n_ctx))
     return llamacpp_compute_nbytes(spec, n_ubatch, n_ctx, flash_attn, output_rows, pipeline_copies,
-                                   attends, holds_masks)  # fmt: skip
+                                   attends, holds_masks, mixes_cpu_experts,
+                                   mixes_the_layer_before)  # fmt: skip
 
 
 def llamacpp_compute_nbytes(
@@ -97,10 +106,15 @@ def llamacpp_compute_nbytes(
     pipeline_copies: int = 1,
     attends: bool = True,
     holds_masks: bool = False,
+    mixes_cpu_experts: bool = False,
+    mixes_the_layer_before: bool = False,
 ) -> int:
     """`pipeline_copies`: llama.cpp's scheduler keeps that many copies of each input a device
     receives (the incoming activations, and the KQ masks where it `attends` but does not hold them
-    itself) when it pipelines ubatches across devices; the defaults bound every device."""
+    itself) when it pipelines ubatches across devices; the defaults bound every device.
+    `mixes_cpu_experts`: the routed experts of the device's layers run on the CPU, the device only
+    mixes their outputs; `mixes_the_layer_before`: it also mixes those of the layer before its
+    first (with no layers: before the head)."""
     hp = spec.hparams
     n_kv = pad_cells(n_ctx)
     tokens = min(n_ubatch, n_kv)  # llama.cpp caps the ubatch at the context
@@ -117,6 +131,14 @@ def llamacpp_compute_nbytes(
         attention += 4 * tokens * (max(n_kv_full, n_kv_swa) * hp.n_head + hp.n_embd // 2)
     ffn = 4 * tokens * (3 * hp.n_ff_active + 2 * hp.n_embd + q_dim)
     head = 4 * min(output_rows, tokens) * (hp.n_vocab + hp.n_embd)
+    k, activations = hp.n_expert_used, 4 * tokens * hp.n_embd
+    if mixes_cpu_experts:
+        ffn = activations * (2 * k + 1 if mixes_the_layer_before else k + 3)
+        # n_embd more beside the head where the layer before was another device's (measured;
+        # none after CPU layers: reserved either way)
+        head += activations if output_rows and mixes_the_layer_before else 0
+    elif mixes_the_layer_before and output_rows:  # the head alone
+        head += activations * (k + 1)
     if pipeline_copies == 1:
         return max(masks + max(attention, ffn), head)
     # the activations, and the small integer inputs (positions, output ids: measured 20 bytes a

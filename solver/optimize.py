@@ -355,10 +355,16 @@ def _program(
     # copies of each device's inputs: reserved whatever the placement, as a bound
     copies = PIPELINE_COPIES if llama and len(budgets) > 1 else 1
     work = p.workload
-    base = compute_nbytes(p.spec, tier, work.n_ctx, work.flash_attn, 0, p.target, copies)
+    # (a device mixing CPU-computed experts may need more than the FFN it would compute)
+    roles = [(copies, False, False)] + ([(1, True, True), (1, False, True)] if llama else [])
+    bound = lambda rows: max(  # noqa: E731
+        compute_nbytes(p.spec, tier, work.n_ctx, work.flash_attn, rows, p.target, n, True, False,
+                       mixes, before)  # fmt: skip
+        for n, mixes, before in roles
+    )
+    base = bound(0)
     rows = tier if llama else min(tier, work.users)  # llama.cpp reserves a full ubatch
-    logits = compute_nbytes(p.spec, tier, work.n_ctx, work.flash_attn, rows, p.target, copies)
-    logits -= base
+    logits = bound(rows) - base
 
     # -- options, per class of identical layers and per device ---------------------------------
     classes: dict[tuple, list[int]] = {}

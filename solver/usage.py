@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from refengine.spec import ModelSpec
 
 from .cost import CPU, OP_OFFLOAD_MIN_TOKENS, PINNED, STREAMED, TierPlacement, Workload
-from .groups import ATTN_SIDE, EMBD, Group, tensor_groups
+from .groups import ATTN_SIDE, EMBD, EXPERTS, Group, tensor_groups
 from .memory import PIPELINE_COPIES, KVShape, compute_nbytes, kv_layer_nbytes
 
 PREFETCH_DEPTH = 2
@@ -55,7 +55,10 @@ def device_usage(
     w: Workload,
     target: str,
     device: int = 0,
+    op_offload: bool = True,
 ) -> Usage:
+    """`op_offload`: whether llama.cpp's first device computes CPU-held weights of ubatches of 32
+    tokens and more (a GPU does; an RPC server does not)."""
     mine = {g.name: place.groups[g.name] for g in groups}
     here = lambda loc: loc.kind != CPU and loc.device == device  # noqa: E731
     weights = sum(g.nbytes for g in groups if here(mine[g.name]) and mine[g.name].kind == PINNED)
@@ -76,7 +79,9 @@ def device_usage(
     # a workspace on every device that computes something (seed 004: a device holding a layer
     # holds a compute buffer too); llama.cpp's op-offload computes on the first GPU
     holds = any(here(loc) for loc in mine.values()) or any(here(loc) for loc in place.kv.values())
-    offloads = target == "llamacpp" and device == 0 and tier >= OP_OFFLOAD_MIN_TOKENS
+    offloads = (
+        op_offload and target == "llamacpp" and device == 0 and tier >= OP_OFFLOAD_MIN_TOKENS
+    )
     # llama.cpp pipelines ubatches over several devices when every layer is offloaded whole
     layers = [mine[g.name] for g in groups if g.kind != EMBD]
     pipelined = (
@@ -89,10 +94,18 @@ def device_usage(
         here(mine[g.name]) for g in groups if g.layer is not None and g.kind == ATTN_SIDE
     )
     holds_masks = pipelined and here(mine["blk.0.attn"])  # the first layer's device makes them
+    # routed experts held on the CPU and computed there: their device only mixes their outputs
+    on_cpu = target == "llamacpp" and not (op_offload and tier >= OP_OFFLOAD_MIN_TOKENS)
+    cpu_experts = {g.layer for g in groups if g.kind == EXPERTS and mine[g.name].kind == CPU}
+    mine_layers = {g.layer for g in groups if g.kind == ATTN_SIDE and here(mine[g.name])}
+    mixes = on_cpu and bool(mine_layers) and mine_layers <= cpu_experts
+    first = min(mine_layers, default=spec.hparams.n_layer if here(mine["output"]) else None)
+    mixes_before = (
+        on_cpu and (mixes or not mine_layers) and first is not None and first - 1 in cpu_experts
+    )
     compute = (
-        compute_nbytes(
-            spec, tier, w.n_ctx, w.flash_attn, rows, target, copies, attends, holds_masks
-        )
+        compute_nbytes(spec, tier, w.n_ctx, w.flash_attn, rows, target, copies, attends,
+                       holds_masks, mixes, mixes_before)  # fmt: skip
         if holds or offloads
         else 0
     )

@@ -139,17 +139,20 @@ def _verify(plan, llama_bin, endpoints, *flags):
 
 
 @pytest.mark.parametrize(
-    "model,profile,budget,ctx",
+    "model,profile,budget,ctx,strategy",
     [
-        ("smollm2-135m", "h100", "500MiB", "2048"),  # all on the device
-        ("smollm2-135m", "h100", "150MiB", "2048"),  # a layer's tensors left on the CPU by -ot
-        ("dense", "rtx4090-rtx3060-epyc-7742", "60MiB,50MiB", "4096"),  # two devices
+        ("smollm2-135m", "h100", "500MiB", "2048", None),  # all on the device
+        ("smollm2-135m", "h100", "150MiB", "2048", None),  # a layer's tensors left on the CPU
+        ("dense", "rtx4090-rtx3060-epyc-7742", "60MiB,50MiB", "4096", None),  # two devices
+        # --cpu-moe, two layers on the CPU, two on the first device, the head alone on the second
+        ("moe", "rtx4090-rtx3060-epyc-7742", "30MiB,30MiB", "4096", "fit"),
     ],
 )
 def test_verify_places_every_tensor_as_planned(shapes, llama_bin, rpc_servers, tmp_path, model,
-                                               profile, budget, ctx):  # fmt: skip
+                                               profile, budget, ctx, strategy):  # fmt: skip
     plan = _solve(shapes[model], tmp_path, "--profile", profile, "--budget", budget,
-                  "--ctx", ctx, "--tiers", "1,512")  # fmt: skip
+                  "--ctx", ctx, "--tiers", "1,512",
+                  *(["--strategy", strategy] if strategy else []))  # fmt: skip
     r = _verify(plan, llama_bin, rpc_servers)
     assert r.returncode == 0, r.stdout + r.stderr
     n = len(load_model(shapes[model]).tensors)
@@ -192,5 +195,35 @@ def test_pipelined_compute_buffers_per_device(llama_bin, rpc_servers, split):
     roles = [(0, True, True), (0, True, False), (512, split != "21,9,1", False)]
     for name, (rows, attends, holds_masks) in zip(["RPC0", "RPC1", "RPC2"], roles):
         planned = llamacpp_compute_nbytes(spec, 512, 2048, True, rows, 4, attends, holds_masks)
+        measured = log.buffers[name].compute_bytes
+        assert abs(measured - planned) <= 0.1 * MIB, (name, measured / MIB, planned / MIB)
+
+
+# -ngl and -ts over 4 layers and the head: (logit rows, mixes its layers', mixes the one before)
+CPU_MOE_SPLITS = {
+    ("5", "4,1"): [(0, True, False), (512, False, True)],  # the head alone mixes the last layer
+    ("5", "1,1"): [(0, True, False), (512, True, True)],  # the head beside mixing layers
+    ("3", "2,1"): [(0, True, True), (512, False, True)],  # layers 0 and 1 on the CPU
+}
+
+
+@pytest.mark.parametrize("ngl,split", CPU_MOE_SPLITS, ids=["head-alone", "head-with-layers",
+                                                             "after-cpu-layers"])  # fmt: skip
+def test_compute_buffers_where_the_cpu_computes_the_experts(shapes, llama_bin, rpc_servers, ngl,
+                                                            split):  # fmt: skip
+    """--cpu-moe over two devices (no pipelining: tensor overrides stop it): a device receives its
+    layers' experts' outputs from the CPU and only mixes them, and also mixes the layer before
+    its first when that layer's experts ran on the CPU; a device holding the head alone mixes
+    the last layer's and keeps its inputs beside the logits. Each within a tenth of a MiB of
+    llama.cpp's own figure (the full FFN term was up to 5 MiB over, the head alone 5 MiB under)."""
+    path = shapes["moe"]
+    spec = load_model(path)
+    args = ["--rpc", ",".join(rpc_servers[:2]), "-dev", "RPC0,RPC1", "-fit", "off", "-ngl", ngl,
+            "-ts", split, "-sm", "layer", "-c", "4096", "-b", "2048", "-ub", "512", "-fa", "on",
+            "--cpu-moe"]  # fmt: skip
+    log = parse_load_log(run_llamacpp(llama_bin, path, args), spec)
+    for name, (rows, mixes, before) in zip(["RPC0", "RPC1"], CPU_MOE_SPLITS[ngl, split]):
+        planned = llamacpp_compute_nbytes(spec, 512, 4096, True, rows, 1, True, False, mixes,
+                                          before)  # fmt: skip
         measured = log.buffers[name].compute_bytes
         assert abs(measured - planned) <= 0.1 * MIB, (name, measured / MIB, planned / MIB)
