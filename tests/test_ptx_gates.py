@@ -220,6 +220,7 @@ def assembled(tmp_path_factory):
     return json.loads(report.read_text())
 
 
+@pytest.mark.xdist_group("ptx")  # one worker compiles every kernel, once
 @pytest.mark.parametrize("name", _kernel_names())
 def test_kernel_has_no_stack_frame_spills_or_f64(assembled, name):
     """Issue 16's static gate, per kernel: it compiles for sm_90, and ptxas gives it a 0-byte stack

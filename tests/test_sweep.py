@@ -12,6 +12,8 @@ from solver.sweep import write_png
 
 from .conftest import refengine
 
+pytestmark = pytest.mark.xdist_group("sweep")  # one worker sweeps, once
+
 MIB = 2**20
 SHAPE = "smollm2-135m:Q8_0"  # spec-only: 30 layers, about 140 MiB of weights
 PROFILE = "rtx4090-epyc-7742"
