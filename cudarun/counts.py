@@ -191,6 +191,7 @@ def graphable(parts, place: TierPlacement, tokens: int) -> bool:
         tokens <= MAX_DECODE_TOKENS
         and all(p.queue == "compute" for p in parts)
         and all(loc.kind != STREAMED for loc in place.kv.values())
+        and not any(p.routed_by for p in parts)  # a routed copy's rows are read at run time
     )
 
 

@@ -22,14 +22,15 @@ from contextlib import contextmanager
 import numpy as np
 
 from refengine.spec import ModelSpec
-from solver.cost import CPU, PINNED
+from solver.cost import CPU, PINNED, ROUTED
 from solver.workspace import MAX_DECODE_TOKENS, arrays, layout
 
 from . import counts
-from .devicemath import DeviceMath, device_tensors
+from .devicemath import ROUTED_IDS, DeviceMath, device_tensors
 from .executor import PlanExecutor, Tier, group_bytes, weight_steps
 from .hostmath import Act, HostMath
 from .kvstore import EMPTY, host_runs, kv_views
+from .program import expert_runs, routed_experts
 from .schedule import Compute, Copy, Record, Wait
 from .segments import Segment, SegmentRunner
 
@@ -79,6 +80,8 @@ class CudaEngine(PlanExecutor):
         self.counted = ("launches", "syncs", "segments")
         self.counter: counts.Counter | None = None  # the ubatch being issued
         self.pending_logits: np.ndarray | None = None  # filled from staging after the last wait
+        self.routed_held: dict[str, int] = {}  # routed stack -> experts its slot holds now
+        self.routed_nbytes: dict[int, int] = {}  # tier -> bytes its routed copies moved
 
     def host_alloc(self, nbytes: int) -> np.ndarray:
         """Pinned host memory: copies from it are asynchronous, and nothing streams from pageable
@@ -320,6 +323,7 @@ class CudaEngine(PlanExecutor):
         """Issue the tier's schedule: copies on the copy stream, device parts on the compute
         stream, each CPU segment on this thread at its first part, events between them."""
         events: dict[str, object] = {}
+        routed: dict[str, list[int]] = {}  # router step -> the experts it chose
         index = {p.name: i for i, p in enumerate(tier.parts)}
         starts = {seg.first: seg for seg in tier.segments}
         timer = _Timer(self) if self.trace_events is not None and not capturing else None
@@ -332,7 +336,13 @@ class CudaEngine(PlanExecutor):
                     events[op.event].wait(self.copy if op.queue == "copy" else self.compute)
             elif isinstance(op, Copy):
                 with _span(timer, "copy", f"copy {op.tensor}", self.copy):
-                    self._copy_unit(tier, op.tensor, op.slot)
+                    if op.reads:  # routed: the router's choice first
+                        by = op.reads[0][0].removeprefix("ids@")
+                        if by not in routed:
+                            routed[by] = self._routed(tier.parts[index[by]], events, st, host, ws)
+                        self._copy_routed(tier, op.tensor, op.slot, routed[by])
+                    else:
+                        self._copy_unit(tier, op.tensor, op.slot)
             elif isinstance(op, Compute):
                 i = index[op.name]
                 part = tier.parts[i]
@@ -369,8 +379,47 @@ class CudaEngine(PlanExecutor):
             data = self.host.group(unit)
             buf[: data.size].copy_to_device(data, stream=self.copy)
 
-    def _weights(self, tier: Tier, group: str, slot: str | None) -> dict:
+    def _routed(self, router, events: dict, st: Act, host: Act, ws: dict) -> list[int]:
+        """The experts a router chose, read back (a sync: the copies depend on them, as under
+        llama.cpp's op-offload), and each choice's place in the routed copies on the device."""
+        n = st.tokens.size
+        if router.queue == "cpu":
+            ids = host.ids
+        else:
+            self._sync(events[f"routed:{router.name}"])
+            ids = ws["ids"][:n].copy_to_host()
+        experts = routed_experts(ids)
+        places = np.searchsorted(experts, ids).astype(np.int32)
+        ws["slot_ids"][:n].copy_to_device(places, stream=self.copy)  # before the copies' events
+        return experts
+
+    def _copy_routed(self, tier: Tier, unit: str, slot: str, experts: list[int]) -> None:
+        """The chosen experts' rows of a routed stack into its slot (`routed_pack`'s layout), one
+        copy per run of consecutive experts, from pinned host memory."""
+        buf, src, at = self._slot(tier, slot), self.host.group(unit), 0
+        for p in self.host.layouts[unit]:
+            t = p.info
+            if len(t.shape) != 3:
+                buf[at : at + t.nbytes].copy_to_device(src[p.offset : p.offset + t.nbytes],
+                                                       stream=self.copy)  # fmt: skip
+                at += t.nbytes
+                continue
+            per = t.nbytes // t.shape[0]
+            for first, count in expert_runs(experts):
+                lo = p.offset + first * per
+                buf[at : at + count * per].copy_to_device(src[lo : lo + count * per],
+                                                          stream=self.copy)  # fmt: skip
+                at += count * per
+        self.routed_held[unit] = len(experts)
+        self.routed_nbytes[tier.tier] = self.routed_nbytes.get(tier.tier, 0) + at
+
+    def _weights(self, tier: Tier, group: str, slot: str | None, ws: dict) -> dict:
         loc = tier.place.groups[group]
+        if loc.kind == ROUTED:  # as many experts as the router chose, in their places
+            w = device_tensors(self.host.layouts[group], self._slot(tier, slot),
+                               self.routed_held[group])  # fmt: skip
+            w[ROUTED_IDS] = ws["slot_ids"]
+            return w
         buf = (
             self.region(tier, f"weights:{group}") if loc.kind == PINNED else self._slot(tier, slot)
         )
@@ -401,7 +450,7 @@ class CudaEngine(PlanExecutor):
                     self.mirror.v[il][cell : cell + count].reshape(count, -1), stream=s
                 )
             return
-        w = self._weights(tier, part.group, slot)
+        w = self._weights(tier, part.group, slot, ws)
         getattr(self.dmath, part.kind)(ws, n, w, part.layer, s)
         if part.kind.startswith("ffn_down"):
             self._record(st, f"blk.{part.layer}.out", ws["x"][:n])

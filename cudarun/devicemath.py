@@ -20,15 +20,22 @@ from .hostweights import Placed
 from .kernels import THREADS, attention, elementwise, glue, matvec, moe, prefill
 
 
-def device_tensors(layout: list[Placed], buf) -> dict:
+ROUTED_IDS = "routed_ids"  # a routed copy's weights: where each chosen expert sits in it
+
+
+def device_tensors(layout: list[Placed], buf, held: int | None = None) -> dict:
     """The group's tensors in `buf` (a device uint8 array): F32 vectors (norms, biases) as float32
-    arrays, the matrices as their raw bytes (what the matmul kernels decode)."""
-    out = {}
+    arrays, the matrices as their raw bytes (what the matmul kernels decode). `held`: `buf` is a
+    routed copy (`hostweights.routed_pack`) holding that many experts of the stack."""
+    out, offset = {}, 0
     for p in layout:
         t = p.info
-        raw = buf[p.offset : p.offset + t.nbytes]
+        routed = held is not None and len(t.shape) == 3
+        nbytes = t.nbytes // t.shape[0] * held if routed else t.nbytes
+        raw = buf[offset : offset + nbytes]
         vector = t.qtype.name == "F32" and len(t.shape) == 1
         out[t.name] = raw.view(np.float32) if vector else raw
+        offset += nbytes
     return out
 
 
@@ -172,8 +179,8 @@ class DeviceMath:
     def _experts(self, ws, n, w, name, x, out, per_slot, stream) -> None:
         t = self.spec.by_name[name]
         slots = n * self.hp.n_expert_used
-        moe.expert_matvec(w[name], x, ws["ids"][:n], out[:slots], t.qtype, t.shape[1:], per_slot,
-                          stream)  # fmt: skip
+        ids = w.get(ROUTED_IDS, ws["ids"])[:n]  # a routed copy: the experts' places in it
+        moe.expert_matvec(w[name], x, ids, out[:slots], t.qtype, t.shape[1:], per_slot, stream)
 
     def ffn_gate_exps(self, ws, n, w, il, stream) -> None:
         name = f"blk.{il}.ffn_gate_exps.weight"

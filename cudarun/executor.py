@@ -23,8 +23,8 @@ from refengine.engine import SequenceCalls, keep_all
 from refengine.errors import UserError
 from refengine.sequences import Sequences, Ubatch, one_sequence
 from refengine.spec import ModelSpec
-from solver.cost import PINNED, TierPlacement
-from solver.groups import tensor_groups
+from solver.cost import PINNED, ROUTED, TierPlacement
+from solver.groups import routed_nbytes, routed_slot_experts, tensor_groups
 from solver.memory import kv_cell_nbytes, kv_layer_nbytes
 from solver.plan import Region, fingerprint_hash, placements_from_json, plan_workload
 from solver.usage import kv_shape
@@ -175,7 +175,15 @@ class PlanExecutor(SequenceCalls):
         return self.arena[r.offset_bytes : r.offset_bytes + r.nbytes]
 
     def unit_nbytes(self, tier: Tier) -> dict[str, int]:
-        out = {name: g.nbytes for name, g in self.groups.items()}
+        """What each unit a tier copies measures at most (a routed stack: the experts its largest
+        ubatch can route to)."""
+        routed = routed_slot_experts(self.spec, tier.tier)
+        out = {
+            name: routed_nbytes(self.spec, g, routed)
+            if tier.place.groups[name].kind == ROUTED
+            else g.nbytes
+            for name, g in self.groups.items()
+        }
         for il, cells in tier.kv_cells.items():
             out[f"kv:{il}"] = cells * self.cell_nbytes
         return out

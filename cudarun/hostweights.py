@@ -51,6 +51,48 @@ def tensors_of(layout: list[Placed], buf: np.ndarray) -> dict[str, np.ndarray]:
     return out
 
 
+def routed_pack(layout: list[Placed], buf: np.ndarray, experts: list[int]) -> np.ndarray:
+    """A routed copy's bytes (routed streaming): the group's tensors in their layout, of its
+    expert stack (the 3-D tensor) the rows of `experts` alone."""
+    parts = []
+    for p in layout:
+        raw = buf[p.offset : p.offset + p.info.nbytes]
+        if len(p.info.shape) == 3:
+            raw = raw.reshape(p.info.shape[0], -1)[experts].reshape(-1)
+        parts.append(raw)
+    return np.concatenate(parts)
+
+
+class RoutedStack:
+    """An expert stack of which a routed copy holds some experts: stack[e] is expert e's block
+    rows; an expert the copy does not hold is a KeyError."""
+
+    def __init__(self, rows: np.ndarray, experts: list[int]):
+        self.rows, self.position = rows, {e: i for i, e in enumerate(experts)}
+
+    def __getitem__(self, e) -> np.ndarray:
+        return self.rows[self.position[int(e)]]
+
+
+def routed_tensors_of(layout: list[Placed], buf: np.ndarray, experts: list[int]) -> dict:
+    """The tensors of a routed copy in `buf` (`routed_pack`): as `tensors_of`, the stack as a
+    `RoutedStack`."""
+    out, offset = {}, 0
+    for p in layout:
+        t = p.info
+        if len(t.shape) == 3:
+            nbytes = t.nbytes // t.shape[0] * len(experts)
+            rows = buf[offset : offset + nbytes].reshape(
+                len(experts), *t.shape[1:-1], qtype(t.qtype).row_nbytes(t.shape[-1])
+            )
+            out[t.name] = RoutedStack(rows, experts)
+        else:
+            nbytes = t.nbytes
+            out.update(tensors_of([Placed(t, 0)], buf[offset : offset + nbytes]))
+        offset += nbytes
+    return out
+
+
 def dense(info: TensorInfo, raw: np.ndarray) -> np.ndarray:
     """A small tensor (norm weight, bias) as float32, whatever its type."""
     if info.qtype == T.F32:

@@ -13,15 +13,19 @@ the CPU. The parts, in order:
   residual add;
 - `output` (group output): the final norm and the head.
 
-Streamed units are the groups themselves and, for a layer whose KV is streamed, `kv:i`.
+Streamed units are the groups themselves and, for a layer whose KV is streamed, `kv:i`. A routed
+expert stack is a unit copied after the layer's `o` part, whose router chose the experts: only
+theirs (`routed_experts`).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
+
 from refengine.spec import ModelSpec
-from solver.cost import CPU, STREAMED, Loc, TierPlacement
+from solver.cost import CPU, ROUTED, STREAMED, Loc, TierPlacement
 
 from .schedule import Step
 
@@ -34,15 +38,18 @@ class Part:
     group: str | None  # the weight group it reads; None for `kq`
     queue: str  # "compute" or "cpu"
     units: tuple[str, ...]  # what it reads from ring slots
+    routed_by: str = ""  # the part whose router chooses the rows of its units (routed streaming)
 
     @property
     def step(self) -> Step:
-        return Step(self.name, self.queue, self.units)
+        return Step(self.name, self.queue, self.units, self.routed_by)
 
 
 def _part(name, kind, layer, group, loc: Loc, unit: str) -> Part:
     queue = "cpu" if loc.kind == CPU else "compute"
-    return Part(name, kind, layer, group, queue, (unit,) if loc.kind == STREAMED else ())
+    streamed = loc.kind in (STREAMED, ROUTED)
+    routed_by = f"blk.{layer}.o" if loc.kind == ROUTED else ""
+    return Part(name, kind, layer, group, queue, (unit,) if streamed else (), routed_by)
 
 
 FFN_KINDS = ("ffn_gate", "ffn_up", "ffn_down", "ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")
@@ -62,3 +69,19 @@ def parts(spec: ModelSpec, place: TierPlacement) -> list[Part]:
                 out.append(_part(p + kind, kind, il, p + kind, g[p + kind], p + kind))
     out.append(_part("output", "output", None, "output", g["output"], "output"))
     return out
+
+
+def routed_experts(ids) -> list[int]:
+    """The experts a ubatch's router chose (ids [T, k]), in the order a routed copy packs them."""
+    return np.unique(ids).tolist()
+
+
+def expert_runs(experts: list[int]) -> list[tuple[int, int]]:
+    """(first, count) of each run of consecutive experts: one copy each."""
+    runs: list[tuple[int, int]] = []
+    for e in experts:
+        if runs and runs[-1][0] + runs[-1][1] == e:
+            runs[-1] = (runs[-1][0], runs[-1][1] + 1)
+        else:
+            runs.append((e, 1))
+    return runs

@@ -3,7 +3,8 @@ the queue they are on and by events — and a validator that proves, without run
 that the ordering is enough.
 
 A schedule is a list of operations in host issue order:
-- `Copy(queue, tensor, slot)`: the tensor's bytes into a ring slot (H2D of a streamed weight);
+- `Copy(queue, tensor, slot, reads)`: the tensor's bytes into a ring slot (H2D of a streamed
+  weight); a routed copy reads the router's choice (`reads`) to know which rows to copy;
 - `Compute(queue, name, reads, writes)`: a kernel (or a CPU op, on the "cpu" queue) that reads
   tensors from slots and writes others into slots, each ((tensor, slot), ...) — the ring slots of
   streamed weights, and the activation hand-off between the compute and CPU queues;
@@ -35,6 +36,7 @@ class Copy:
     queue: str
     tensor: str
     slot: str
+    reads: tuple[tuple[str, str], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -100,26 +102,30 @@ def validate(ops: list[Op], slots: dict[str, Slot], tensor_nbytes: dict[str, int
             for tensor, slot in op.writes:
                 writers.setdefault(slot, []).append((i, tensor))
     for i, op in enumerate(ops):
-        if not isinstance(op, Compute):
+        if isinstance(op, (Compute, Copy)):
+            errors += _read_errors(ops, vclocks, writers, i, op)
+    return errors
+
+
+def _read_errors(ops, vclocks, writers, i: int, op: Compute | Copy) -> list[str]:
+    errors = []
+    name = op.name if isinstance(op, Compute) else f"copy of {op.tensor}"
+    for tensor, slot in op.reads:
+        before = [w for w in writers.get(slot, []) if w[0] < i]
+        after = [w for w in writers.get(slot, []) if w[0] > i]
+        if not before or before[-1][1] != tensor:
+            errors.append(f"op {i} ({name}) reads {tensor} from {slot}, which does not hold it")
             continue
-        for tensor, slot in op.reads:
-            before = [w for w in writers.get(slot, []) if w[0] < i]
-            after = [w for w in writers.get(slot, []) if w[0] > i]
-            if not before or before[-1][1] != tensor:
-                errors.append(
-                    f"op {i} ({op.name}) reads {tensor} from {slot}, which does not hold it"
-                )
-                continue
-            if not happens_before(ops, vclocks, before[-1][0], i):
-                errors.append(
-                    f"op {i} ({op.name}) reads {tensor} from {slot} before its write (op "
-                    f"{before[-1][0]}) is ordered to complete"
-                )
-            if after and not happens_before(ops, vclocks, i, after[0][0]):
-                errors.append(
-                    f"op {after[0][0]} overwrites {slot} with {after[0][1]} before op {i} "
-                    f"({op.name}) is ordered to finish reading {tensor}"
-                )
+        if not happens_before(ops, vclocks, before[-1][0], i):
+            errors.append(
+                f"op {i} ({name}) reads {tensor} from {slot} before its write (op "
+                f"{before[-1][0]}) is ordered to complete"
+            )
+        if after and not happens_before(ops, vclocks, i, after[0][0]):
+            errors.append(
+                f"op {after[0][0]} overwrites {slot} with {after[0][1]} before op {i} "
+                f"({name}) is ordered to finish reading {tensor}"
+            )
     return errors
 
 
@@ -143,15 +149,22 @@ def _layout_errors(ops, slots, tensor_nbytes) -> list[str]:
 
 @dataclass(frozen=True)
 class Step:
-    """One operation of the forward pass: its name, its queue ("compute" or "cpu"), and the
-    streamed units (weight groups, or a layer's KV) it reads from ring slots."""
+    """One operation of the forward pass: its name, its queue ("compute" or "cpu"), the
+    streamed units (weight groups, or a layer's KV) it reads from ring slots, and the step whose
+    router chooses which rows of them are copied (routed streaming), if any."""
 
     name: str
     queue: str
     units: tuple[str, ...] = ()
+    routed_by: str = ""
 
 
 ACT = "act"  # the activation hand-off: each step reads its predecessor's output, writes its own
+
+
+def ids_of(step: str) -> tuple[str, str]:
+    """(tensor, slot) of the router's choice a step writes for the routed copies after it."""
+    return f"ids@{step}", f"ids:{step}"
 
 
 def pipeline_schedule(steps: list[Step], n_slots: int) -> list[Op]:
@@ -160,27 +173,38 @@ def pipeline_schedule(steps: list[Step], n_slots: int) -> list[Op]:
     predecessor waits for the predecessor's event. Streamed units are copied on the copy queue,
     in order of first use, the k-th into slot k % n_slots, as far ahead as the ring allows: a copy
     waits for the event recorded after the last reader of the unit its slot held, a step for the
-    copies of the units it is the first to read."""
+    copies of the units it is the first to read. A routed unit's copy also waits for the step
+    whose router chose its rows (and the copies after it in the queue, with it)."""
     first, last = {}, {}
     for i, step in enumerate(steps):
         for u in step.units:
             first.setdefault(u, i)
             last[u] = i
+    index = {step.name: i for i, step in enumerate(steps)}
+    router = {u: index[s.routed_by] for s in steps if s.routed_by for u in s.units}
     units = sorted(first, key=lambda u: (first[u], steps[first[u]].units.index(u)))
     slot_of = {u: f"slot:{k % n_slots}" for k, u in enumerate(units)}
     ops: list[Op] = []
     issued = 0
 
     def issue_copies(done_through: int) -> None:
-        # a copy goes once the last reader of its slot's previous unit has been issued
+        # a copy goes once the last reader of its slot's previous unit has been issued, and a
+        # routed one once its router has
         nonlocal issued
-        while issued < len(units) and (
-            issued < n_slots or last[units[issued - n_slots]] <= done_through
+        while (
+            issued < len(units)
+            and (issued < n_slots or last[units[issued - n_slots]] <= done_through)
+            and router.get(units[issued], -1) <= done_through
         ):
             u = units[issued]
             if issued >= n_slots:
                 ops.append(Wait("copy", f"read:{units[issued - n_slots]}"))
-            ops.append(Copy("copy", u, slot_of[u]))
+            reads = ()
+            if u in router:
+                by = steps[router[u]].name
+                ops.append(Wait("copy", f"routed:{by}"))
+                reads = (ids_of(by),)
+            ops.append(Copy("copy", u, slot_of[u], reads))
             ops.append(Record("copy", f"loaded:{u}"))
             issued += 1
 
@@ -194,13 +218,17 @@ def pipeline_schedule(steps: list[Step], n_slots: int) -> list[Op]:
         reads = tuple((u, slot_of[u]) for u in step.units)
         if i:
             reads += ((f"{ACT}@{steps[i - 1].name}", ACT),)
-        ops.append(Compute(step.queue, step.name, reads, ((f"{ACT}@{step.name}", ACT),)))
+        routes = i in router.values()
+        writes = ((f"{ACT}@{step.name}", ACT),) + ((ids_of(step.name),) if routes else ())
+        ops.append(Compute(step.queue, step.name, reads, writes))
         if i + 1 < len(steps) and steps[i + 1].queue != step.queue:
             ops.append(Record(step.queue, f"done:{step.name}"))
+        if routes:
+            ops.append(Record(step.queue, f"routed:{step.name}"))
         finished = [u for u in step.units if last[u] == i]
         for u in finished:
             ops.append(Record(step.queue, f"read:{u}"))
-        if finished:
+        if finished or routes:
             issue_copies(i)
     return drop_implied_waits(ops)
 

@@ -59,6 +59,7 @@ class StandInDevice:
         self.rng = random.Random(seed)
         self.copy_delay_s, self.compute_delay_s = copy_delay_s, compute_delay_s
         self.violations: list[str] = []
+        self.copied: dict[str, int] = {}  # unit -> bytes its copies moved
         self.trace: list[tuple[str, str, float, float]] = []  # (queue, op, start s, end s)
         self._lock = threading.Lock()
         self._queues: dict[str, queue.Queue] = {}
@@ -125,10 +126,14 @@ class StandInDevice:
                     clock[k] = max(clock.get(k, 0), v)
             elif isinstance(op, (Copy, Compute)):
                 start = time.perf_counter()
-                if isinstance(op, Copy):
-                    self._copy(op, arg, name, clock)
-                else:
-                    self._compute(op, arg, kernel, name, clock)
+                try:
+                    if isinstance(op, Copy):
+                        self._copy(op, arg, name, clock)
+                    else:
+                        self._compute(op, arg, kernel, name, clock)
+                except Exception as e:  # reported; a dead worker would hang `synchronize`
+                    with self._lock:
+                        self._violate(f"{op} raised {e!r}")
                 label = f"copy {op.tensor}" if isinstance(op, Copy) else op.name
                 self.trace.append((name, label, start, time.perf_counter()))
             q.task_done()
@@ -149,17 +154,20 @@ class StandInDevice:
         return slot
 
     def _copy(self, op: Copy, delay: float, name: str, clock: dict[str, int]) -> None:
+        for tensor, slot in op.reads:  # a routed copy's choice of rows
+            self._read(f"copy of {op.tensor}", tensor, slot, name, clock)
         with self._lock:
             slot = self._begin_write(op.slot, op.tensor, f"copy of {op.tensor}", clock)
         time.sleep(delay)
         data = self.host(op.tensor)
         with self._lock:
+            self.copied[op.tensor] = self.copied.get(op.tensor, 0) + data.size
             if slot.tensor == op.tensor:
                 self.memory[op.slot][: data.size] = data
                 slot.landed, slot.written_at = True, (name, clock[name])
 
     def _compute(self, op: Compute, delay: float, kernel, name: str, clock: dict[str, int]) -> None:
-        seen = [self._read(op, tensor, slot, name, clock) for tensor, slot in op.reads]
+        seen = [self._read(op.name, tensor, slot, name, clock) for tensor, slot in op.reads]
         with self._lock:
             written = [self._begin_write(s, t, op.name, clock) for t, s in op.writes]
         time.sleep(delay)
@@ -177,23 +185,21 @@ class StandInDevice:
             for slot in written:
                 slot.landed, slot.written_at = True, (name, clock[name])
 
-    def _read(self, op: Compute, tensor: str, slot_name: str, name: str, clock: dict[str, int]):
+    def _read(self, label: str, tensor: str, slot_name: str, name: str, clock: dict[str, int]):
         slot = self.state.setdefault(slot_name, _SlotState())
         with self._lock:
             if slot.tensor != tensor or not slot.landed:
-                self._violate(f"{op.name} read {slot_name} holding {slot.tensor} "
+                self._violate(f"{label} read {slot_name} holding {slot.tensor} "
                               f"({'landed' if slot.landed else 'in flight'}), wanted {tensor}")  # fmt: skip
                 return None
             if not self._ordered(clock, slot.written_at):
-                self._violate(
-                    f"{op.name} read {tensor} in {slot_name}, not ordered after its write"
-                )
+                self._violate(f"{label} read {tensor} in {slot_name}, not ordered after its write")
             slot.readers.append((name, clock[name]))
             if slot_name not in self.memory:
                 return True
             view = self.memory[slot_name]
             if (view[: self.host(tensor).size] == POISON).all():
-                self._violate(f"{op.name} read poison from {slot_name}")
+                self._violate(f"{label} read poison from {slot_name}")
             return view.copy()
 
     def _violate(self, what: str) -> None:

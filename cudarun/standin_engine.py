@@ -10,12 +10,14 @@ from __future__ import annotations
 import numpy as np
 
 from refengine.spec import ModelSpec
-from solver.cost import PINNED
+from solver.cost import PINNED, ROUTED
+from solver.groups import EXPERTS
 
 from . import counts
 from .executor import PlanExecutor, Tier, group_bytes, weight_steps
+from .program import routed_experts
 from .hostmath import Act, HostMath
-from .hostweights import tensors_of
+from .hostweights import routed_pack, routed_tensors_of, tensors_of
 from .kvstore import kv_views
 from .segments import SegmentRunner
 from .standin import POISON, StandInDevice
@@ -42,6 +44,7 @@ class StandInEngine(PlanExecutor):
         self.tally = counts.Tally()  # segments per (tier, tokens); no launches to count here
         self.counted = ("segments",)
         self.seed, self.ubatches = seed, 0
+        self.copied_nbytes: dict[tuple[int, str], int] = {}  # (tier, experts|other): bytes up
         self.delays = FAST_DELAYS if delays is None else delays
 
     # -- tier switch -----------------------------------------------------------------------------
@@ -63,18 +66,23 @@ class StandInEngine(PlanExecutor):
         k[dev], v[dev] = self.mirror.k[il][host], self.mirror.v[il][host]
         return buf
 
-    def _host_bytes(self, tier: Tier, unit: str) -> np.ndarray:
+    def _host_bytes(self, tier: Tier, unit: str, st: Act | None = None) -> np.ndarray:
+        """A unit's bytes as a copy reads them: a routed stack's, of the experts `st`'s router
+        chose."""
         if unit.startswith("kv:"):
             il = int(unit[3:])
             return self._lay_kv(il, np.empty(tier.kv_cells[il] * self.cell_nbytes, np.uint8),
                                 tier.kv_cells[il])  # fmt: skip
+        if tier.place.groups[unit].kind == ROUTED:  # the copy runs after the router chose
+            return routed_pack(self.host.layouts[unit], self.host.group(unit),
+                               routed_experts(st.ids))  # fmt: skip
         return self.host.group(unit)
 
     # -- one ubatch ------------------------------------------------------------------------------
 
     def execute(self, tier: Tier, st: Act) -> None:
         memory = {name: self.region(tier, f"scratch:{name[5:]}") for name in tier.slots}
-        device = StandInDevice(tier.slots, lambda u: self._host_bytes(tier, u),
+        device = StandInDevice(tier.slots, lambda u: self._host_bytes(tier, u, st),
                                self.seed + self.ubatches, memory, **self.delays)  # fmt: skip
         self.ubatches += 1
         starts = {seg.first: seg for seg in tier.segments}
@@ -84,6 +92,10 @@ class StandInEngine(PlanExecutor):
             violations = device.execute(tier.schedule, kernels)
         finally:
             device.close()
+        for unit, nbytes in device.copied.items():
+            g = self.groups.get(unit)
+            key = (tier.tier, "experts" if g is not None and g.kind == EXPERTS else "other")
+            self.copied_nbytes[key] = self.copied_nbytes.get(key, 0) + nbytes
         self.tally.add(tier.tier, st.tokens.size, False,
                        counts.Counts(segments=self.runner.calls - before))  # fmt: skip
         if self.trace_events is not None:
@@ -99,17 +111,20 @@ class StandInEngine(PlanExecutor):
             elif part.kind == "kq":
                 self._kq(tier, part.layer, st, views)
             else:
-                w = self._weights(tier, part.group, views)
+                w = self._weights(tier, part.group, views, st)
                 self.math["compute"].run(part.kind, part.layer, st, w)
 
         return kernel
 
-    def _weights(self, tier: Tier, group: str, views) -> dict:
-        """A device part's weights: its arena region when pinned, else its ring slot."""
-        if tier.place.groups[group].kind == PINNED:
-            buf = self.region(tier, f"weights:{group}")
-        else:
-            (buf,) = views.values()
+    def _weights(self, tier: Tier, group: str, views, st: Act) -> dict:
+        """A device part's weights: its arena region when pinned, else its ring slot (a routed
+        copy's: the experts the router chose)."""
+        kind = tier.place.groups[group].kind
+        if kind == PINNED:
+            return tensors_of(self.host.layouts[group], self.region(tier, f"weights:{group}"))
+        (buf,) = views.values()
+        if kind == ROUTED:
+            return routed_tensors_of(self.host.layouts[group], buf, routed_experts(st.ids))
         return tensors_of(self.host.layouts[group], buf)
 
     def _kq(self, tier: Tier, il: int, st: Act, views) -> None:

@@ -61,6 +61,8 @@ from .memory import expected_distinct_experts, kv_cell_nbytes
 from .profile import HardwareProfile
 
 PINNED, STREAMED, CPU = "pinned", "streamed", "cpu"
+# an expert stack streamed in part: once the router has run, only the experts it chose are copied
+ROUTED = "routed"
 OP_OFFLOAD_MIN_TOKENS = 32  # llama.cpp's GGML_OP_OFFLOAD_MIN_BATCH
 # Calibrated, each on one cell of seed 000 (Qwen3-32B-Q4 at 256K on the RTX 5080 machine), which
 # examples/compare_seeds.py then leaves out of its medians:
@@ -86,7 +88,8 @@ def hops_between(a: int, b: int) -> int:
 
 @dataclass(frozen=True)
 class Loc:
-    """Where a group lives in one tier: pinned on / streamed to GPU `device`, or on the CPU."""
+    """Where a group lives in one tier: pinned on / streamed to GPU `device` (an expert stack
+    also routed: only its chosen experts copied), or on the CPU."""
 
     kind: str
     device: int = 0
@@ -269,7 +272,8 @@ class CostModel:
         return self.target == "llamacpp" and g.kind == EXPERTS and held.kind == CPU
 
     def routed_copy_seconds(self, g: Group, tokens: int, device: int, cpu_busy: bool) -> float:
-        """An expert stack's selective copy: the D experts a ubatch touches, as runs of
+        """An expert stack's selective copy (llama.cpp's op-offload, our runtime's routed
+        streaming): the D experts a ubatch touches, as runs of
         consecutive ids (one copy each, padded by min(expert, 512) bytes but at the last expert);
         with each expert used independently with p = D/E, E p (1 - p) + p^2 runs are expected,
         counting only those not ending at the last expert for the padding."""
@@ -377,7 +381,10 @@ class CostModel:
             if loc.on_gpu:
                 t.gpu += self.gpu_seconds(g, tokens, loc.device)
                 gpu_mats += 1
-                if loc.kind == STREAMED:
+                if loc.kind == ROUTED:  # after the router: nothing to prefetch it under
+                    t.latency += self.routed_copy_seconds(g, tokens, loc.device, cpu_busy)
+                    ids_read = True
+                elif loc.kind == STREAMED:
                     if self.routed_copy(g, place.groups[g.name]):
                         t.copy += self.routed_copy_seconds(g, tokens, loc.device, cpu_busy)
                         ids_read = True

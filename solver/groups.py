@@ -89,3 +89,16 @@ def _tensor_groups(spec: ModelSpec) -> list[Group]:
         OUTPUT,
     }
     return groups
+
+
+def routed_nbytes(spec: ModelSpec, g: Group, experts: int) -> int:
+    """Bytes of a routed copy of an expert group: `experts` of the stack's slices, the group's
+    other tensors (a norm read with the down stack) whole."""
+    stack = spec.by_name[g.tensors[0]]
+    return g.nbytes - stack.nbytes + stack.nbytes // spec.hparams.n_expert * experts
+
+
+def routed_slot_experts(spec: ModelSpec, tokens: int) -> int:
+    """The most experts a ubatch of `tokens` can route to: a routed copy's slot holds that many."""
+    return min(spec.hparams.n_expert, spec.hparams.n_expert_used * tokens)
+

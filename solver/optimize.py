@@ -1,19 +1,20 @@
 """The placement program (OR-Tools CP-SAT): a multiple-choice knapsack per tier, over one or
 several GPUs, for our runtime or (one static placement) for llama.cpp.
 
-Data: layers l, tiers t, GPUs d and the request's ubatch shapes s (a tier, token count, depth
-and weight w_s, from cost.request_shapes). A layer's *options* are every way to place it in a
-tier on one GPU d: each of its groups (solver.groups) pinned on d, streamed to d or on the CPU,
-and its KV pinned on d, streamed with the layer (pshard's scheme) or on the CPU — llama.cpp:
-pinned or CPU only —, priced for the tier's CPU either idle or busy (copies are slower while the
-CPU computes). Each option is priced once by the cost model itself: seconds_o = sum_s w_s *
-CostModel.layer_terms(...).total over the tier's shapes (depths vectorized), so the program's
-objective *is* `evaluate` of its solution, up to rounding to 100 ns and to hop variables the
-search may leave above what the arrangement needs, within the gap limit (`agrees`; the tests
-check it). Layers whose groups have the same shapes, types and KV share their options; options
-dominated in (pinned bytes, extra unit, seconds) by another with the same busy flag, end devices,
-GPU and KV side are dropped. The embedding (first GPU or CPU) and the head (any GPU or CPU) are
-two more choices.
+Data: layers l, tiers t, GPUs d and the request's ubatch shapes s (a tier, token count, depth and
+weight w_s, from cost.request_shapes). A layer's *options* are every way to place it in a tier on
+one GPU d: each of its groups (solver.groups) pinned on d, streamed to d or on the CPU (an expert
+stack, for our runtime, also routed: only the chosen experts copied, after the router, in a slot for
+the most the tier's ubatch routes to), and its KV pinned on d, streamed with the layer (pshard's
+scheme) or on the CPU — llama.cpp: pinned or CPU only —, priced for the tier's CPU either idle or
+busy (copies are slower while the CPU computes). Each option is priced once by the cost model
+itself: seconds_o = sum_s w_s * CostModel.layer_terms(...).total over the tier's shapes (depths
+vectorized), so the program's objective *is* `evaluate` of its solution, up to rounding to 100 ns
+and to hop variables the search may leave above what the arrangement needs, within the gap limit
+(`agrees`; the tests check it). Layers whose groups have the same shapes, types and KV share their
+options; options dominated in (pinned bytes, extra unit, seconds) by another with the same busy
+flag, end devices, GPU and KV side are dropped. The embedding (first GPU or CPU) and the head (any
+GPU or CPU) are two more choices.
 
 Variables, per tier (c: a class of identical layers, m_c of them):
   n[c,o] in 0..m_c    how many of class c's layers take option o; u[c,o] in {0,1}: any do
@@ -91,6 +92,7 @@ from .cost import (
     CPU,
     OP_OFFLOAD_MIN_TOKENS,
     PINNED,
+    ROUTED,
     STREAMED,
     CostModel,
     Loc,
@@ -100,7 +102,7 @@ from .cost import (
     request_shapes,
     shape_terms,
 )
-from .groups import EMBD, Group
+from .groups import EMBD, EXPERTS, Group, routed_nbytes, routed_slot_experts
 from .memory import PIPELINE_COPIES, compute_nbytes, kv_layer_nbytes
 from .strategies import STRATEGIES, Problem, stream_rest
 from .usage import PREFETCH_DEPTH, fits_budgets, kv_shape
@@ -268,26 +270,38 @@ def _locs(cm: CostModel, device: int) -> tuple[Loc, ...]:
     return (Loc(PINNED, device), Loc(STREAMED, device), Loc(CPU))
 
 
-def _extra_unit(cm: CostModel, groups: list[Group], locs, op_offload: bool) -> int:
+def _extra_unit(cm: CostModel, groups: list[Group], locs, op_offload: bool,
+                routed: int = 0) -> int:  # fmt: skip
     """Device bytes an option needs besides what it pins: our runtime's ring slot (its largest
-    streamed unit), or llama.cpp's room for copying its largest CPU-held weight (op-offload)."""
+    streamed unit; a routed stack's `routed` experts), or llama.cpp's room for copying its
+    largest CPU-held weight (op-offload)."""
     if cm.target == "llamacpp":
         held = [g.nbytes for g, loc in zip(groups, locs) if loc.kind == CPU and g.kind != EMBD]
         return max(held, default=0) if op_offload else 0
-    return max((g.nbytes for g, loc in zip(groups, locs) if loc.kind == STREAMED), default=0)
+    units = [
+        g.nbytes if loc.kind == STREAMED else routed_nbytes(cm.spec, g, routed)
+        for g, loc in zip(groups, locs)
+        if loc.kind in (STREAMED, ROUTED)
+    ]
+    return max(units, default=0)
 
 
-def _layer_options(cm: CostModel, il: int, shapes, kv_nbytes: int, op_offload: bool, device: int):
+def _layer_options(cm: CostModel, il: int, shapes, kv_nbytes: int, op_offload: bool, device: int,
+                   routed: int = 0):  # fmt: skip
+    """`routed`: the most experts the tier's ubatch routes to (our runtime may copy only the
+    chosen experts of a stack, after its router)."""
     groups = cm.by_layer[il]
     options = []
     locs_here = _locs(cm, device)
-    for locs in itertools.product(locs_here, repeat=len(groups)):
+    routable = (Loc(ROUTED, device),) if cm.target == "refengine" else ()
+    per_group = [locs_here + (routable if g.kind == EXPERTS else ()) for g in groups]
+    for locs in itertools.product(*per_group):
         for kv in locs_here:
             uses_cpu = kv.kind == CPU or any(loc.kind == CPU for loc in locs)
             place = TierPlacement({g.name: loc for g, loc in zip(groups, locs)}, {il: kv})
             pinned = sum(g.nbytes for g, loc in zip(groups, locs) if loc.kind == PINNED)
             pinned += kv_nbytes if kv.kind == PINNED else 0
-            unit = _extra_unit(cm, groups, locs, op_offload)
+            unit = _extra_unit(cm, groups, locs, op_offload, routed)
             unit = max(unit, kv_nbytes if kv.kind == STREAMED else 0)
             for busy in (True, False) if not uses_cpu else (True,):
                 seconds = 0.0
@@ -377,7 +391,8 @@ def _program(
             class_options[key] = [
                 o
                 for d in devices
-                for o in _layer_options(cm, il, grouped, kv_nbytes, op_offload, d)
+                for o in _layer_options(cm, il, grouped, kv_nbytes, op_offload, d,
+                                        routed_slot_experts(p.spec, tier))  # fmt: skip
                 if not llama
                 or d == 0  # llama.cpp: the CPU-KV layers use the first GPU
                 # a later GPU's layer starts and ends there, also when it computes CPU-held

@@ -14,8 +14,16 @@ from dataclasses import dataclass
 
 from refengine.spec import ModelSpec
 
-from .cost import CPU, OP_OFFLOAD_MIN_TOKENS, PINNED, STREAMED, TierPlacement, Workload
-from .groups import ATTN_SIDE, EMBD, EXPERTS, Group, tensor_groups
+from .cost import CPU, OP_OFFLOAD_MIN_TOKENS, PINNED, ROUTED, STREAMED, TierPlacement, Workload
+from .groups import (
+    ATTN_SIDE,
+    EMBD,
+    EXPERTS,
+    Group,
+    routed_nbytes,
+    routed_slot_experts,
+    tensor_groups,
+)
 from .memory import PIPELINE_COPIES, KVShape, compute_nbytes, kv_layer_nbytes
 
 PREFETCH_DEPTH = 2
@@ -66,6 +74,10 @@ def device_usage(
     # the ring streams one group (or one layer's KV) per slot: its largest such unit sizes it
     streamed_units = [
         g.nbytes for g in groups if here(mine[g.name]) and mine[g.name].kind == STREAMED
+    ] + [
+        routed_nbytes(spec, g, routed_slot_experts(spec, tier))
+        for g in groups
+        if here(mine[g.name]) and mine[g.name].kind == ROUTED
     ]
     kv_bytes = 0
     for il, loc in place.kv.items():

@@ -64,6 +64,8 @@ def layout(spec: ModelSpec, tokens: int, logit_rows: int, n_ctx: int) -> dict[st
     if spec.arch.moe:
         want["router"] = ((t, hp.n_expert), "float32")
         want["ids"] = ((t, used), "int32")
+        # each chosen expert's place in a routed copy (cudarun: routed streaming)
+        want["slot_ids"] = ((t, used), "int32")
         want["gates"] = ((t, used), "float32")
         want["down"] = ((ff_rows, d), "float32")
     if t <= MAX_DECODE_TOKENS:  # split-KV decode attention's partial results
