@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from solver.cost import CPU, STREAMED, CostModel, TierPlacement
-from solver.groups import EMBD, tensor_groups
+from solver.groups import EMBD, EXPERTS, tensor_groups
 from solver.memory import kv_layer_nbytes
 from solver.usage import kv_shape
 
@@ -26,6 +26,10 @@ class Row:
     runs_seconds: list[float]  # one per repetition
     predicted_seconds: float
     bound_seconds: float
+    # expert stacks copied up per token: counted by the engine over the timed runs, and the cost
+    # model's expectation
+    expert_nbytes: float = 0.0
+    predicted_expert_nbytes: float = 0.0
 
     @property
     def tokens(self) -> int:
@@ -54,18 +58,20 @@ class Row:
                 "bound_ts": self.tokens / self.bound_seconds}  # fmt: skip
 
 
-def bound_seconds(engine, place: TierPlacement, tier: int, profile) -> float:
-    """The physical floor of one ubatch: every streamed byte over PCIe, every device-resident
-    weight byte read from HBM, every CPU weight byte read from host memory, whichever is longest."""
+def bound_seconds(engine, place: TierPlacement, tier: int, profile, cm: CostModel,
+                  tokens: int) -> float:  # fmt: skip
+    """The physical floor of one ubatch of `tokens`: every streamed byte over PCIe (a routed
+    stack's expected experts), every device-resident weight byte read from HBM, every CPU weight
+    byte read from host memory, whichever is longest."""
     spec, gpu = engine.spec, profile.gpus[0]
-    streamed = device = host = 0
+    streamed, device, host = cm.expert_copy_nbytes(place, tokens), 0, 0
     for g in tensor_groups(spec):
         loc = place.groups[g.name]
         if loc.kind == CPU:
             host += g.nbytes if g.kind != EMBD else 0
         else:
             device += g.nbytes if g.kind != EMBD else 0
-            streamed += g.nbytes if loc.kind == STREAMED else 0
+            streamed += g.nbytes if loc.kind == STREAMED and g.kind != EXPERTS else 0
     for il, loc in place.kv.items():
         if loc.kind == STREAMED:
             streamed += kv_layer_nbytes(spec, il, kv_shape(engine.workload, tier))
@@ -93,38 +99,47 @@ def run_bench(engine, profile, n_prompt: int, n_gen: int, depths: list[int], see
     rows = []
     for depth in depths:
         if n_prompt:
-            seconds = []
+            seconds, copied = [], []
             for _ in range(repetitions + 1):
                 _fill(engine, depth, rng)
                 ids = rng.integers(0, engine.spec.hparams.n_vocab, n_prompt)
-                start = time.perf_counter()
+                before, start = _expert_nbytes(engine), time.perf_counter()
                 engine.prefill(ids)
                 seconds.append(time.perf_counter() - start)
-            seconds = seconds[1:]
-            predicted = bound = 0.0
+                copied.append(_expert_nbytes(engine) - before)
+            predicted = bound = experts = 0.0
             step = engine.tier_sizes[-1]
             for first in range(0, n_prompt, step):
                 n = min(step, n_prompt - first)
                 tier = engine.tier_for(n)
                 predicted += cm.ubatch_terms(tier.place, n, depth + first).total
-                bound += bound_seconds(engine, tier.place, tier.tier, profile)
-            rows.append(Row(f"pp{n_prompt} @ d{depth}", n_prompt, 0, depth, seconds, predicted,
-                            bound))  # fmt: skip
+                bound += bound_seconds(engine, tier.place, tier.tier, profile, cm, n)
+                experts += cm.expert_copy_nbytes(tier.place, n)
+            rows.append(Row(f"pp{n_prompt} @ d{depth}", n_prompt, 0, depth, seconds[1:],
+                            predicted, bound, np.mean(copied[1:]) / n_prompt,
+                            experts / n_prompt))  # fmt: skip
         if n_gen:
-            seconds = []
+            seconds, copied = [], []
             for _ in range(repetitions + 1):
                 _fill(engine, depth, rng)
                 token = int(rng.integers(0, engine.spec.hparams.n_vocab))
                 engine.decode(token)  # the first decode after the prefill tier is the switch
-                start = time.perf_counter()
+                before, start = _expert_nbytes(engine), time.perf_counter()
                 for _ in range(n_gen):
                     engine.decode(token)
                 seconds.append(time.perf_counter() - start)
-            seconds = seconds[1:]
+                copied.append(_expert_nbytes(engine) - before)
             tier = engine.tier_for(1)
             predicted = sum(
                 cm.ubatch_terms(tier.place, 1, depth + 1 + i).total for i in range(n_gen)
             )
-            bound = n_gen * bound_seconds(engine, tier.place, tier.tier, profile)
-            rows.append(Row(f"tg{n_gen} @ d{depth}", 0, n_gen, depth, seconds, predicted, bound))
+            bound = n_gen * bound_seconds(engine, tier.place, tier.tier, profile, cm, 1)
+            rows.append(Row(f"tg{n_gen} @ d{depth}", 0, n_gen, depth, seconds[1:], predicted,
+                            bound, np.mean(copied[1:]) / n_gen,
+                            cm.expert_copy_nbytes(tier.place, 1)))  # fmt: skip
     return rows
+
+
+def _expert_nbytes(engine) -> int:
+    """The expert bytes the engine has copied so far (the cpu engine copies none)."""
+    return getattr(engine, "expert_copied_nbytes", 0)

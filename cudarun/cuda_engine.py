@@ -23,6 +23,7 @@ import numpy as np
 
 from refengine.spec import ModelSpec
 from solver.cost import CPU, PINNED, ROUTED
+from solver.groups import EXPERTS
 from solver.workspace import MAX_DECODE_TOKENS, arrays, layout
 
 from . import counts
@@ -81,7 +82,6 @@ class CudaEngine(PlanExecutor):
         self.counter: counts.Counter | None = None  # the ubatch being issued
         self.pending_logits: np.ndarray | None = None  # filled from staging after the last wait
         self.routed_held: dict[str, int] = {}  # routed stack -> experts its slot holds now
-        self.routed_nbytes: dict[int, int] = {}  # tier -> bytes its routed copies moved
 
     def host_alloc(self, nbytes: int) -> np.ndarray:
         """Pinned host memory: copies from it are asynchronous, and nothing streams from pageable
@@ -378,6 +378,8 @@ class CudaEngine(PlanExecutor):
         else:
             data = self.host.group(unit)
             buf[: data.size].copy_to_device(data, stream=self.copy)
+            if self.groups[unit].kind == EXPERTS:
+                self.expert_copied_nbytes += data.size
 
     def _routed(self, router, events: dict, st: Act, host: Act, ws: dict) -> list[int]:
         """The experts a router chose, read back (a sync: the copies depend on them, as under
@@ -411,7 +413,7 @@ class CudaEngine(PlanExecutor):
                                                           stream=self.copy)  # fmt: skip
                 at += count * per
         self.routed_held[unit] = len(experts)
-        self.routed_nbytes[tier.tier] = self.routed_nbytes.get(tier.tier, 0) + at
+        self.expert_copied_nbytes += at
 
     def _weights(self, tier: Tier, group: str, slot: str | None, ws: dict) -> dict:
         loc = tier.place.groups[group]

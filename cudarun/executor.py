@@ -141,6 +141,7 @@ class PlanExecutor(SequenceCalls):
         self.current: Tier | None = None
         self.pool: SwaPool | None = None  # the current tier's sliding-window device cells
         self.trace_events: list | None = None  # a list: record (lane, op, start s, end s)
+        self.expert_copied_nbytes = 0  # bytes of expert stacks copied up, whole or routed
 
     host_alloc = None  # pinned host memory on a GPU
 

@@ -15,10 +15,10 @@ from solver.groups import EXPERTS
 
 from . import counts
 from .executor import PlanExecutor, Tier, group_bytes, weight_steps
-from .program import routed_experts
 from .hostmath import Act, HostMath
 from .hostweights import routed_pack, routed_tensors_of, tensors_of
 from .kvstore import kv_views
+from .program import routed_experts
 from .segments import SegmentRunner
 from .standin import POISON, StandInDevice
 from .switch import apply_steps
@@ -44,7 +44,6 @@ class StandInEngine(PlanExecutor):
         self.tally = counts.Tally()  # segments per (tier, tokens); no launches to count here
         self.counted = ("segments",)
         self.seed, self.ubatches = seed, 0
-        self.copied_nbytes: dict[tuple[int, str], int] = {}  # (tier, experts|other): bytes up
         self.delays = FAST_DELAYS if delays is None else delays
 
     # -- tier switch -----------------------------------------------------------------------------
@@ -92,10 +91,8 @@ class StandInEngine(PlanExecutor):
             violations = device.execute(tier.schedule, kernels)
         finally:
             device.close()
-        for unit, nbytes in device.copied.items():
-            g = self.groups.get(unit)
-            key = (tier.tier, "experts" if g is not None and g.kind == EXPERTS else "other")
-            self.copied_nbytes[key] = self.copied_nbytes.get(key, 0) + nbytes
+        experts = [u for u in device.copied if u in self.groups and self.groups[u].kind == EXPERTS]
+        self.expert_copied_nbytes += sum(device.copied[u] for u in experts)
         self.tally.add(tier.tier, st.tokens.size, False,
                        counts.Counts(segments=self.runner.calls - before))  # fmt: skip
         if self.trace_events is not None:

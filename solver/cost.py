@@ -56,7 +56,7 @@ import numpy as np
 from refengine.errors import UserError
 from refengine.spec import ModelSpec
 
-from .groups import EMBD, EXPERTS, HEAD, Group, tensor_groups
+from .groups import EMBD, EXPERTS, HEAD, Group, routed_nbytes, tensor_groups
 from .memory import expected_distinct_experts, kv_cell_nbytes
 from .profile import HardwareProfile
 
@@ -287,6 +287,21 @@ class CostModel:
         nbytes = expert_nbytes * used + padded_runs * min(expert_nbytes, 512)
         latency = self.profile.gpus[device].copy_latency_seconds.value
         return self.copy_seconds(nbytes, device, cpu_busy) + (runs - 1) * latency
+
+    def expert_copy_nbytes(self, place: TierPlacement, tokens: int) -> float:
+        """Bytes of expert stacks our runtime copies up for a ubatch of `tokens`: a streamed
+        stack whole, a routed one's D = E (1 - (1 - k/E)^M) expected experts."""
+        hp = self.spec.hparams
+        used = expected_distinct_experts(hp.n_expert, hp.n_expert_used, tokens)
+        total = 0.0
+        for g in self.groups:
+            kind = place.groups[g.name].kind
+            if g.kind == EXPERTS and kind == STREAMED:
+                total += g.nbytes
+            elif g.kind == EXPERTS and kind == ROUTED:
+                rest = routed_nbytes(self.spec, g, 0)  # what is copied whole beside the experts
+                total += rest + (g.nbytes - rest) * used / hp.n_expert
+        return total
 
     def ids_readback_seconds(self, tokens: int, device: int) -> float:
         """The scheduler waits for the router's ids (k int32 a token) on the GPU, once a layer."""

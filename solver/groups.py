@@ -101,4 +101,3 @@ def routed_nbytes(spec: ModelSpec, g: Group, experts: int) -> int:
 def routed_slot_experts(spec: ModelSpec, tokens: int) -> int:
     """The most experts a ubatch of `tokens` can route to: a routed copy's slot holds that many."""
     return min(spec.hparams.n_expert, spec.hparams.n_expert_used * tokens)
-

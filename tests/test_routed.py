@@ -51,19 +51,19 @@ def test_routed_streaming_agrees_with_numpy_and_copies_only_the_chosen_experts(m
     prompt = np.random.default_rng(2).integers(0, moe.hparams.n_vocab, 12)
     ours, want = engine.prefill(prompt), reference.prefill(prompt)
     assert normwise(ours, want) <= engine.tolerance
+    whole = sum(g.nbytes for g in tensor_groups(moe) if g.kind == EXPERTS)
+    assert 0 < engine.expert_copied_nbytes < whole  # 12 tokens x 8 of 64 experts leave some out
     groups = [g for g in tensor_groups(moe) if g.kind == EXPERTS]
     slice_nbytes = {g.name: routed_nbytes(moe, g, 1) for g in groups}
     for _ in range(6):  # greedy: the same token every step
         token = int(np.argmax(want))
-        before = engine.copied_nbytes.get((1, "experts"), 0)
+        before = engine.expert_copied_nbytes
         ours, want = engine.decode(token), reference.decode(token)
         assert int(np.argmax(ours)) == int(np.argmax(want))
         assert normwise(ours, want) <= engine.tolerance
         # one token routes to k distinct experts: k slices of each stack, never the whole stack
         k = moe.hparams.n_expert_used
-        assert engine.copied_nbytes[1, "experts"] - before == k * sum(slice_nbytes.values())
-    whole = sum(g.nbytes for g in groups)
-    assert engine.copied_nbytes[16, "experts"] < whole  # 12 tokens x 8 of 64 leave some out
+        assert engine.expert_copied_nbytes - before == k * sum(slice_nbytes.values())
 
 
 def test_every_wait_of_a_routed_copy_is_needed(moe):
@@ -113,10 +113,12 @@ def test_the_cuda_engine_streams_routed_experts_as_numpy_does(tiny, attn):
     engine, reference = CudaEngine(tiny, plan), NumpyEngine(tiny, n_ctx=N_CTX)
     prompt = [5, 9, 2]
     assert normwise(engine.prefill(prompt), reference.prefill(prompt)) <= engine.tolerance
-    assert normwise(engine.decode(3), reference.decode(3)) <= engine.tolerance
     groups = [g for g in tensor_groups(tiny) if g.kind == EXPERTS]
     k = tiny.hparams.n_expert_used  # a decode token's k experts of each stack
-    assert engine.routed_nbytes[1] == k * sum(routed_nbytes(tiny, g, 1) for g in groups)
+    prefill_nbytes = engine.expert_copied_nbytes
+    assert normwise(engine.decode(3), reference.decode(3)) <= engine.tolerance
+    decode_nbytes = engine.expert_copied_nbytes - prefill_nbytes
+    assert decode_nbytes == k * sum(routed_nbytes(tiny, g, 1) for g in groups)
 
 
 def test_the_optimizer_routes_expert_stacks_where_that_is_cheapest():
@@ -134,3 +136,25 @@ def test_the_optimizer_routes_expert_stacks_where_that_is_cheapest():
     assert "routed" in kinds["1"] and "routed" not in kinds["512"], kinds
     routed = [n for n, v in plan["tiers"]["1"]["tensors"].items() if v.startswith("routed")]
     assert routed and all("_exps" in n for n in routed)
+
+
+def test_bench_prints_expert_bytes_per_token_beside_the_cost_models(moe, tmp_path):
+    """A decode token routes to k distinct experts: the bytes the engine counts are the cost
+    model's to the byte; a prompt's ubatch is priced at uniform routing (E (1 - (1 - k/E)^M)
+    experts), which a real router need not follow."""
+    import json
+
+    from .conftest import refengine
+
+    path = tmp_path / "plan.json"
+    path.write_text(json.dumps(routed_plan(moe, tiers=(1, 16))))
+    r = refengine("bench", moe.path, "--engine", "standin", "--plan", path, "-p", "16", "-n", "4",
+                  "-c", str(N_CTX))  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    assert "expert" in r.stdout
+    rows = {line.split("│")[1].strip(): line.split("│")[-3:-1] for line in r.stdout.splitlines()
+            if line.startswith("│") and "@ d0" in line}  # fmt: skip
+    counted, predicted = (float(x) for x in rows["tg4 @ d0"])
+    assert counted == predicted > 0
+    counted, predicted = (float(x) for x in rows["pp16 @ d0"])
+    assert 0 < counted <= predicted * 1.05
