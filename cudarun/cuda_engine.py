@@ -31,7 +31,8 @@ from .devicemath import ROUTED_IDS, DeviceMath, device_tensors
 from .executor import PlanExecutor, Tier, group_bytes, weight_steps
 from .hostmath import Act, HostMath
 from .kvstore import EMPTY, host_runs, kv_views
-from .program import expert_runs, routed_experts
+from .hostweights import routed_ranges
+from .program import routed_experts
 from .schedule import Compute, Copy, Record, Wait
 from .segments import Segment, SegmentRunner
 
@@ -396,22 +397,12 @@ class CudaEngine(PlanExecutor):
         return experts
 
     def _copy_routed(self, tier: Tier, unit: str, slot: str, experts: list[int]) -> None:
-        """The chosen experts' rows of a routed stack into its slot (`routed_pack`'s layout), one
-        copy per run of consecutive experts, from pinned host memory."""
+        """The chosen experts' rows of a routed stack into its slot (`routed_ranges`), one copy
+        per run of consecutive experts, from pinned host memory."""
         buf, src, at = self._slot(tier, slot), self.host.group(unit), 0
-        for p in self.host.layouts[unit]:
-            t = p.info
-            if len(t.shape) != 3:
-                buf[at : at + t.nbytes].copy_to_device(src[p.offset : p.offset + t.nbytes],
-                                                       stream=self.copy)  # fmt: skip
-                at += t.nbytes
-                continue
-            per = t.nbytes // t.shape[0]
-            for first, count in expert_runs(experts):
-                lo = p.offset + first * per
-                buf[at : at + count * per].copy_to_device(src[lo : lo + count * per],
-                                                          stream=self.copy)  # fmt: skip
-                at += count * per
+        for lo, nbytes in routed_ranges(self.host.layouts[unit], experts):
+            buf[at : at + nbytes].copy_to_device(src[lo : lo + nbytes], stream=self.copy)
+            at += nbytes
         self.routed_held[unit] = len(experts)
         self.expert_copied_nbytes += at
 

@@ -24,7 +24,7 @@ from refengine.errors import UserError
 from refengine.sequences import Sequences, Ubatch, one_sequence
 from refengine.spec import ModelSpec
 from solver.cost import PINNED, ROUTED, TierPlacement
-from solver.groups import routed_nbytes, routed_slot_experts, tensor_groups
+from solver.groups import routed_slot_nbytes, tensor_groups
 from solver.memory import kv_cell_nbytes, kv_layer_nbytes
 from solver.plan import Region, fingerprint_hash, placements_from_json, plan_workload
 from solver.usage import kv_shape
@@ -178,9 +178,8 @@ class PlanExecutor(SequenceCalls):
     def unit_nbytes(self, tier: Tier) -> dict[str, int]:
         """What each unit a tier copies measures at most (a routed stack: the experts its largest
         ubatch can route to)."""
-        routed = routed_slot_experts(self.spec, tier.tier)
         out = {
-            name: routed_nbytes(self.spec, g, routed)
+            name: routed_slot_nbytes(self.spec, g, tier.tier)
             if tier.place.groups[name].kind == ROUTED
             else g.nbytes
             for name, g in self.groups.items()

@@ -51,16 +51,35 @@ def tensors_of(layout: list[Placed], buf: np.ndarray) -> dict[str, np.ndarray]:
     return out
 
 
-def routed_pack(layout: list[Placed], buf: np.ndarray, experts: list[int]) -> np.ndarray:
-    """A routed copy's bytes (routed streaming): the group's tensors in their layout, of its
-    expert stack (the 3-D tensor) the rows of `experts` alone."""
-    parts = []
+def expert_runs(experts: list[int]) -> list[tuple[int, int]]:
+    """(first, count) of each run of consecutive experts: one copy each."""
+    runs: list[tuple[int, int]] = []
+    for e in experts:
+        if runs and runs[-1][0] + runs[-1][1] == e:
+            runs[-1] = (runs[-1][0], runs[-1][1] + 1)
+        else:
+            runs.append((e, 1))
+    return runs
+
+
+def routed_ranges(layout: list[Placed], experts: list[int]) -> list[tuple[int, int]]:
+    """(offset in the group, bytes) of each piece of a routed copy (routed streaming), in the
+    order it packs them: the group's tensors in their layout, of its expert stack (the 3-D
+    tensor) only the runs of `experts`."""
+    out = []
     for p in layout:
-        raw = buf[p.offset : p.offset + p.info.nbytes]
-        if len(p.info.shape) == 3:
-            raw = raw.reshape(p.info.shape[0], -1)[experts].reshape(-1)
-        parts.append(raw)
-    return np.concatenate(parts)
+        t = p.info
+        if len(t.shape) != 3:
+            out.append((p.offset, t.nbytes))
+            continue
+        per = t.nbytes // t.shape[0]
+        out += [(p.offset + first * per, count * per) for first, count in expert_runs(experts)]
+    return out
+
+
+def routed_pack(layout: list[Placed], buf: np.ndarray, experts: list[int]) -> np.ndarray:
+    """A routed copy's bytes, from the group's bytes `buf` (`routed_ranges`)."""
+    return np.concatenate([buf[lo : lo + n] for lo, n in routed_ranges(layout, experts)])
 
 
 class RoutedStack:

@@ -74,14 +74,3 @@ def parts(spec: ModelSpec, place: TierPlacement) -> list[Part]:
 def routed_experts(ids) -> list[int]:
     """The experts a ubatch's router chose (ids [T, k]), in the order a routed copy packs them."""
     return np.unique(ids).tolist()
-
-
-def expert_runs(experts: list[int]) -> list[tuple[int, int]]:
-    """(first, count) of each run of consecutive experts: one copy each."""
-    runs: list[tuple[int, int]] = []
-    for e in experts:
-        if runs and runs[-1][0] + runs[-1][1] == e:
-            runs[-1] = (runs[-1][0], runs[-1][1] + 1)
-        else:
-            runs.append((e, 1))
-    return runs

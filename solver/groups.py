@@ -98,6 +98,6 @@ def routed_nbytes(spec: ModelSpec, g: Group, experts: int) -> int:
     return g.nbytes - stack.nbytes + stack.nbytes // spec.hparams.n_expert * experts
 
 
-def routed_slot_experts(spec: ModelSpec, tokens: int) -> int:
-    """The most experts a ubatch of `tokens` can route to: a routed copy's slot holds that many."""
-    return min(spec.hparams.n_expert, spec.hparams.n_expert_used * tokens)
+def routed_slot_nbytes(spec: ModelSpec, g: Group, tokens: int) -> int:
+    """A routed copy's slot: the most experts a ubatch of `tokens` can route to."""
+    return routed_nbytes(spec, g, min(spec.hparams.n_expert, spec.hparams.n_expert_used * tokens))

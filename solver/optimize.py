@@ -102,7 +102,7 @@ from .cost import (
     request_shapes,
     shape_terms,
 )
-from .groups import EMBD, EXPERTS, Group, routed_nbytes, routed_slot_experts
+from .groups import EMBD, EXPERTS, Group, routed_slot_nbytes
 from .memory import PIPELINE_COPIES, compute_nbytes, kv_layer_nbytes
 from .strategies import STRATEGIES, Problem, stream_rest
 from .usage import PREFETCH_DEPTH, fits_budgets, kv_shape
@@ -271,15 +271,15 @@ def _locs(cm: CostModel, device: int) -> tuple[Loc, ...]:
 
 
 def _extra_unit(cm: CostModel, groups: list[Group], locs, op_offload: bool,
-                routed: int = 0) -> int:  # fmt: skip
+                tokens: int = 0) -> int:  # fmt: skip
     """Device bytes an option needs besides what it pins: our runtime's ring slot (its largest
-    streamed unit; a routed stack's `routed` experts), or llama.cpp's room for copying its
+    streamed unit; a routed stack's slot for a ubatch of `tokens`), or llama.cpp's room for copying its
     largest CPU-held weight (op-offload)."""
     if cm.target == "llamacpp":
         held = [g.nbytes for g, loc in zip(groups, locs) if loc.kind == CPU and g.kind != EMBD]
         return max(held, default=0) if op_offload else 0
     units = [
-        g.nbytes if loc.kind == STREAMED else routed_nbytes(cm.spec, g, routed)
+        g.nbytes if loc.kind == STREAMED else routed_slot_nbytes(cm.spec, g, tokens)
         for g, loc in zip(groups, locs)
         if loc.kind in (STREAMED, ROUTED)
     ]
@@ -287,9 +287,9 @@ def _extra_unit(cm: CostModel, groups: list[Group], locs, op_offload: bool,
 
 
 def _layer_options(cm: CostModel, il: int, shapes, kv_nbytes: int, op_offload: bool, device: int,
-                   routed: int = 0):  # fmt: skip
-    """`routed`: the most experts the tier's ubatch routes to (our runtime may copy only the
-    chosen experts of a stack, after its router)."""
+                   tokens: int = 0):  # fmt: skip
+    """`tokens`: the tier's ubatch (our runtime may copy only the experts it routes to of a
+    stack, after its router)."""
     groups = cm.by_layer[il]
     options = []
     locs_here = _locs(cm, device)
@@ -301,7 +301,7 @@ def _layer_options(cm: CostModel, il: int, shapes, kv_nbytes: int, op_offload: b
             place = TierPlacement({g.name: loc for g, loc in zip(groups, locs)}, {il: kv})
             pinned = sum(g.nbytes for g, loc in zip(groups, locs) if loc.kind == PINNED)
             pinned += kv_nbytes if kv.kind == PINNED else 0
-            unit = _extra_unit(cm, groups, locs, op_offload, routed)
+            unit = _extra_unit(cm, groups, locs, op_offload, tokens)
             unit = max(unit, kv_nbytes if kv.kind == STREAMED else 0)
             for busy in (True, False) if not uses_cpu else (True,):
                 seconds = 0.0
@@ -391,8 +391,7 @@ def _program(
             class_options[key] = [
                 o
                 for d in devices
-                for o in _layer_options(cm, il, grouped, kv_nbytes, op_offload, d,
-                                        routed_slot_experts(p.spec, tier))  # fmt: skip
+                for o in _layer_options(cm, il, grouped, kv_nbytes, op_offload, d, tier)
                 if not llama
                 or d == 0  # llama.cpp: the CPU-KV layers use the first GPU
                 # a later GPU's layer starts and ends there, also when it computes CPU-held

@@ -20,8 +20,7 @@ from .groups import (
     EMBD,
     EXPERTS,
     Group,
-    routed_nbytes,
-    routed_slot_experts,
+    routed_slot_nbytes,
     tensor_groups,
 )
 from .memory import PIPELINE_COPIES, KVShape, compute_nbytes, kv_layer_nbytes
@@ -75,7 +74,7 @@ def device_usage(
     streamed_units = [
         g.nbytes for g in groups if here(mine[g.name]) and mine[g.name].kind == STREAMED
     ] + [
-        routed_nbytes(spec, g, routed_slot_experts(spec, tier))
+        routed_slot_nbytes(spec, g, tier)
         for g in groups
         if here(mine[g.name]) and mine[g.name].kind == ROUTED
     ]
