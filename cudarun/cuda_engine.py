@@ -26,12 +26,13 @@ from solver.cost import CPU, PINNED, ROUTED
 from solver.groups import EXPERTS
 from solver.workspace import MAX_DECODE_TOKENS, arrays, layout
 
-from . import counts
-from .devicemath import ROUTED_IDS, DeviceMath, device_tensors
+from . import counts, program
+from .devicemath import CACHE_SLOTS, CACHED, ROUTED_IDS, DeviceMath, device_tensors
 from .executor import PlanExecutor, Tier, group_bytes, weight_steps
+from .expert_cache import Admission
 from .hostmath import Act, HostMath
+from .hostweights import cache_ranges, routed_ranges
 from .kvstore import EMPTY, host_runs, kv_views
-from .hostweights import routed_ranges
 from .program import routed_experts
 from .schedule import Compute, Copy, Record, Wait
 from .segments import Segment, SegmentRunner
@@ -337,11 +338,15 @@ class CudaEngine(PlanExecutor):
                     events[op.event].wait(self.copy if op.queue == "copy" else self.compute)
             elif isinstance(op, Copy):
                 with _span(timer, "copy", f"copy {op.tensor}", self.copy):
-                    if op.reads:  # routed: the router's choice first
-                        by = op.reads[0][0].removeprefix("ids@")
-                        if by not in routed:
-                            routed[by] = self._routed(tier.parts[index[by]], events, st, host, ws)
-                        self._copy_routed(tier, op.tensor, op.slot, routed[by])
+                    if op.reads:  # routed or prefetched: the router's choice (or guess) first
+                        by = op.reads[0][0].partition("@")[2]
+                        prefetch = op.tensor.endswith("@prefetch")
+                        if (by, prefetch) not in routed:
+                            part = tier.parts[index[by]]
+                            routed[by, prefetch] = self._route(tier, part, events, st, host, ws,
+                                                               prefetch)  # fmt: skip
+                        self._copy_routed(tier, op.tensor.removesuffix("@prefetch"), op.slot,
+                                          routed[by, prefetch])  # fmt: skip
                     else:
                         self._copy_unit(tier, op.tensor, op.slot)
             elif isinstance(op, Compute):
@@ -382,36 +387,64 @@ class CudaEngine(PlanExecutor):
             if self.groups[unit].kind == EXPERTS:
                 self.expert_copied_nbytes += data.size
 
-    def _routed(self, router, events: dict, st: Act, host: Act, ws: dict) -> list[int]:
-        """The experts a router chose, read back (a sync: the copies depend on them, as under
-        llama.cpp's op-offload), and each choice's place in the routed copies on the device."""
-        n = st.tokens.size
-        if router.queue == "cpu":
+    def _route(self, tier: Tier, part, events: dict, st: Act, host: Act, ws: dict,
+               prefetch: bool) -> Admission:  # fmt: skip
+        """The experts a router chose (or, for a prefetch, is predicted to choose: `part` is the
+        layer's `qkv`), read back (a sync: the copies depend on them, as under llama.cpp's
+        op-offload); where each goes (`Admission`: its expert cache, else the routed copy); and,
+        for the choice, each chosen expert's place on the device, where the expert products
+        read it."""
+        n, il = st.tokens.size, part.layer
+        if part.queue == "cpu":
             ids = host.ids
         else:
-            self._sync(events[f"routed:{router.name}"])
-            ids = ws["ids"][:n].copy_to_host()
-        experts = routed_experts(ids)
-        places = np.searchsorted(experts, ids).astype(np.int32)
-        ws["slot_ids"][:n].copy_to_device(places, stream=self.copy)  # before the copies' events
-        return experts
+            name = "pred" if prefetch else "ids"
+            self._sync(events[f"{'predicted' if prefetch else 'routed'}:{part.name}"])
+            ids = ws[name][:n].copy_to_host()
+        if il in tier.cache_slots:
+            admission = self.admit(tier, il, ids, prefetch)
+        else:
+            admission = Admission(overflow=routed_experts(ids))
+        if not prefetch:
+            slots = tier.cache_slots.get(il, 0)
+            places = np.vectorize(lambda e: admission.place(int(e), slots), otypes=[np.int32])
+            # before the copies' events, which the expert products wait for
+            ws["slot_ids"][:n].copy_to_device(places(ids), stream=self.copy)
+        return admission
 
-    def _copy_routed(self, tier: Tier, unit: str, slot: str, experts: list[int]) -> None:
-        """The chosen experts' rows of a routed stack into its slot (`routed_ranges`), one copy
-        per run of consecutive experts, from pinned host memory."""
-        buf, src, at = self._slot(tier, slot), self.host.group(unit), 0
-        for lo, nbytes in routed_ranges(self.host.layouts[unit], experts):
+    def _copy_routed(self, tier: Tier, unit: str, slot: str, admission: Admission) -> None:
+        """A routed stack's experts from pinned host memory: those its expert cache keeps
+        (`admission.inserted`) into their cache slots, the others chosen into its ring slot, one
+        copy per run of consecutive experts (`routed_ranges`); a prefetch fills the cache only."""
+        src, layout, at = self.host.group(unit), self.host.layouts[unit], 0
+        if admission.inserted:
+            cache, slots = self.region(tier, f"cache:{unit}"), tier.place.groups[unit].cache
+            for e, place in admission.inserted.items():
+                for lo, to, nbytes in cache_ranges(layout, slots, e, place):
+                    cache[to : to + nbytes].copy_to_device(src[lo : lo + nbytes], stream=self.copy)
+                    self.expert_copied_nbytes += nbytes
+        if slot.startswith("cache:"):  # a prefetch
+            return
+        buf = self._slot(tier, slot)
+        for lo, nbytes in routed_ranges(layout, admission.overflow):
             buf[at : at + nbytes].copy_to_device(src[lo : lo + nbytes], stream=self.copy)
             at += nbytes
-        self.routed_held[unit] = len(experts)
+        self.routed_held[unit] = len(admission.overflow)
         self.expert_copied_nbytes += at
 
     def _weights(self, tier: Tier, group: str, slot: str | None, ws: dict) -> dict:
         loc = tier.place.groups[group]
         if loc.kind == ROUTED:  # as many experts as the router chose, in their places
-            w = device_tensors(self.host.layouts[group], self._slot(tier, slot),
-                               self.routed_held[group])  # fmt: skip
+            layout = self.host.layouts[group]
+            w = device_tensors(layout, self._slot(tier, slot), self.routed_held[group])
             w[ROUTED_IDS] = ws["slot_ids"]
+            if loc.cache:  # each stack's cached experts (`cache_ranges`), before the copy's
+                cache, at = self.region(tier, f"cache:{group}"), 0
+                for p in (p for p in layout if len(p.info.shape) == 3):
+                    nbytes = p.info.nbytes // p.info.shape[0] * loc.cache
+                    w[p.info.name + CACHED] = cache[at : at + nbytes]
+                    at += nbytes
+                w[CACHE_SLOTS] = loc.cache
             return w
         buf = (
             self.region(tier, f"weights:{group}") if loc.kind == PINNED else self._slot(tier, slot)
@@ -445,6 +478,8 @@ class CudaEngine(PlanExecutor):
             return
         w = self._weights(tier, part.group, slot, ws)
         getattr(self.dmath, part.kind)(ws, n, w, part.layer, s)
+        if part.kind == "qkv" and program.predicts(tier.parts, tier.parts.index(part)):
+            self.dmath.predict(ws, n, w, part.layer, s)
         if part.kind.startswith("ffn_down"):
             self._record(st, f"blk.{part.layer}.out", ws["x"][:n])
         elif part.kind == "output" and capturing:

@@ -21,6 +21,7 @@ from .kernels import THREADS, attention, elementwise, glue, matvec, moe, prefill
 
 
 ROUTED_IDS = "routed_ids"  # a routed copy's weights: where each chosen expert sits in it
+CACHED, CACHE_SLOTS = "@cache", "@cache_slots"  # a stack's expert cache, and its size
 
 
 def device_tensors(layout: list[Placed], buf, held: int | None = None) -> dict:
@@ -152,6 +153,16 @@ class DeviceMath:
             moe.route_top_k(router, self.hp.n_expert_used, self.tr.expert_weights_norm,
                             ws["ids"][:n], ws["gates"][:n], stream)  # fmt: skip
 
+    def predict(self, ws, n, w, il, stream) -> None:
+        """The layer's router on the layer's input (after `qkv`, whose h it reuses), normed as
+        the FFN's input will be: ws["pred"], the experts a prefetch copies."""
+        p = f"blk.{il}."
+        self.norm(ws["x"][:n], w[p + "ffn_norm.weight"], ws["h"][:n], stream)
+        router = ws["router"][:n]
+        self.mm(ws["h"][:n], w, p + "ffn_gate_inp.weight", router, ws, stream)
+        moe.route_top_k(router, self.hp.n_expert_used, self.tr.expert_weights_norm,
+                        ws["pred"][:n], ws["gates"][:n], stream)  # fmt: skip
+
     def ffn_gate(self, ws, n, w, il, stream) -> None:
         self.mm(ws["h"][:n], w, f"blk.{il}.ffn_gate.weight", ws["gate"][:n], ws, stream)
 
@@ -179,8 +190,9 @@ class DeviceMath:
     def _experts(self, ws, n, w, name, x, out, per_slot, stream) -> None:
         t = self.spec.by_name[name]
         slots = n * self.hp.n_expert_used
-        ids = w.get(ROUTED_IDS, ws["ids"])[:n]  # a routed copy: the experts' places in it
-        moe.expert_matvec(w[name], x, ids, out[:slots], t.qtype, t.shape[1:], per_slot, stream)
+        ids = w.get(ROUTED_IDS, ws["ids"])[:n]  # routed: the experts' places (cache, copy)
+        moe.expert_matvec(w[name], x, ids, out[:slots], t.qtype, t.shape[1:], per_slot, stream,
+                          w.get(name + CACHED), w.get(CACHE_SLOTS, 0))  # fmt: skip
 
     def ffn_gate_exps(self, ws, n, w, il, stream) -> None:
         name = f"blk.{il}.ffn_gate_exps.weight"

@@ -16,6 +16,8 @@ tiers, and the fp16 KV of every layer (`kvstore.KVMirror`).
 
 from __future__ import annotations
 
+from collections import Counter
+
 import numpy as np
 
 from refengine.agreement import PATHS
@@ -23,15 +25,16 @@ from refengine.engine import SequenceCalls, keep_all
 from refengine.errors import UserError
 from refengine.sequences import Sequences, Ubatch, one_sequence
 from refengine.spec import ModelSpec
-from solver.cost import PINNED, ROUTED, TierPlacement
-from solver.groups import routed_slot_nbytes, tensor_groups
+from solver.cost import CPU, PINNED, ROUTED, TierPlacement
+from solver.groups import cache_nbytes, routed_slot_nbytes, tensor_groups
 from solver.memory import kv_cell_nbytes, kv_layer_nbytes
 from solver.plan import Region, fingerprint_hash, placements_from_json, plan_workload
 from solver.usage import kv_shape
 
 from . import program
 from .kvstore import SEQ_WINDOW, KVCells, SwaPool, device_cells
-from .schedule import Slot, pipeline_schedule, validate
+from .expert_cache import Admission, ExpertCache
+from .schedule import Slot, pipeline_schedule, prefetch_of, validate
 from .segments import cpu_segments, ends_with_sync
 from .switch import switch_steps
 
@@ -61,6 +64,19 @@ def check_plan(plan: dict, spec: ModelSpec) -> None:
         )
     if len(fp["budget_bytes"]) != 1:
         raise PlanError("the runtime executes single-GPU plans for now; solve with one --budget")
+    for t, place in placements_from_json(plan, spec).items():
+        routed = {}
+        for g in tensor_groups(spec):
+            loc = place.groups[g.name]
+            if loc.kind == ROUTED:
+                routed.setdefault(g.layer, set()).add((loc.cache, loc.prefetch))
+                attn = place.groups[f"blk.{g.layer}.attn"]
+                if loc.prefetch and attn.kind == CPU:
+                    raise PlanError(f"tier {t}: {g.name} prefetches, but its layer's attention "
+                                    "is on the CPU; solve again")  # fmt: skip
+        if any(len(v) > 1 for v in routed.values()):
+            raise PlanError(f"tier {t}: a layer's routed stacks must share one expert cache; "
+                            "solve again")  # fmt: skip
     if fp["kv_type"] != "f16":
         raise PlanError("the runtime keeps an f16 KV cache; solve with --kv-type f16")
 
@@ -89,6 +105,17 @@ class Tier:
         self.slots = {
             f"slot:{i}": Slot(f"slot:{i}", r.offset_bytes, r.nbytes)
             for i, r in enumerate(r for r in regions if r.name.startswith("scratch:"))
+        }
+        self.slots.update(  # the expert caches, which routed copies and prefetches write
+            (r.name, Slot(r.name, r.offset_bytes, r.nbytes))
+            for r in regions
+            if r.name.startswith("cache:")
+        )
+        # layer -> the expert cache its routed stacks share (slots), if any
+        self.cache_slots = {
+            g.layer: place.groups[g.name].cache
+            for g in engine.groups.values()
+            if place.groups[g.name].kind == ROUTED and place.groups[g.name].cache
         }
         self.kv_cells = {
             il: kv_layer_nbytes(engine.spec, il, kv_shape(engine.workload, tier))
@@ -142,6 +169,11 @@ class PlanExecutor(SequenceCalls):
         self.pool: SwaPool | None = None  # the current tier's sliding-window device cells
         self.trace_events: list | None = None  # a list: record (lane, op, start s, end s)
         self.expert_copied_nbytes = 0  # bytes of expert stacks copied up, whole or routed
+        self.caches: dict[int, ExpertCache] = {}  # layer -> its expert cache, in this tier
+        self.admitted: dict[tuple[int, bool], Admission] = {}  # this ubatch's, (layer, prefetch)
+        # of the experts routed layers with a cache chose: how many, how many were resident
+        # when the router chose, how many the prefetch had predicted
+        self.expert_lookups = Counter()
 
     host_alloc = None  # pinned host memory on a GPU
 
@@ -178,15 +210,34 @@ class PlanExecutor(SequenceCalls):
     def unit_nbytes(self, tier: Tier) -> dict[str, int]:
         """What each unit a tier copies measures at most (a routed stack: the experts its largest
         ubatch can route to)."""
-        out = {
-            name: routed_slot_nbytes(self.spec, g, tier.tier)
-            if tier.place.groups[name].kind == ROUTED
-            else g.nbytes
-            for name, g in self.groups.items()
-        }
+        out = {}
+        for name, g in self.groups.items():
+            loc = tier.place.groups[name]
+            out[name] = g.nbytes
+            if loc.kind == ROUTED:
+                out[name] = routed_slot_nbytes(self.spec, g, tier.tier, loc.cache)
+                out[prefetch_of(name)] = cache_nbytes(self.spec, g, loc.cache)
         for il, cells in tier.kv_cells.items():
             out[f"kv:{il}"] = cells * self.cell_nbytes
         return out
+
+    def admit(self, tier: Tier, il: int, ids, prefetch: bool = False) -> Admission:
+        """Where layer il's experts chosen by `ids` (or predicted, for a `prefetch`) are in its
+        expert cache, decided once a ubatch for all of the layer's routed stacks."""
+        key = (il, prefetch)
+        if key not in self.admitted:
+            cache = self.caches.setdefault(il, ExpertCache(tier.cache_slots[il]))
+            experts = program.routed_experts(ids)
+            if not prefetch:
+                guess = self.admitted.get((il, True))
+                named = set(guess.resident) | set(guess.overflow) if guess else set()
+                self.expert_lookups.update(
+                    chosen=len(experts),
+                    resident=sum(e in cache.where for e in experts),
+                    predicted=len(named & set(experts)),
+                )
+            self.admitted[key] = cache.admit(experts)
+        return self.admitted[key]
 
     def attention_window(self, il: int) -> int:
         """The window device attention masks layer il with, over `kvstore.device_keys`."""
@@ -208,6 +259,7 @@ class PlanExecutor(SequenceCalls):
     # -- Engine API (prefill, decode and the calls of several sequences: SequenceCalls) ---------
 
     def reset(self) -> None:
+        self.caches = {}  # a run after a reset copies what the same run did before
         self.seqs.reset()
         self.cells.reset()
         if self.pool is not None:
@@ -229,6 +281,8 @@ class PlanExecutor(SequenceCalls):
 
         if tier is not self.current:
             self.switch(tier)
+            self.caches = {}  # the new memory map's caches start empty
+        self.admitted = {}
         st = Act(ub.tokens, ub.pos, all_logits)
         st.cells, st.logit_rows = self.cells.place(ub), ub.logit_rows
         st.device = device_cells(self.cells, st.cells, self.pool)

@@ -46,6 +46,7 @@ class Act:
     gate: np.ndarray | None = None
     up: np.ndarray | None = None
     ids: np.ndarray | None = None  # MoE: chosen experts [T, k]
+    pred: np.ndarray | None = None  # MoE, prefetch: the experts the router is predicted to choose
     gates: np.ndarray | None = None  # MoE: their weights [T, k]
     logits: np.ndarray | None = None
     record: dict = field(default_factory=dict)  # activation name -> [T, ...] of this ubatch
@@ -256,6 +257,13 @@ class HostMath:
             st.ids, st.gates = ref.moe_route(
                 logits, self.hp.n_expert_used, self.tr.expert_weights_norm
             )
+
+    def predict(self, st: Act, w: dict, il: int) -> None:
+        """The layer's router on the layer's input, normed as its FFN's input will be: the
+        experts a prefetch copies before the router runs (st.pred)."""
+        p = f"blk.{il}."
+        logits = self.mm(self.norm(st.x, w, p + "ffn_norm.weight"), w, p + "ffn_gate_inp.weight")
+        st.pred, _ = ref.moe_route(logits, self.hp.n_expert_used, self.tr.expert_weights_norm)
 
     def ffn_gate(self, st: Act, w: dict, il: int) -> None:
         st.gate = self.mm(st.h, w, f"blk.{il}.ffn_gate.weight")

@@ -79,32 +79,60 @@ def routed_ranges(layout: list[Placed], experts: list[int]) -> list[tuple[int, i
 
 def routed_pack(layout: list[Placed], buf: np.ndarray, experts: list[int]) -> np.ndarray:
     """A routed copy's bytes, from the group's bytes `buf` (`routed_ranges`)."""
-    return np.concatenate([buf[lo : lo + n] for lo, n in routed_ranges(layout, experts)])
+    pieces = [buf[lo : lo + n] for lo, n in routed_ranges(layout, experts)]
+    return np.concatenate(pieces) if pieces else np.empty(0, np.uint8)
+
+
+def cache_ranges(layout: list[Placed], slots: int, expert: int, slot: int):
+    """(offset in the group, offset in its expert cache, bytes) of expert `expert`'s slice of
+    each stack of the group, held in cache slot `slot`: the cache holds each stack's `slots`
+    slices in turn."""
+    out, at = [], 0
+    for p in layout:
+        t = p.info
+        if len(t.shape) == 3:
+            per = t.nbytes // t.shape[0]
+            out.append((p.offset + expert * per, at + slot * per, per))
+            at += slots * per
+    return out
+
+
+def _stack_rows(t: TensorInfo, buf: np.ndarray, count: int) -> np.ndarray:
+    return buf[: t.nbytes // t.shape[0] * count].reshape(
+        count, *t.shape[1:-1], qtype(t.qtype).row_nbytes(t.shape[-1])
+    )
 
 
 class RoutedStack:
-    """An expert stack of which a routed copy holds some experts: stack[e] is expert e's block
-    rows; an expert the copy does not hold is a KeyError."""
+    """An expert stack of which a routed copy and an expert cache hold some experts: stack[e]
+    is expert e's block rows; an expert neither holds is a KeyError."""
 
-    def __init__(self, rows: np.ndarray, experts: list[int]):
-        self.rows, self.position = rows, {e: i for i, e in enumerate(experts)}
+    def __init__(self, rows: dict[int, np.ndarray]):
+        self.rows = rows
 
     def __getitem__(self, e) -> np.ndarray:
-        return self.rows[self.position[int(e)]]
+        return self.rows[int(e)]
 
 
-def routed_tensors_of(layout: list[Placed], buf: np.ndarray, experts: list[int]) -> dict:
-    """The tensors of a routed copy in `buf` (`routed_pack`): as `tensors_of`, the stack as a
-    `RoutedStack`."""
-    out, offset = {}, 0
+def routed_tensors_of(layout: list[Placed], buf: np.ndarray, experts: list[int],
+                      cache: np.ndarray | None = None, resident=None) -> dict:  # fmt: skip
+    """The tensors of a routed copy in `buf` (`routed_pack` of `experts`): as `tensors_of`, each
+    stack a `RoutedStack`, which finds the `resident` experts (expert -> slot) in `cache`."""
+    out, offset, at = {}, 0, 0
+    resident = resident or {}
+    slots = 0 if cache is None else cache.size // sum(
+        p.info.nbytes // p.info.shape[0] for p in layout if len(p.info.shape) == 3
+    )
     for p in layout:
         t = p.info
         if len(t.shape) == 3:
             nbytes = t.nbytes // t.shape[0] * len(experts)
-            rows = buf[offset : offset + nbytes].reshape(
-                len(experts), *t.shape[1:-1], qtype(t.qtype).row_nbytes(t.shape[-1])
-            )
-            out[t.name] = RoutedStack(rows, experts)
+            rows = dict(zip(experts, _stack_rows(t, buf[offset:], len(experts))))
+            if resident:
+                held = _stack_rows(t, cache[at:], slots)
+                rows.update({e: held[slot] for e, slot in resident.items()})
+                at += t.nbytes // t.shape[0] * slots
+            out[t.name] = RoutedStack(rows)
         else:
             nbytes = t.nbytes
             out.update(tensors_of([Placed(t, 0)], buf[offset : offset + nbytes]))

@@ -15,7 +15,9 @@ the CPU. The parts, in order:
 
 Streamed units are the groups themselves and, for a layer whose KV is streamed, `kv:i`. A routed
 expert stack is a unit copied after the layer's `o` part, whose router chose the experts: only
-theirs (`routed_experts`).
+theirs (`routed_experts`), less those its expert cache holds. With prefetch, the layer's `qkv`
+part also applies the layer's router to the layer's input (`predict`), and the experts it names
+are copied into the cache while the attention runs.
 """
 
 from __future__ import annotations
@@ -39,17 +41,28 @@ class Part:
     queue: str  # "compute" or "cpu"
     units: tuple[str, ...]  # what it reads from ring slots
     routed_by: str = ""  # the part whose router chooses the rows of its units (routed streaming)
+    cached: bool = False  # its routed units keep an expert cache
+    predicted_by: str = ""  # the part that predicts the router's choice (prefetch)
 
     @property
     def step(self) -> Step:
-        return Step(self.name, self.queue, self.units, self.routed_by)
+        return Step(self.name, self.queue, self.units, self.routed_by, self.cached,
+                    self.predicted_by)  # fmt: skip
 
 
 def _part(name, kind, layer, group, loc: Loc, unit: str) -> Part:
     queue = "cpu" if loc.kind == CPU else "compute"
     streamed = loc.kind in (STREAMED, ROUTED)
-    routed_by = f"blk.{layer}.o" if loc.kind == ROUTED else ""
-    return Part(name, kind, layer, group, queue, (unit,) if streamed else (), routed_by)
+    routed = loc.kind == ROUTED
+    routed_by = f"blk.{layer}.o" if routed else ""
+    predicted_by = f"blk.{layer}.qkv" if routed and loc.prefetch else ""
+    return Part(name, kind, layer, group, queue, (unit,) if streamed else (), routed_by,
+                routed and loc.cache > 0, predicted_by)  # fmt: skip
+
+
+def predicts(parts: list[Part], index: int) -> bool:
+    """Whether part `index` (a layer's `qkv`) predicts its router's choice for a prefetch."""
+    return any(p.predicted_by == parts[index].name for p in parts)
 
 
 FFN_KINDS = ("ffn_gate", "ffn_up", "ffn_down", "ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")

@@ -118,7 +118,7 @@ def kernels():
             (
                 f"expert_matvec[{name}]",
                 moe.expert_matvec_kernel(qtype),
-                (words, arr(f32, 2), arr(i32, 2), arr(f32, 2), i64, i64, t.boolean),
+                (words, words, arr(f32, 2), arr(i32, 2), arr(f32, 2), i64, i64, t.boolean, i64),
             ),
             (
                 f"dequantize[{name}]",

@@ -37,6 +37,7 @@ class Copy:
     tensor: str
     slot: str
     reads: tuple[tuple[str, str], ...] = ()
+    cache: str = ""  # a routed copy's expert cache, which it writes too (the misses it keeps)
 
 
 @dataclass(frozen=True)
@@ -98,6 +99,8 @@ def validate(ops: list[Op], slots: dict[str, Slot], tensor_nbytes: dict[str, int
     for i, op in enumerate(ops):
         if isinstance(op, Copy):
             writers.setdefault(op.slot, []).append((i, op.tensor))
+            if op.cache:
+                writers.setdefault(op.cache, []).append((i, op.tensor))
         elif isinstance(op, Compute):
             for tensor, slot in op.writes:
                 writers.setdefault(slot, []).append((i, tensor))
@@ -137,6 +140,8 @@ def _layout_errors(ops, slots, tensor_nbytes) -> list[str]:
             errors.append(f"slots {a.name} and {b.name} overlap")
     for i, op in enumerate(ops):
         if isinstance(op, Copy):
+            if op.cache and op.cache not in slots:
+                errors.append(f"op {i}: copy into unknown cache {op.cache}")
             if op.slot not in slots:
                 errors.append(f"op {i}: copy into unknown slot {op.slot}")
             elif tensor_nbytes[op.tensor] > slots[op.slot].nbytes:
@@ -150,13 +155,16 @@ def _layout_errors(ops, slots, tensor_nbytes) -> list[str]:
 @dataclass(frozen=True)
 class Step:
     """One operation of the forward pass: its name, its queue ("compute" or "cpu"), the
-    streamed units (weight groups, or a layer's KV) it reads from ring slots, and the step whose
-    router chooses which rows of them are copied (routed streaming), if any."""
+    streamed units (weight groups, or a layer's KV) it reads from ring slots, the step whose
+    router chooses which rows of them are copied (routed streaming), if any, whether they have an
+    expert cache (`cache_of`), and the step whose prediction of that choice prefetches into it."""
 
     name: str
     queue: str
     units: tuple[str, ...] = ()
     routed_by: str = ""
+    cached: bool = False
+    predicted_by: str = ""
 
 
 ACT = "act"  # the activation hand-off: each step reads its predecessor's output, writes its own
@@ -165,6 +173,21 @@ ACT = "act"  # the activation hand-off: each step reads its predecessor's output
 def ids_of(step: str) -> tuple[str, str]:
     """(tensor, slot) of the router's choice a step writes for the routed copies after it."""
     return f"ids@{step}", f"ids:{step}"
+
+
+def predicted_of(step: str) -> tuple[str, str]:
+    """(tensor, slot) of the router's predicted choice a step writes for the prefetches."""
+    return f"pred@{step}", f"pred:{step}"
+
+
+def cache_of(unit: str) -> str:
+    """The slot of a routed unit's expert cache (its `cache:` region)."""
+    return f"cache:{unit}"
+
+
+def prefetch_of(unit: str) -> str:
+    """The tensor a prefetch copy writes into a unit's expert cache."""
+    return f"{unit}@prefetch"
 
 
 def pipeline_schedule(steps: list[Step], n_slots: int) -> list[Op]:
@@ -182,6 +205,8 @@ def pipeline_schedule(steps: list[Step], n_slots: int) -> list[Op]:
             last[u] = i
     index = {step.name: i for i, step in enumerate(steps)}
     router = {u: index[s.routed_by] for s in steps if s.routed_by for u in s.units}
+    cached = {u for s in steps if s.cached for u in s.units}
+    predictor = {u: index[s.predicted_by] for s in steps if s.predicted_by for u in s.units}
     units = sorted(first, key=lambda u: (first[u], steps[first[u]].units.index(u)))
     slot_of = {u: f"slot:{k % n_slots}" for k, u in enumerate(units)}
     ops: list[Op] = []
@@ -204,9 +229,17 @@ def pipeline_schedule(steps: list[Step], n_slots: int) -> list[Op]:
                 by = steps[router[u]].name
                 ops.append(Wait("copy", f"routed:{by}"))
                 reads = (ids_of(by),)
-            ops.append(Copy("copy", u, slot_of[u], reads))
+            ops.append(Copy("copy", u, slot_of[u], reads, cache_of(u) if u in cached else ""))
             ops.append(Record("copy", f"loaded:{u}"))
             issued += 1
+
+    def prefetch(router_step: int) -> None:
+        # the predicted experts into the caches once the router's step is issued (so a host
+        # reading the prediction back waits while the device runs the layer's attention)
+        for u in sorted(u for u, i in predictor.items() if router.get(u) == router_step):
+            by = steps[predictor[u]].name
+            ops.append(Wait("copy", f"predicted:{by}"))
+            ops.append(Copy("copy", prefetch_of(u), cache_of(u), (predicted_of(by),)))
 
     issue_copies(-1)
     for i, step in enumerate(steps):
@@ -216,15 +249,20 @@ def pipeline_schedule(steps: list[Step], n_slots: int) -> list[Op]:
             if first[u] == i:
                 ops.append(Wait(step.queue, f"loaded:{u}"))
         reads = tuple((u, slot_of[u]) for u in step.units)
+        reads += tuple((u, cache_of(u)) for u in step.units if u in cached)
         if i:
             reads += ((f"{ACT}@{steps[i - 1].name}", ACT),)
-        routes = i in router.values()
+        routes, predicts = i in router.values(), i in predictor.values()
         writes = ((f"{ACT}@{step.name}", ACT),) + ((ids_of(step.name),) if routes else ())
+        writes += (predicted_of(step.name),) if predicts else ()
         ops.append(Compute(step.queue, step.name, reads, writes))
         if i + 1 < len(steps) and steps[i + 1].queue != step.queue:
             ops.append(Record(step.queue, f"done:{step.name}"))
+        if predicts:
+            ops.append(Record(step.queue, f"predicted:{step.name}"))
         if routes:
             ops.append(Record(step.queue, f"routed:{step.name}"))
+            prefetch(i)
         finished = [u for u in step.units if last[u] == i]
         for u in finished:
             ops.append(Record(step.queue, f"read:{u}"))

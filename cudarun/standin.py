@@ -40,6 +40,7 @@ class _SlotState:
     tensor: str | None = None
     landed: bool = False
     written_at: tuple[str, int] | None = None  # (queue, sequence) of the copy
+    nbytes: int = 0  # what the write left there
     readers: list[tuple[str, int]] = field(default_factory=list)
 
 
@@ -51,8 +52,13 @@ class StandInDevice:
                  copy_delay_s=(0.0005, 0.003), compute_delay_s=(0.0002, 0.001)):  # fmt: skip
         # tensor name -> its bytes (uint8), as pinned host memory: a dict, or a function
         self.host = host if callable(host) else lambda name: host[name].view(np.uint8)
-        # slot name -> its device bytes (views into an arena, or allocated here)
-        self.memory = memory or {s.name: np.empty(s.nbytes, np.uint8) for s in slots.values()}
+        # slot name -> its device bytes (views into an arena, or allocated here); an expert cache
+        # (written in place by its copies' host side, never poisoned) is tracked only
+        self.memory = memory or {
+            s.name: np.empty(s.nbytes, np.uint8)
+            for s in slots.values()
+            if not s.name.startswith("cache:")
+        }
         for m in self.memory.values():
             m[:] = POISON
         self.state: dict[str, _SlotState] = {}
@@ -157,14 +163,18 @@ class StandInDevice:
         for tensor, slot in op.reads:  # a routed copy's choice of rows
             self._read(f"copy of {op.tensor}", tensor, slot, name, clock)
         with self._lock:
-            slot = self._begin_write(op.slot, op.tensor, f"copy of {op.tensor}", clock)
+            slots = [self._begin_write(s, op.tensor, f"copy of {op.tensor}", clock)
+                     for s in (op.slot, op.cache) if s]  # fmt: skip
         time.sleep(delay)
-        data = self.host(op.tensor)
+        data = self.host(op.tensor)  # once: a routed copy's host side places its experts
         with self._lock:
             self.copied[op.tensor] = self.copied.get(op.tensor, 0) + data.size
-            if slot.tensor == op.tensor:
-                self.memory[op.slot][: data.size] = data
-                slot.landed, slot.written_at = True, (name, clock[name])
+            for slot_name, slot in zip((op.slot, op.cache), slots):
+                if slot.tensor == op.tensor:
+                    if slot_name == op.slot and op.slot in self.memory:
+                        self.memory[op.slot][: data.size] = data
+                        slot.nbytes = data.size
+                    slot.landed, slot.written_at = True, (name, clock[name])
 
     def _compute(self, op: Compute, delay: float, kernel, name: str, clock: dict[str, int]) -> None:
         seen = [self._read(op.name, tensor, slot, name, clock) for tensor, slot in op.reads]
@@ -198,7 +208,7 @@ class StandInDevice:
             if slot_name not in self.memory:
                 return True
             view = self.memory[slot_name]
-            if (view[: self.host(tensor).size] == POISON).all():
+            if slot.nbytes and (view[: slot.nbytes] == POISON).all():
                 self._violate(f"{label} read poison from {slot_name}")
             return view.copy()
 

@@ -13,10 +13,10 @@ from refengine.spec import ModelSpec
 from solver.cost import PINNED, ROUTED
 from solver.groups import EXPERTS
 
-from . import counts
+from . import counts, program
 from .executor import PlanExecutor, Tier, group_bytes, weight_steps
 from .hostmath import Act, HostMath
-from .hostweights import routed_pack, routed_tensors_of, tensors_of
+from .hostweights import cache_ranges, routed_pack, routed_tensors_of, tensors_of
 from .kvstore import kv_views
 from .program import routed_experts
 from .segments import SegmentRunner
@@ -72,15 +72,41 @@ class StandInEngine(PlanExecutor):
             il = int(unit[3:])
             return self._lay_kv(il, np.empty(tier.kv_cells[il] * self.cell_nbytes, np.uint8),
                                 tier.kv_cells[il])  # fmt: skip
+        if unit.endswith("@prefetch"):  # the predicted experts into the cache
+            group = unit.removesuffix("@prefetch")
+            self._fill_cache(tier, group, self.admit(tier, self.groups[group].layer, st.pred,
+                                                     True))  # fmt: skip
+            return np.empty(0, np.uint8)
         if tier.place.groups[unit].kind == ROUTED:  # the copy runs after the router chose
-            return routed_pack(self.host.layouts[unit], self.host.group(unit),
-                               routed_experts(st.ids))  # fmt: skip
-        return self.host.group(unit)
+            experts = routed_experts(st.ids)
+            if tier.place.groups[unit].cache:
+                admission = self.admit(tier, self.groups[unit].layer, st.ids)
+                self._fill_cache(tier, unit, admission)
+                experts = admission.overflow
+            data = routed_pack(self.host.layouts[unit], self.host.group(unit), experts)
+        else:
+            data = self.host.group(unit)
+        if self.groups[unit].kind == EXPERTS:
+            self.expert_copied_nbytes += data.size
+        return data
+
+    def _fill_cache(self, tier: Tier, group: str, admission) -> None:
+        """The experts a copy keeps (`admission.inserted`) into the group's cache region."""
+        cache, src = self.region(tier, f"cache:{group}"), self.host.group(group)
+        slots = tier.place.groups[group].cache
+        for e, slot in admission.inserted.items():
+            for lo, at, nbytes in cache_ranges(self.host.layouts[group], slots, e, slot):
+                cache[at : at + nbytes] = src[lo : lo + nbytes]
+                self.expert_copied_nbytes += nbytes
 
     # -- one ubatch ------------------------------------------------------------------------------
 
     def execute(self, tier: Tier, st: Act) -> None:
-        memory = {name: self.region(tier, f"scratch:{name[5:]}") for name in tier.slots}
+        memory = {
+            name: self.region(tier, f"scratch:{name[5:]}")
+            for name in tier.slots
+            if name.startswith("slot:")
+        }
         device = StandInDevice(tier.slots, lambda u: self._host_bytes(tier, u, st),
                                self.seed + self.ubatches, memory, **self.delays)  # fmt: skip
         self.ubatches += 1
@@ -91,8 +117,6 @@ class StandInEngine(PlanExecutor):
             violations = device.execute(tier.schedule, kernels)
         finally:
             device.close()
-        experts = [u for u in device.copied if u in self.groups and self.groups[u].kind == EXPERTS]
-        self.expert_copied_nbytes += sum(device.copied[u] for u in experts)
         self.tally.add(tier.tier, st.tokens.size, False,
                        counts.Counts(segments=self.runner.calls - before))  # fmt: skip
         if self.trace_events is not None:
@@ -110,6 +134,8 @@ class StandInEngine(PlanExecutor):
             else:
                 w = self._weights(tier, part.group, views, st)
                 self.math["compute"].run(part.kind, part.layer, st, w)
+                if program.predicts(tier.parts, i):
+                    self.math["compute"].predict(st, w, part.layer)
 
         return kernel
 
@@ -119,9 +145,14 @@ class StandInEngine(PlanExecutor):
         kind = tier.place.groups[group].kind
         if kind == PINNED:
             return tensors_of(self.host.layouts[group], self.region(tier, f"weights:{group}"))
-        (buf,) = views.values()
+        (buf,) = (v for name, v in views.items() if name.startswith("slot:"))
         if kind == ROUTED:
-            return routed_tensors_of(self.host.layouts[group], buf, routed_experts(st.ids))
+            layout, experts = self.host.layouts[group], routed_experts(st.ids)
+            if not tier.place.groups[group].cache:
+                return routed_tensors_of(layout, buf, experts)
+            got, cache = self.admitted[(self.groups[group].layer, False)], f"cache:{group}"
+            return routed_tensors_of(layout, buf, got.overflow, self.region(tier, cache),
+                                     got.resident)  # fmt: skip
         return tensors_of(self.host.layouts[group], buf)
 
     def _kq(self, tier: Tier, il: int, st: Act, views) -> None:

@@ -206,6 +206,7 @@ class NumpyEngine(SequenceCalls):
 
         for il in range(hp.n_layer):
             p = f"blk.{il}."
+            _keep(rec, record, p + "inp", x)
             # attention
             h = ref.rms_norm(x, w.dense(p + "attn_norm.weight"), hp.rms_eps)
             q, k, v = (self._linear(h, p + n) for n in ("attn_q", "attn_k", "attn_v"))
@@ -242,6 +243,7 @@ class NumpyEngine(SequenceCalls):
                 ids, gates = ref.moe_route(
                     self._linear(h, p + "ffn_gate_inp"), hp.n_expert_used, tr.expert_weights_norm
                 )
+                _keep(rec, record, p + "ffn_moe_ids", ids)
                 f = ref.moe_ffn(
                     h,
                     ids,

@@ -56,9 +56,10 @@ import numpy as np
 from refengine.errors import UserError
 from refengine.spec import ModelSpec
 
-from .groups import EMBD, EXPERTS, HEAD, Group, routed_nbytes, tensor_groups
+from .groups import EMBD, EXPERTS, HEAD, Group, expert_nbytes, routed_nbytes, tensor_groups
 from .memory import expected_distinct_experts, kv_cell_nbytes
 from .profile import HardwareProfile
+from .routing import RoutingStats, miss_ratio, prefetch_ratios
 
 PINNED, STREAMED, CPU = "pinned", "streamed", "cpu"
 # an expert stack streamed in part: once the router has run, only the experts it chose are copied
@@ -93,6 +94,11 @@ class Loc:
 
     kind: str
     device: int = 0
+    # a routed stack's expert cache: this many of its experts stay resident across ubatches
+    # (`cudarun.expert_cache`), so a ubatch copies only those it misses; `prefetch`: the copies of
+    # the experts the layer's router predicts from the layer's input start before it routes
+    cache: int = 0
+    prefetch: bool = False
 
     @property
     def on_gpu(self) -> bool:
@@ -104,14 +110,18 @@ class Loc:
         return self.device if self.kind != CPU else -1
 
     def __str__(self) -> str:
-        return CPU if self.kind == CPU else f"{self.kind}:{self.device}"
+        if self.kind == CPU:
+            return CPU
+        cache = f"+{self.cache}{'p' if self.prefetch else ''}" if self.cache else ""
+        return f"{self.kind}:{self.device}{cache}"
 
     @classmethod
     def parse(cls, s: str) -> "Loc":
         if s == CPU:
             return cls(CPU)
-        kind, dev = s.split(":")
-        return cls(kind, int(dev))
+        kind, rest = s.split(":")
+        dev, _, cache = rest.partition("+")
+        return cls(kind, int(dev), int(cache.removesuffix("p") or 0), cache.endswith("p"))
 
 
 @dataclass(frozen=True)
@@ -126,6 +136,8 @@ class Workload:
     # the users share one cache and attention runs over all of its cells, masked (llama.cpp's
     # -kvu); else a KV stream per user of n_ctx / users cells (seed 003)
     unified: bool = False
+    # the routers' measured habits on the user's prompts (`solver.routing`); None: uniform
+    routing: "RoutingStats | None" = None
 
     def __post_init__(self) -> None:
         check_kv_cache(self.kv_type, self.flash_attn)
@@ -288,19 +300,44 @@ class CostModel:
         latency = self.profile.gpus[device].copy_latency_seconds.value
         return self.copy_seconds(nbytes, device, cpu_busy) + (runs - 1) * latency
 
-    def expert_copy_nbytes(self, place: TierPlacement, tokens: int) -> float:
-        """Bytes of expert stacks our runtime copies up for a ubatch of `tokens`: a streamed
-        stack whole, a routed one's D = E (1 - (1 - k/E)^M) expected experts."""
+    def routed_copies(self, loc: Loc, tokens: int) -> tuple[float, float]:
+        """Expected experts a routed stack copies for a ubatch of `tokens`, (before its router
+        chose: prefetch, after it): of the D = E (1 - (1 - k/E)^M) it touches, those its expert
+        cache misses (`solver.routing`)."""
         hp = self.spec.hparams
         used = expected_distinct_experts(hp.n_expert, hp.n_expert_used, tokens)
+        routing = self.w.routing
+        if loc.prefetch and routing is not None:
+            early, late = prefetch_ratios(routing, loc.cache)
+            return used * early, used * late
+        return 0.0, used * miss_ratio(routing, hp.n_expert, loc.cache)
+
+    def routed_terms(self, g: Group, loc: Loc, tokens: int, cpu_busy: bool) -> tuple[float, float]:
+        """(seconds of copies that overlap the device's work, seconds the device waits) of a
+        routed stack: without a cache, the selective copy after the router; with one, each
+        expert it misses copied on its own into the cache, the predicted ones (prefetch) while
+        the layer's attention runs."""
+        if not loc.cache:
+            return 0.0, self.routed_copy_seconds(g, tokens, loc.device, cpu_busy)
+        early, late = self.routed_copies(loc, tokens)
+        per, rest = expert_nbytes(self.spec, g), routed_nbytes(self.spec, g, 0)
+        latency = self.profile.gpus[loc.device].copy_latency_seconds.value
+        copies = lambda n, nbytes: (  # noqa: E731
+            self.copy_seconds(nbytes, loc.device, cpu_busy) + max(n - 1, 0) * latency if n else 0.0
+        )
+        return copies(early, early * per), copies(late + (rest > 0), late * per + rest)
+
+    def expert_copy_nbytes(self, place: TierPlacement, tokens: int) -> float:
+        """Bytes of expert stacks our runtime copies up for a ubatch of `tokens`: a streamed
+        stack whole, a routed one's experts (`routed_copies`) and its other tensors."""
         total = 0.0
         for g in self.groups:
-            kind = place.groups[g.name].kind
-            if g.kind == EXPERTS and kind == STREAMED:
+            loc = place.groups[g.name]
+            if g.kind == EXPERTS and loc.kind == STREAMED:
                 total += g.nbytes
-            elif g.kind == EXPERTS and kind == ROUTED:
-                rest = routed_nbytes(self.spec, g, 0)  # what is copied whole beside the experts
-                total += rest + (g.nbytes - rest) * used / hp.n_expert
+            elif g.kind == EXPERTS and loc.kind == ROUTED:
+                total += routed_nbytes(self.spec, g, 0)  # copied whole beside the experts
+                total += expert_nbytes(self.spec, g) * sum(self.routed_copies(loc, tokens))
         return total
 
     def ids_readback_seconds(self, tokens: int, device: int) -> float:
@@ -396,8 +433,10 @@ class CostModel:
             if loc.on_gpu:
                 t.gpu += self.gpu_seconds(g, tokens, loc.device)
                 gpu_mats += 1
-                if loc.kind == ROUTED:  # after the router: nothing to prefetch it under
-                    t.latency += self.routed_copy_seconds(g, tokens, loc.device, cpu_busy)
+                if loc.kind == ROUTED:  # mostly after the router: nothing to hide it under
+                    overlapped, waited = self.routed_terms(g, loc, tokens, cpu_busy)
+                    t.copy += overlapped
+                    t.latency += waited
                     ids_read = True
                 elif loc.kind == STREAMED:
                     if self.routed_copy(g, place.groups[g.name]):

@@ -98,6 +98,19 @@ def routed_nbytes(spec: ModelSpec, g: Group, experts: int) -> int:
     return g.nbytes - stack.nbytes + stack.nbytes // spec.hparams.n_expert * experts
 
 
-def routed_slot_nbytes(spec: ModelSpec, g: Group, tokens: int) -> int:
-    """A routed copy's slot: the most experts a ubatch of `tokens` can route to."""
-    return routed_nbytes(spec, g, min(spec.hparams.n_expert, spec.hparams.n_expert_used * tokens))
+def expert_nbytes(spec: ModelSpec, g: Group) -> int:
+    """One expert's slice of an expert group's stack."""
+    return spec.by_name[g.tensors[0]].nbytes // spec.hparams.n_expert
+
+
+def cache_nbytes(spec: ModelSpec, g: Group, experts: int) -> int:
+    """An expert cache of `experts` slices of g's stack (its region of the arena)."""
+    return expert_nbytes(spec, g) * experts if experts else 0
+
+
+def routed_slot_nbytes(spec: ModelSpec, g: Group, tokens: int, cache: int = 0) -> int:
+    """A routed copy's slot: the most experts a ubatch of `tokens` can route to, less those an
+    expert cache of `cache` experts holds (a chosen expert always finds a place there while the
+    cache holds any expert the ubatch did not choose)."""
+    hp = spec.hparams
+    return routed_nbytes(spec, g, max(0, min(hp.n_expert, hp.n_expert_used * tokens) - cache))

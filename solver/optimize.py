@@ -102,7 +102,7 @@ from .cost import (
     request_shapes,
     shape_terms,
 )
-from .groups import EMBD, EXPERTS, Group, routed_slot_nbytes
+from .groups import EMBD, EXPERTS, Group, cache_nbytes, routed_slot_nbytes
 from .memory import PIPELINE_COPIES, compute_nbytes, kv_layer_nbytes
 from .strategies import STRATEGIES, Problem, stream_rest
 from .usage import PREFETCH_DEPTH, fits_budgets, kv_shape
@@ -188,7 +188,7 @@ def optimize(
         ):
             unit_hint = None  # a start that does not fit is neither a hint nor a fallback
         limit = time_limit_seconds / len(units)
-        key = (top, tuple(mine), p.budgets, p.target, objective)
+        key = (top, tuple(mine), p.budgets, p.target, objective, p.expert_cache)
         if memo is not None and key in memo:
             placed, v, b, st = memo[key]
         else:
@@ -273,33 +273,62 @@ def _locs(cm: CostModel, device: int) -> tuple[Loc, ...]:
 def _extra_unit(cm: CostModel, groups: list[Group], locs, op_offload: bool,
                 tokens: int = 0) -> int:  # fmt: skip
     """Device bytes an option needs besides what it pins: our runtime's ring slot (its largest
-    streamed unit; a routed stack's slot for a ubatch of `tokens`), or llama.cpp's room for copying its
-    largest CPU-held weight (op-offload)."""
+    streamed unit; a routed stack's slot for a ubatch of `tokens`, less its expert cache), or
+    llama.cpp's room for copying its largest CPU-held weight (op-offload)."""
     if cm.target == "llamacpp":
         held = [g.nbytes for g, loc in zip(groups, locs) if loc.kind == CPU and g.kind != EMBD]
         return max(held, default=0) if op_offload else 0
     units = [
-        g.nbytes if loc.kind == STREAMED else routed_slot_nbytes(cm.spec, g, tokens)
+        g.nbytes if loc.kind == STREAMED else routed_slot_nbytes(cm.spec, g, tokens, loc.cache)
         for g, loc in zip(groups, locs)
         if loc.kind in (STREAMED, ROUTED)
     ]
     return max(units, default=0)
 
 
+def cache_choices(cm: CostModel, choice: str = "auto") -> list[tuple[int, bool]]:
+    """(slots, prefetch) a layer's routed stacks' expert cache may take: "auto", none, k, 2k or
+    E/2 slots, each also with prefetch where the routing was measured (its hit rate known); or
+    the user's "N" / "Np" (N slots, with prefetch)."""
+    hp = cm.spec.hparams
+    if choice != "auto":
+        slots = choice.removesuffix("p")
+        if not slots.isdigit() or int(slots) > hp.n_expert:
+            raise UserError(f"--expert-cache {choice}: say auto, or a number of slots up to the "
+                            f"model's {hp.n_expert} experts, with a p to prefetch (16p)")  # fmt: skip
+        if choice.endswith("p") and cm.w.routing is None:
+            raise UserError("--expert-cache with prefetch needs the routing measured: run "
+                            "refengine profile-routing and solve with --routing")  # fmt: skip
+        return [(int(slots), choice.endswith("p") and int(slots) > 0)]
+    sizes = sorted({0, hp.n_expert_used, 2 * hp.n_expert_used, hp.n_expert // 2} - {hp.n_expert})
+    measured = cm.w.routing is not None
+    return [(c, p) for c in sizes for p in (False, True) if not p or (c and measured)]
+
+
 def _layer_options(cm: CostModel, il: int, shapes, kv_nbytes: int, op_offload: bool, device: int,
-                   tokens: int = 0):  # fmt: skip
+                   tokens: int = 0, caches=((0, False),)):  # fmt: skip
     """`tokens`: the tier's ubatch (our runtime may copy only the experts it routes to of a
-    stack, after its router)."""
+    stack, after its router); `caches`: the expert caches its routed stacks may take, one for
+    all of a layer's (their router's one choice fills them alike)."""
     groups = cm.by_layer[il]
     options = []
     locs_here = _locs(cm, device)
     routable = (Loc(ROUTED, device),) if cm.target == "refengine" else ()
     per_group = [locs_here + (routable if g.kind == EXPERTS else ()) for g in groups]
+    combos = []
     for locs in itertools.product(*per_group):
+        routes = any(loc.kind == ROUTED for loc in locs)
+        for slots, prefetch in caches if routes else ((0, False),):
+            if prefetch and not locs[0].on_gpu:  # the prediction runs with the attention side
+                continue
+            cached = Loc(ROUTED, device, slots, prefetch)
+            combos.append(tuple(cached if loc.kind == ROUTED else loc for loc in locs))
+    for locs in combos:
         for kv in locs_here:
             uses_cpu = kv.kind == CPU or any(loc.kind == CPU for loc in locs)
             place = TierPlacement({g.name: loc for g, loc in zip(groups, locs)}, {il: kv})
             pinned = sum(g.nbytes for g, loc in zip(groups, locs) if loc.kind == PINNED)
+            pinned += sum(cache_nbytes(cm.spec, g, loc.cache) for g, loc in zip(groups, locs))
             pinned += kv_nbytes if kv.kind == PINNED else 0
             unit = _extra_unit(cm, groups, locs, op_offload, tokens)
             unit = max(unit, kv_nbytes if kv.kind == STREAMED else 0)
@@ -381,6 +410,7 @@ def _program(
     logits = bound(rows) - base
 
     # -- options, per class of identical layers and per device ---------------------------------
+    caches = cache_choices(cm, p.expert_cache) if cm.spec.arch.moe else [(0, False)]
     classes: dict[tuple, list[int]] = {}
     class_options: dict[tuple, list[Option]] = {}
     for il in range(n_layer):
@@ -391,7 +421,7 @@ def _program(
             class_options[key] = [
                 o
                 for d in devices
-                for o in _layer_options(cm, il, grouped, kv_nbytes, op_offload, d, tier)
+                for o in _layer_options(cm, il, grouped, kv_nbytes, op_offload, d, tier, caches)
                 if not llama
                 or d == 0  # llama.cpp: the CPU-KV layers use the first GPU
                 # a later GPU's layer starts and ends there, also when it computes CPU-held

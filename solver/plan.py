@@ -17,9 +17,10 @@ from pathlib import Path
 from refengine.errors import UserError
 from refengine.spec import ModelSpec
 
-from .cost import PINNED, Loc, Prediction, TierPlacement, Workload
-from .groups import Group, tensor_groups
+from .cost import PINNED, ROUTED, STREAMED, Loc, Prediction, TierPlacement, Workload
+from .groups import Group, cache_nbytes, tensor_groups
 from .memory import kv_layer_nbytes
+from .routing import RoutingStats
 from .tensor_split import tensor_split_nbytes
 from .usage import PREFETCH_DEPTH, device_usage, kv_shape
 
@@ -58,9 +59,20 @@ def memory_map(
     for g in ordered:
         regions.append(Region(f"weights:{g.name}", offset, g.nbytes))
         offset += g.nbytes
+    for g in groups:  # the expert caches of routed stacks (empty after a switch)
+        loc = place.groups[g.name]
+        if loc.kind == ROUTED and loc.device == device and loc.cache:
+            regions.append(Region(f"cache:{g.name}", offset, cache_nbytes(spec, g, loc.cache)))
+            offset += regions[-1].nbytes
     usage = device_usage(spec, groups, place, tier, w, "refengine", device)
     slot = usage.scratch // PREFETCH_DEPTH if usage.scratch else 0
-    for i in range(PREFETCH_DEPTH if slot else 0):
+    # (a routed stack whose expert cache holds a ubatch's every expert copies nothing into its
+    # slot: the ring may be empty yet there)
+    streams = any(
+        loc.kind in (STREAMED, ROUTED) and loc.device == device
+        for loc in (*place.groups.values(), *place.kv.values())
+    )
+    for i in range(PREFETCH_DEPTH if slot or streams else 0):
         regions.append(Region(f"scratch:{i}", offset, slot))
         offset += slot
     regions.append(Region("workspace", offset, usage.compute))
@@ -94,7 +106,7 @@ def fingerprint(
         "profile": profile_name,
         "budget_bytes": budgets,
         "tiers": tiers,
-    }
+    } | ({"routing": w.routing.digest} if w.routing else {})
 
 
 def fingerprint_hash(fp: dict) -> str:
@@ -186,6 +198,7 @@ def plan_json(
             "switch_seconds": prediction.switch_seconds,
         },
         "solver": solver or {},
+        "routing": w.routing.to_json() if w.routing else None,
         "tiers": out_tiers,
         # llama.cpp allocates once, for its largest ubatch, with the one placement of every tier
         "memory_worst": out_tiers[str(max(tiers))]["memory"] if target == "llamacpp" else None,
@@ -232,4 +245,5 @@ def plan_workload(d: dict) -> Workload:
         flash_attn=fp["flash_attn"],
         threads=fp["threads"],
         unified=fp.get("kv_unified", False),
+        routing=RoutingStats.from_json(d["routing"]) if d.get("routing") else None,
     )

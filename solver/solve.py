@@ -61,6 +61,7 @@ def solve(
     time_limit_seconds: float = SOLVER_SECONDS,
     target: str = "refengine",
     split_mode: str | None = None,
+    expert_cache: str = "auto",
 ) -> tuple[Outcome, list[Outcome], dict]:
     """(chosen plan, every named strategy's plan, solver facts). `budget_bytes`: one per GPU
     (the named strategies use the first). Target llamacpp: the best static placement llama.cpp's
@@ -112,7 +113,7 @@ def solve(
         below = tuple(t for t in tiers if t <= top)
         excluded = excluded_devices(spec, w, top, budgets) if more else {}
         usable = [0 if d in excluded else b for d, b in enumerate(budgets)]
-        sub = Problem(spec, profile, w, below, usable[0], target, tuple(usable[1:]))
+        sub = Problem(spec, profile, w, below, usable[0], target, tuple(usable[1:]), expert_cache)
         if target == "llamacpp":
             name, start = "fit", STRATEGIES["fit"](sub)
             seconds = evaluate(start, spec, profile, w, target).objective(objective)
@@ -287,6 +288,11 @@ def excluded_devices(spec: ModelSpec, w: Workload, tier: int, budgets: list[int]
     return {d: need - b for d, b in enumerate(budgets) if b < need}
 
 
+def _kind(loc: Loc) -> str:
+    """A location's kind, with a routed stack's expert cache (`routed+16`, prefetched: `16p`)."""
+    return loc.kind + (f"+{loc.cache}{'p' if loc.prefetch else ''}" if loc.cache else "")
+
+
 def summarize(spec: ModelSpec, place: TierPlacement) -> str:
     """Counts per layer kind: `41 pinned, 4 attn pinned + ffn streamed, 3 streamed; KV 45 gpu 3 cpu;
     output pinned`."""
@@ -295,7 +301,7 @@ def summarize(spec: ModelSpec, place: TierPlacement) -> str:
     for il in range(spec.hparams.n_layer):
         lg = [g for g in groups if g.layer == il]
         attn = place.groups[lg[0].name].kind
-        ffn = sorted({place.groups[g.name].kind for g in lg if g.kind != ATTN_SIDE})
+        ffn = sorted({_kind(place.groups[g.name]) for g in lg if g.kind != ATTN_SIDE})
         desc = attn if ffn == [attn] else f"attn {attn} + ffn {'/'.join(ffn)}"
         kinds[desc] = kinds.get(desc, 0) + 1
     kv: dict[str, int] = {}
@@ -382,6 +388,7 @@ def solve_request(
     time_limit_seconds: float = SOLVER_SECONDS,
     target: str = "refengine",
     split_mode: str | None = None,
+    expert_cache: str = "auto",
 ) -> Solved:
     """`solve` as the command line asks it: tiers and budgets as written (`plan_budgets` decides
     the defaults, the reserve and which tiers are viable), then `solve` over the viable tiers."""
@@ -389,6 +396,6 @@ def solve_request(
     b = plan_budgets(spec, w, tier_list, budget, reserve, profile, target)
     chosen, baselines, facts = solve(
         spec, profile, w, b.tiers, b.bytes, objective, strategy, time_limit_seconds, target,
-        split_mode,
+        split_mode, expert_cache,
     )  # fmt: skip
     return Solved(b, chosen, baselines, facts)

@@ -42,6 +42,7 @@ class Problem:
     budget_bytes: int  # device 0, after the reserve
     target: str = "refengine"
     more_budgets: tuple[int, ...] = ()  # devices 1, 2, ... (fit uses them; pshard's, device 0)
+    expert_cache: str = "auto"  # a routed stack's expert cache: "auto", or slots ("16", "16p")
 
     @property
     def budgets(self) -> tuple[int, ...]:

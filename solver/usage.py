@@ -20,6 +20,7 @@ from .groups import (
     EMBD,
     EXPERTS,
     Group,
+    cache_nbytes,
     routed_slot_nbytes,
     tensor_groups,
 )
@@ -69,15 +70,13 @@ def device_usage(
     mine = {g.name: place.groups[g.name] for g in groups}
     here = lambda loc: loc.kind != CPU and loc.device == device  # noqa: E731
     weights = sum(g.nbytes for g in groups if here(mine[g.name]) and mine[g.name].kind == PINNED)
+    routed = [g for g in groups if here(mine[g.name]) and mine[g.name].kind == ROUTED]
+    weights += sum(cache_nbytes(spec, g, mine[g.name].cache) for g in routed)  # resident experts
     kv = kv_shape(w, tier)
     # the ring streams one group (or one layer's KV) per slot: its largest such unit sizes it
     streamed_units = [
         g.nbytes for g in groups if here(mine[g.name]) and mine[g.name].kind == STREAMED
-    ] + [
-        routed_slot_nbytes(spec, g, tier)
-        for g in groups
-        if here(mine[g.name]) and mine[g.name].kind == ROUTED
-    ]
+    ] + [routed_slot_nbytes(spec, g, tier, mine[g.name].cache) for g in routed]
     kv_bytes = 0
     for il, loc in place.kv.items():
         if here(loc) and loc.kind == PINNED:

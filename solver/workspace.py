@@ -66,6 +66,7 @@ def layout(spec: ModelSpec, tokens: int, logit_rows: int, n_ctx: int) -> dict[st
         want["ids"] = ((t, used), "int32")
         # each chosen expert's place in a routed copy (cudarun: routed streaming)
         want["slot_ids"] = ((t, used), "int32")
+        want["pred"] = ((t, used), "int32")  # the experts a prefetch copies (predicted)
         want["gates"] = ((t, used), "float32")
         want["down"] = ((ff_rows, d), "float32")
     if t <= MAX_DECODE_TOKENS:  # split-KV decode attention's partial results

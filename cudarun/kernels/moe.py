@@ -89,18 +89,23 @@ def expert_matvec_kernel(qtype):
     _, per_block, block_nbytes = QUADS[qtype]
 
     @cuda.jit
-    def expert_matvec(raw, x, ids, out, n_rows, n_cols, per_slot_input):
+    def expert_matvec(raw, cache, x, ids, out, n_rows, n_cols, per_slot_input, n_cached):
         """out [slots, n_rows]: a warp per (row, slot), ROWS rows per thread block; the slot's
-        expert's row times x[slot] (per_slot_input) or x[slot's token]. `raw`: bytes as uint16."""
+        expert's row times x[slot] (per_slot_input) or x[slot's token]. The expert at place p
+        (ids) is the p-th of `cache` below `n_cached`, else the (p - n_cached)-th of `raw`
+        (an expert cache, and a routed copy); both bytes as uint16."""
         lane, warp = cuda.threadIdx.x % THREADS, cuda.threadIdx.x // THREADS
         row, slot = cuda.blockIdx.x * matvec.ROWS + warp, cuda.blockIdx.y
         k = ids.shape[1]
         t, j = slot // k, slot % k
         src = slot if per_slot_input else t
+        place = int64(ids[t, j])
+        held = place < n_cached
+        stack = cache if held else raw
         # past the last row: run on the clamped row, store nothing (as in `matvec`)
-        expert_row = int64(ids[t, j]) * n_rows + min(row, n_rows - 1)
-        a, _, _, _ = dots(raw, expert_row * (n_cols // per_block) * block_nbytes, x, src, src + 1,
-                          n_cols, lane)  # fmt: skip
+        expert_row = (place if held else place - n_cached) * n_rows + min(row, n_rows - 1)
+        a, _, _, _ = dots(stack, expert_row * (n_cols // per_block) * block_nbytes, x, src,
+                          src + 1, n_cols, lane)  # fmt: skip
         a = warp_sum(a)
         if lane == 0 and row < n_rows:
             out[slot, row] = a
@@ -109,14 +114,17 @@ def expert_matvec_kernel(qtype):
 
 
 def expert_matvec(raw, x, ids, out, qtype, shape: tuple[int, int], per_slot_input: bool,
-                  stream=0) -> None:  # fmt: skip
+                  stream=0, cache=None, n_cached: int = 0) -> None:  # fmt: skip
     """out [slots, n_rows] (device) = each slot's expert (ids [T, k]) of the expert tensor in `raw`
-    (device bytes; per-expert shape `shape`) times x[slot] or x[slot's token]."""
+    (device bytes; per-expert shape `shape`) times x[slot] or x[slot's token]; with an expert
+    `cache` of `n_cached` experts, ids are places: in the cache first, then in `raw`."""
     n_rows, n_cols = shape
     grid = (-(-n_rows // matvec.ROWS), out.shape[0])
+    words = raw.view(np.uint16)
     expert_matvec_kernel(qtype)[grid, matvec.ROWS * THREADS, stream](
-        raw.view(np.uint16), x, ids, out, np.int64(n_rows), np.int64(n_cols), per_slot_input
-    )
+        words, words if cache is None else cache.view(np.uint16), x, ids, out, np.int64(n_rows),
+        np.int64(n_cols), per_slot_input, np.int64(n_cached),
+    )  # fmt: skip
 
 
 @cuda.jit

@@ -89,7 +89,7 @@ def open_for_writing(path: Path):
 
 
 # each module registers its commands on `cli`
-from . import batched, info, kernels, plan_engines, profile, run, solve, sweep, synth, verify  # noqa: E402,F401,I001
+from . import batched, info, kernels, plan_engines, profile, routing, run, solve, sweep, synth, verify  # noqa: E402,F401,I001
 
 
 def main() -> None:

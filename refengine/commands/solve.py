@@ -4,6 +4,7 @@ or a pshard registry (`solver.export.export_plan`)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -80,6 +81,18 @@ from . import THREADS_CHECK, USERS_CHECK, cli, open_for_writing
     show_default=True,
     help="Solver effort, in CP-SAT's deterministic seconds.",
 )
+@click.option(
+    "--expert-cache",
+    default="auto",
+    show_default=True,
+    help="MoE, our runtime: experts each routed layer keeps resident, e.g. 16 (16p: prefetched "
+    "ahead of the router); auto: the planner's choice.",
+)
+@click.option(
+    "--routing",
+    type=click.Path(exists=True, dir_okay=False, path_type=Path),
+    help="MoE: the routing measured by `refengine profile-routing` (default: uniform routing).",
+)
 @click.option("-o", "--output", type=click.Path(dir_okay=False, path_type=Path))
 def solve(
     model,
@@ -103,6 +116,8 @@ def solve(
     fa,
     threads,
     time_limit,
+    expert_cache,
+    routing,
     output,
 ) -> None:
     """Place every tensor of MODEL (a GGUF, a known name, or a spec-only shape such as
@@ -122,8 +137,12 @@ def solve(
     prof = load_profile(profile_name)
     w = request_workload(prof, n_ctx, users, prompt_tokens, gen_tokens, kv_type, fa == "on",
                          threads, kv_unified)  # fmt: skip
+    if routing is not None:
+        from solver.routing import load_routing
+
+        w = dataclasses.replace(w, routing=load_routing(routing, spec))
     solved = solve_request(spec, prof, w, tiers, budget, reserve, objective, strategy, time_limit,
-                           target, split_mode)  # fmt: skip
+                           target, split_mode, expert_cache)  # fmt: skip
     budgets, chosen, facts = solved.budgets.bytes, solved.chosen, solved.facts
     con = Console()
     con.print(
