@@ -204,9 +204,16 @@ def ubatch_counts(spec: ModelSpec, parts, segments: list[Segment], final_sync: b
         return Counts(1, 1)
     glu = glu_layers(parts)
     launches = sum(part_launches(spec, p, tokens, glu) for p in parts if p.queue == "compute")
+    queue = {p.name: p.queue for p in parts}
+    # a router's choice (or its prediction) read back on the device before the routed copies
+    readbacks = {b for p in parts for b in (p.routed_by, p.predicted_by) if b}
+    predicting = {p.predicted_by for p in parts if p.predicted_by}
+    launches += sum(2 + _mm(spec, f"{b.rsplit('.', 1)[0]}.ffn_gate_inp.weight", tokens)
+                    for b in predicting)  # norm, router, top-k  # fmt: skip
     return Counts(
         launches,
-        sum(s.sync for s in segments) + final_sync,
+        sum(s.sync for s in segments) + final_sync
+        + sum(queue[b] == "compute" for b in readbacks),
         len(segments),
         sum(bool(s.reads) for s in segments),
         sum(bool(s.writes) for s in segments),

@@ -52,7 +52,11 @@ class CudaEngine(PlanExecutor):
     def __init__(self, spec: ModelSpec, plan: dict, threads: int = 0, progress: bool = False,
                  n_seq: int = 1, unified: bool = False):  # fmt: skip
         from . import driver
+        from .executor import PlanError
 
+        if len(plan["fingerprint"]["budget_bytes"]) > 1:
+            raise PlanError("the CUDA engine runs one-device plans for now (several devices run "
+                            "on --engine standin); solve with one --budget")  # fmt: skip
         if not simulated():
             driver.init()  # one line, "no NVIDIA GPU ...", where there is none
             self.free_at_start = driver.mem_info()[0]
@@ -61,6 +65,7 @@ class CudaEngine(PlanExecutor):
         self.cuda = cuda
         super().__init__(spec, plan, progress, n_seq, unified)
         self.arena = cuda.device_array(self.budget_bytes, np.uint8)  # the one allocation
+        self.arenas = [self.arena]
         if simulated():
             self.compute, self.copy = cuda.stream(), cuda.stream()
             self.streams = None
@@ -132,7 +137,7 @@ class CudaEngine(PlanExecutor):
                     self._download_kv(il, self.region(self.current, f"kv:{il}"),
                                       self.current.kv_cells[il])  # fmt: skip
         self.pool = self.new_pool(tier)
-        for s in weight_steps(self.current.map if self.current else None, tier.map):
+        for s in weight_steps(self.current.map[0] if self.current else None, tier.map[0]):
             if s.kind == "move":
                 src = self.arena[s.src : s.src + s.nbytes]
                 if abs(s.src - s.dst) < s.nbytes:  # overlapping: through the host

@@ -34,7 +34,7 @@ from solver.usage import kv_shape
 from . import program
 from .kvstore import SEQ_WINDOW, KVCells, SwaPool, device_cells
 from .expert_cache import Admission, ExpertCache
-from .schedule import Slot, pipeline_schedule, prefetch_of, validate
+from .schedule import Slot, pipeline_schedule, prefetch_of, slot_name, validate
 from .segments import cpu_segments, ends_with_sync
 from .switch import switch_steps
 
@@ -62,8 +62,6 @@ def check_plan(plan: dict, spec: ModelSpec) -> None:
             f"this plan targets {plan['target']} with split mode {plan['split_mode']}; the "
             "runtime executes `--target refengine` plans split by layer: solve with those"
         )
-    if len(fp["budget_bytes"]) != 1:
-        raise PlanError("the runtime executes single-GPU plans for now; solve with one --budget")
     for t, place in placements_from_json(plan, spec).items():
         routed = {}
         for g in tensor_groups(spec):
@@ -93,24 +91,33 @@ def check_users(plan: dict, n_seq: int) -> None:
 class Tier:
     """What the runtime prepares for one tier of the plan."""
 
-    def __init__(self, engine: "PlanExecutor", tier: int, place: TierPlacement, regions):
+    def __init__(self, engine: "PlanExecutor", tier: int, place: TierPlacement,
+                 maps: dict[int, list[Region]]):  # fmt: skip
         self.tier, self.place = tier, place
-        self.regions = {r.name: r for r in regions}
-        self.map = regions
+        self.map = maps  # device -> its memory map
+        # every device's regions by name, a later device's ring and workspace as `name@d`
+        self.regions, self.region_device = {}, {}
+        for d, regions in maps.items():
+            for r in regions:
+                self.regions[local_name(r.name, d)] = r
+                self.region_device[local_name(r.name, d)] = d
         self.parts = program.parts(engine.spec, place)
         self.schedule = pipeline_schedule([p.step for p in self.parts], engine.n_slots)
         # consecutive CPU parts run as one segment between two hand-offs (segments.py)
         self.segments = cpu_segments(self.parts, engine.spec.arch.moe)
         self.final_sync = ends_with_sync(self.parts, self.segments)
-        self.slots = {
-            f"slot:{i}": Slot(f"slot:{i}", r.offset_bytes, r.nbytes)
-            for i, r in enumerate(r for r in regions if r.name.startswith("scratch:"))
-        }
-        self.slots.update(  # the expert caches, which routed copies and prefetches write
-            (r.name, Slot(r.name, r.offset_bytes, r.nbytes))
-            for r in regions
-            if r.name.startswith("cache:")
-        )
+        self.slots, self.slot_region = {}, {}  # ring slot -> its `scratch:` region's name
+        for d, regions in maps.items():
+            ring = [r for r in regions if r.name.startswith("scratch:")]
+            for i, r in enumerate(ring):
+                name = slot_name(d, i)
+                self.slots[name] = Slot(name, r.offset_bytes, r.nbytes, d)
+                self.slot_region[name] = local_name(r.name, d)
+            self.slots.update(  # the expert caches, which routed copies and prefetches write
+                (r.name, Slot(r.name, r.offset_bytes, r.nbytes, d))
+                for r in regions
+                if r.name.startswith("cache:")
+            )
         # layer -> the expert cache its routed stacks share (slots), if any
         self.cache_slots = {
             g.layer: place.groups[g.name].cache
@@ -142,16 +149,20 @@ class PlanExecutor(SequenceCalls):
         check_users(plan, n_seq)
         self.spec, self.plan, self.workload = spec, plan, plan_workload(plan)
         self.n_ctx = plan["fingerprint"]["n_ctx"]
-        self.budget_bytes = plan["fingerprint"]["budget_bytes"][0]
+        self.budgets = plan["fingerprint"]["budget_bytes"]  # one arena per device
+        self.budget_bytes = self.budgets[0]
         self.cell_nbytes = kv_cell_nbytes(spec, "f16")
         self.groups = {g.name: g for g in tensor_groups(spec)}
         self.placements = placements_from_json(plan, spec)
         self.maps = {
-            t: [Region(*r) for r in plan["tiers"][str(t)]["memory_map"]["0"]]
+            t: {int(d): [Region(*r) for r in m]
+                for d, m in plan["tiers"][str(t)]["memory_map"].items()}
             for t in self.placements
-        }
+        }  # fmt: skip
         self.n_slots = max(
-            sum(r.name.startswith("scratch:") for r in m) for m in self.maps.values()
+            sum(r.name.startswith("scratch:") for r in m)
+            for maps in self.maps.values()
+            for m in maps.values()
         )
         self.tier_sizes = sorted(self.placements)
         self.ubatch_tokens = self.tier_sizes[-1]
@@ -205,7 +216,7 @@ class PlanExecutor(SequenceCalls):
     def region(self, tier: Tier, name: str):
         """A region of the tier's memory map, as a view of the arena (host or device bytes)."""
         r = tier.regions[name]
-        return self.arena[r.offset_bytes : r.offset_bytes + r.nbytes]
+        return self.arenas[tier.region_device[name]][r.offset_bytes : r.offset_bytes + r.nbytes]
 
     def unit_nbytes(self, tier: Tier) -> dict[str, int]:
         """What each unit a tier copies measures at most (a routed stack: the experts its largest
@@ -307,13 +318,15 @@ class PlanExecutor(SequenceCalls):
         """What the arena holds per tier, against the budget (the device engine adds what it
         measured)."""
         out = []
-        for t, m in sorted(self.maps.items()):
-            used = max((r.offset_bytes + r.nbytes for r in m if not r.name.startswith("kv:")),
-                       default=0)  # fmt: skip
-            kv = sum(r.nbytes for r in m if r.name.startswith("kv:"))
-            out.append(f"tier {t}: arena {used / 2**20:.1f} MiB from the left + KV "
-                       f"{kv / 2**20:.1f} MiB from the right, of a budget of "
-                       f"{self.budget_bytes / 2**20:.1f} MiB")  # fmt: skip
+        for t, maps in sorted(self.maps.items()):
+            for d, m in sorted(maps.items()):
+                used = max((r.offset_bytes + r.nbytes for r in m if not r.name.startswith("kv:")),
+                           default=0)  # fmt: skip
+                kv = sum(r.nbytes for r in m if r.name.startswith("kv:"))
+                device = f" device {d}:" if len(maps) > 1 else ""
+                out.append(f"tier {t}:{device} arena {used / 2**20:.1f} MiB from the left + KV "
+                           f"{kv / 2**20:.1f} MiB from the right, of a budget of "
+                           f"{self.budgets[d] / 2**20:.1f} MiB")  # fmt: skip
         return out
 
     def launch_report(self, launch_seconds: float) -> list[str]:
@@ -349,6 +362,13 @@ def group_bytes(engine: "PlanExecutor", group: str) -> np.ndarray:
             p.info.offset : p.info.offset + p.info.nbytes
         ]
     return out
+
+
+def local_name(region: str, device: int) -> str:
+    """A region's name among every device's: a later device's ring slots and workspace, which
+    each device has, as `scratch:0@1`; the others (weights, caches, KV) are one device's."""
+    shared = region.startswith("scratch:") or region == "workspace"
+    return f"{region}@{device}" if shared and device else region
 
 
 def weight_steps(before: list[Region] | None, after: list[Region]):

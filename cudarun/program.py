@@ -29,7 +29,7 @@ import numpy as np
 from refengine.spec import ModelSpec
 from solver.cost import CPU, ROUTED, STREAMED, Loc, TierPlacement
 
-from .schedule import Step
+from .schedule import Step, queue_of
 
 
 @dataclass(frozen=True)
@@ -38,7 +38,7 @@ class Part:
     kind: str  # "embed", "qkv", "kq", "o", "ffn_gate", "ffn_up_exps", ..., "output"
     layer: int | None
     group: str | None  # the weight group it reads; None for `kq`
-    queue: str  # "compute" or "cpu"
+    queue: str  # "compute" (of a later device: "compute@d") or "cpu"
     units: tuple[str, ...]  # what it reads from ring slots
     routed_by: str = ""  # the part whose router chooses the rows of its units (routed streaming)
     cached: bool = False  # its routed units keep an expert cache
@@ -51,7 +51,7 @@ class Part:
 
 
 def _part(name, kind, layer, group, loc: Loc, unit: str) -> Part:
-    queue = "cpu" if loc.kind == CPU else "compute"
+    queue = "cpu" if loc.kind == CPU else queue_of("compute", loc.device)
     streamed = loc.kind in (STREAMED, ROUTED)
     routed = loc.kind == ROUTED
     routed_by = f"blk.{layer}.o" if routed else ""

@@ -29,6 +29,7 @@ class Slot:
     name: str
     offset_bytes: int
     nbytes: int
+    device: int = 0  # whose arena (several devices: each its own)
 
 
 @dataclass(frozen=True)
@@ -134,9 +135,9 @@ def _read_errors(ops, vclocks, writers, i: int, op: Compute | Copy) -> list[str]
 
 def _layout_errors(ops, slots, tensor_nbytes) -> list[str]:
     errors = []
-    ordered = sorted(slots.values(), key=lambda s: s.offset_bytes)
+    ordered = sorted(slots.values(), key=lambda s: (s.device, s.offset_bytes))
     for a, b in zip(ordered, ordered[1:]):
-        if a.offset_bytes + a.nbytes > b.offset_bytes:
+        if a.device == b.device and a.offset_bytes + a.nbytes > b.offset_bytes:
             errors.append(f"slots {a.name} and {b.name} overlap")
     for i, op in enumerate(ops):
         if isinstance(op, Copy):
@@ -190,11 +191,27 @@ def prefetch_of(unit: str) -> str:
     return f"{unit}@prefetch"
 
 
+def queue_of(kind: str, device: int) -> str:
+    """A device's queue of a kind ("compute", "copy"): the first device's are plain, so a
+    one-device schedule names them as it always did."""
+    return kind if device == 0 else f"{kind}@{device}"
+
+
+def device_of(queue: str) -> int:
+    return int(queue.partition("@")[2] or 0)
+
+
+def slot_name(device: int, k: int) -> str:
+    """Ring slot k of a device (the first device's: `slot:k`)."""
+    return f"slot:{k}" if device == 0 else f"slot@{device}:{k}"
+
+
 def pipeline_schedule(steps: list[Step], n_slots: int) -> list[Op]:
     """The operations of one ubatch: the steps in order, each on its queue, reading the previous
     step's activations (slot `act`) and writing its own; a step on another queue than its
-    predecessor waits for the predecessor's event. Streamed units are copied on the copy queue,
-    in order of first use, the k-th into slot k % n_slots, as far ahead as the ring allows: a copy
+    predecessor waits for the predecessor's event (a hand-off: between the CPU and a device, or
+    between two devices). Each device's streamed units are copied on its copy queue, in order of
+    first use, the k-th into its ring slot k % n_slots, as far ahead as the ring allows: a copy
     waits for the event recorded after the last reader of the unit its slot held, a step for the
     copies of the units it is the first to read. A routed unit's copy also waits for the step
     whose router chose its rows (and the copies after it in the queue, with it)."""
@@ -207,39 +224,43 @@ def pipeline_schedule(steps: list[Step], n_slots: int) -> list[Op]:
     router = {u: index[s.routed_by] for s in steps if s.routed_by for u in s.units}
     cached = {u for s in steps if s.cached for u in s.units}
     predictor = {u: index[s.predicted_by] for s in steps if s.predicted_by for u in s.units}
-    units = sorted(first, key=lambda u: (first[u], steps[first[u]].units.index(u)))
-    slot_of = {u: f"slot:{k % n_slots}" for k, u in enumerate(units)}
+    ordered = sorted(first, key=lambda u: (first[u], steps[first[u]].units.index(u)))
+    rings: dict[int, list[str]] = {}  # device -> its units in copy order
+    for u in ordered:
+        rings.setdefault(device_of(steps[first[u]].queue), []).append(u)
+    slot_of = {u: slot_name(d, k % n_slots) for d, us in rings.items() for k, u in enumerate(us)}
     ops: list[Op] = []
-    issued = 0
+    issued = dict.fromkeys(rings, 0)
 
     def issue_copies(done_through: int) -> None:
         # a copy goes once the last reader of its slot's previous unit has been issued, and a
         # routed one once its router has
-        nonlocal issued
-        while (
-            issued < len(units)
-            and (issued < n_slots or last[units[issued - n_slots]] <= done_through)
-            and router.get(units[issued], -1) <= done_through
-        ):
-            u = units[issued]
-            if issued >= n_slots:
-                ops.append(Wait("copy", f"read:{units[issued - n_slots]}"))
-            reads = ()
-            if u in router:
-                by = steps[router[u]].name
-                ops.append(Wait("copy", f"routed:{by}"))
-                reads = (ids_of(by),)
-            ops.append(Copy("copy", u, slot_of[u], reads, cache_of(u) if u in cached else ""))
-            ops.append(Record("copy", f"loaded:{u}"))
-            issued += 1
+        for d, units in rings.items():
+            copy = queue_of("copy", d)
+            while (
+                (n := issued[d]) < len(units)
+                and (n < n_slots or last[units[n - n_slots]] <= done_through)
+                and router.get(units[n], -1) <= done_through
+            ):
+                u = units[n]
+                if n >= n_slots:
+                    ops.append(Wait(copy, f"read:{units[n - n_slots]}"))
+                reads = ()
+                if u in router:
+                    by = steps[router[u]].name
+                    ops.append(Wait(copy, f"routed:{by}"))
+                    reads = (ids_of(by),)
+                ops.append(Copy(copy, u, slot_of[u], reads, cache_of(u) if u in cached else ""))
+                ops.append(Record(copy, f"loaded:{u}"))
+                issued[d] += 1
 
     def prefetch(router_step: int) -> None:
         # the predicted experts into the caches once the router's step is issued (so a host
         # reading the prediction back waits while the device runs the layer's attention)
         for u in sorted(u for u, i in predictor.items() if router.get(u) == router_step):
-            by = steps[predictor[u]].name
-            ops.append(Wait("copy", f"predicted:{by}"))
-            ops.append(Copy("copy", prefetch_of(u), cache_of(u), (predicted_of(by),)))
+            by, copy = steps[predictor[u]].name, queue_of("copy", device_of(steps[first[u]].queue))
+            ops.append(Wait(copy, f"predicted:{by}"))
+            ops.append(Copy(copy, prefetch_of(u), cache_of(u), (predicted_of(by),)))
 
     issue_copies(-1)
     for i, step in enumerate(steps):

@@ -67,6 +67,7 @@ def plan_for_run(
     from solver import budget as B
     from solver.cost import Workload
     from solver.plan import fingerprint, fingerprint_hash, load_plan
+    from solver.profile import for_devices
     from solver.solve import load_profile, solve_plan
 
     if engine == "cuda":
@@ -76,6 +77,8 @@ def plan_for_run(
     if plan_path is not None:
         return load_plan(plan_path)
     prof = load_profile(profile_name)
+    if engine == "standin" and budget:  # its devices take the profile's GPU, one a budget
+        prof = for_devices(prof, len(B.parse_budget(budget)))
     n_ctx = min(n_ctx, spec.hparams.n_ctx_train)
     tier_list = B.parse_tiers(tiers) if tiers else B.default_tiers(n_ctx, users)
     w = Workload(

@@ -35,7 +35,8 @@ class StandInEngine(PlanExecutor):
         """`reference`: a GGUFWeights whose dequantized tensors the compute queue may share (a
         NumPy engine's `w`)."""
         super().__init__(spec, plan, progress, n_seq, unified)
-        self.arena = np.full(self.budget_bytes, POISON, np.uint8)  # one allocation: the budget
+        # one allocation a device: its budget
+        self.arenas = [np.full(b, POISON, np.uint8) for b in self.budgets]
         self.math = {
             "compute": HostMath(spec, exact=True, reference=reference),
             "cpu": HostMath(spec, False, threads),
@@ -49,8 +50,9 @@ class StandInEngine(PlanExecutor):
     # -- tier switch -----------------------------------------------------------------------------
 
     def switch(self, tier: Tier) -> None:
-        steps = weight_steps(self.current.map if self.current else None, tier.map)
-        apply_steps(self.arena, steps, _GroupBytes(self))
+        for d, arena in enumerate(self.arenas):
+            before = self.current.map.get(d, []) if self.current else None
+            apply_steps(arena, weight_steps(before, tier.map.get(d, [])), _GroupBytes(self))
         self.pool = self.new_pool(tier)  # the mirror is written through: nothing to fetch first
         for il, loc in tier.place.kv.items():
             if loc.kind == PINNED:
@@ -102,11 +104,7 @@ class StandInEngine(PlanExecutor):
     # -- one ubatch ------------------------------------------------------------------------------
 
     def execute(self, tier: Tier, st: Act) -> None:
-        memory = {
-            name: self.region(tier, f"scratch:{name[5:]}")
-            for name in tier.slots
-            if name.startswith("slot:")
-        }
+        memory = {name: self.region(tier, region) for name, region in tier.slot_region.items()}
         device = StandInDevice(tier.slots, lambda u: self._host_bytes(tier, u, st),
                                self.seed + self.ubatches, memory, **self.delays)  # fmt: skip
         self.ubatches += 1
@@ -145,7 +143,7 @@ class StandInEngine(PlanExecutor):
         kind = tier.place.groups[group].kind
         if kind == PINNED:
             return tensors_of(self.host.layouts[group], self.region(tier, f"weights:{group}"))
-        (buf,) = (v for name, v in views.items() if name.startswith("slot:"))
+        (buf,) = (v for name, v in views.items() if name.startswith("slot"))
         if kind == ROUTED:
             layout, experts = self.host.layouts[group], routed_experts(st.ids)
             if not tier.place.groups[group].cache:

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import MISSING, dataclass, fields
+from dataclasses import MISSING, dataclass, fields, replace
 from pathlib import Path
 
 from refengine.errors import UserError
@@ -242,3 +242,13 @@ def rpc_device(
         backend="rpc",
         endpoint=endpoint,
     )
+
+
+def for_devices(profile: HardwareProfile, n: int) -> HardwareProfile:
+    """The profile over `n` devices: where it describes fewer GPUs, its first stands for each
+    device it lacks (the stand-in's devices and a GPU's virtual devices have no profile of their
+    own), named `NAME*n`."""
+    if n <= len(profile.gpus):
+        return profile
+    more = (profile.gpus[0],) * (n - len(profile.gpus))
+    return replace(profile, name=f"{profile.name}*{n}", gpus=profile.gpus + more)

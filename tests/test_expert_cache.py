@@ -19,7 +19,7 @@ from cudarun.schedule import Wait, pipeline_schedule, validate
 from cudarun.standin_engine import StandInEngine
 from refengine.agreement import normwise
 from refengine.engine import NumpyEngine
-from refengine.routing_profile import profile_routing
+from cudarun.routing_profile import profile_routing
 from refengine.spec import load_spec
 from refengine.synthetic import write_synthetic
 from solver.cost import PINNED, ROUTED, STREAMED, CostModel, Loc, TierPlacement, Workload, evaluate
@@ -159,22 +159,28 @@ def test_every_wait_of_a_prefetch_and_of_a_cached_copy_is_needed(moe, routing):
 
 
 def test_the_cuda_engine_reads_experts_from_the_cache_and_the_copy(tmp_path):
-    """The simulator at tiny shapes: 8 experts, 2 a token, a cache of 4, or of 3 with prefetch; the expert
-    kernels read each chosen expert at its place, in the cache or in the routed copy."""
+    """The simulator at tiny shapes: 8 experts, 2 a token, a cache of 1 with prefetch, so each
+    decode token's expert kernels read one expert from the routed copy and the other from the
+    cache when the prediction named it (each at its place)."""
+    from cudarun import counts
     from cudarun.cuda_engine import CudaEngine
 
     config = dataclasses.replace(MOE, n_layer=1, n_embd=32, n_head=2, n_head_kv=1, n_vocab=260,
                                  n_expert=8, n_expert_used=2)  # fmt: skip
     spec = load_spec(str(write_synthetic(tmp_path / "m.gguf", config)))
     stats = RoutingStats(8, 2, 1, (0, 8), (1.0, 0.0), (0.0, 0.0), (1.0, 0.0), 0.5)
-    for slots, prefetch in ((4, False), (3, True)):
-        plan, _ = cache_plan(spec, slots, prefetch, stats)
-        engine, reference = CudaEngine(spec, plan), NumpyEngine(spec, n_ctx=N_CTX)
-        assert normwise(engine.prefill([5, 9, 2]), reference.prefill([5, 9, 2])) <= 1e-3
-        for token in (3, 7, 1):
-            assert normwise(engine.decode(token), reference.decode(token)) <= engine.tolerance
-        hits = engine.expert_lookups
-        assert hits["resident"] > 0 and (hits["predicted"] > 0) == prefetch
+    plan, _ = cache_plan(spec, 1, True, stats)
+    engine, reference = CudaEngine(spec, plan), NumpyEngine(spec, n_ctx=N_CTX)
+    assert normwise(engine.prefill([5, 9, 2]), reference.prefill([5, 9, 2])) <= 1e-3
+    for token in (3, 7, 1):
+        assert normwise(engine.decode(token), reference.decode(token)) <= engine.tolerance
+    hits = engine.expert_lookups
+    assert 0 < hits["resident"] <= hits["chosen"] // 2 and hits["predicted"] > 0
+    for (t, n, graph), (ubatches, total) in engine.tally.rows.items():
+        # the prediction's launches and each readback's sync, as the schedule counts them
+        want, _ = counts._expected(engine, engine.tiers[t], n, graph)
+        assert (total.launches, total.syncs) == (ubatches * want.launches,
+                                                 ubatches * want.syncs), (t, n)  # fmt: skip
 
 
 def test_the_planner_gives_routed_layers_a_cache_where_routing_repeats_itself():

@@ -96,6 +96,7 @@ def bench(model, n_prompt, n_gen, depth, ctx_size, baseline, engine_name, trace,
     from rich.table import Table
 
     from cudarun.bench_plan import run_bench
+    from solver.profile import for_devices
     from solver.solve import load_profile
 
     try:
@@ -105,7 +106,8 @@ def bench(model, n_prompt, n_gen, depth, ctx_size, baseline, engine_name, trace,
     spec = load_model(model)
     n_ctx = ctx_size or max(depths) + max(n_prompt, n_gen + 1)
     engine, plan = plan_engine(engine_name, spec, n_ctx, plan_args, n_prompt, n_gen)
-    profile = load_profile(plan_args["profile_name"])
+    # the stand-in's devices take the profile's GPU, one a budget
+    profile = for_devices(load_profile(plan_args["profile_name"]), len(getattr(engine, "budgets", ())))
     if trace:
         engine.trace_events = []
     if repetitions < 1:
@@ -144,6 +146,11 @@ def bench(model, n_prompt, n_gen, depth, ctx_size, baseline, engine_name, trace,
             cells += [f"{base_rows[i].tps:.2f}", f"{r.tps / base_rows[i].tps:.2f}x"]
         table.add_row(*cells)
     con.print(table)
+    looked = getattr(engine, "expert_lookups", {})
+    if looked.get("chosen"):  # counted over every run above
+        con.print(f"expert caches: {looked['resident'] / looked['chosen']:.1%} of the experts "
+                  f"chosen were resident when routed; the prefetch had named "
+                  f"{looked['predicted'] / looked['chosen']:.1%}")  # fmt: skip
     for line in engine.memory_report() + engine.launch_report(profile.gpus[0].launch_seconds.value):
         con.print(line)
     from cudarun.counts import report_lines

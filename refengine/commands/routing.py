@@ -1,5 +1,5 @@
 """`refengine profile-routing`: a MoE model's routing measured on a user's prompts
-(`refengine.routing_profile`), for `solve --routing`."""
+(`cudarun.routing_profile`), for `solve --routing`."""
 
 from __future__ import annotations
 
@@ -31,7 +31,7 @@ def profile_routing(model: str, prompts_path: Path, ids: bool, n_predict: int,
 
     from refengine.generate import prompt_for
     from refengine.models import load_model
-    from refengine.routing_profile import profile_routing as measure
+    from cudarun.routing_profile import profile_routing as measure
 
     spec = load_model(model)
     if not spec.arch.moe:

@@ -15,9 +15,11 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import reference as ref
-from .engine import NumpyEngine
-from .spec import ModelSpec
+from refengine import reference as ref
+from refengine.engine import NumpyEngine
+from refengine.spec import ModelSpec
+
+from .expert_cache import ExpertCache
 
 
 def cache_sizes(n_expert: int, n_used: int) -> list[int]:
@@ -59,8 +61,6 @@ def replay(choices: list[np.ndarray], slots: int, starts: list[int],
     """(chosen, missed, copied before routing, predicted right) over sequences of per-token
     choices [T, k], each replayed from token `starts[s]` on (the generated tokens) through a cache
     of `slots`, empty at the first."""
-    from cudarun.expert_cache import ExpertCache
-
     chosen = missed = early = right = 0
     for s, ids in enumerate(choices):
         cache = ExpertCache(slots)

@@ -1,0 +1,117 @@
+"""Several devices in our runtime (issue 20), layer split on the stand-in: each device its own
+arena (laid out from its memory map), ring, copy queue and compute queue, the activations handed
+from one device to the next through events; a device too small for a layer is left out. Checked
+against the NumPy engine, with every cross-device wait shown to be needed."""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+import pytest
+
+from cudarun.schedule import Record, Wait, device_of, validate
+from cudarun.standin import StandInDevice
+from cudarun.standin_engine import FAST_DELAYS, StandInEngine
+from refengine.agreement import normwise
+from refengine.engine import NumpyEngine
+from refengine.errors import UserError
+from refengine.models import resolve_model
+from refengine.spec import load_spec
+from solver.budget import minimum_budget_bytes
+from solver.cost import Workload
+from solver.groups import tensor_groups
+from solver.profile import for_devices
+from solver.solve import load_profile, solve_plan
+
+N_CTX = 256
+pytestmark = pytest.mark.xdist_group("devices")  # one worker solves each plan once
+
+
+def devices_plan(spec, fractions, tiers=(1, 4, 16)):
+    """The optimizer's plan over one device a budget: a workspace and a fraction of the layers'
+    weights each (0: nothing)."""
+    w = Workload(n_ctx=N_CTX, prompt_tokens=16, gen_tokens=16, threads=2)  # a short request
+    workspace = minimum_budget_bytes(spec, w, max(tiers))
+    layers = sum(g.nbytes for g in tensor_groups(spec) if g.layer is not None)
+    budgets = [int(f * layers) + workspace * (f > 0) for f in fractions]
+    profile = for_devices(load_profile("h100"), len(budgets))
+    return solve_plan(spec, profile, w, list(tiers), budgets, None, 3)
+
+
+def devices_used(plan) -> set[int]:
+    out = set()
+    for tier in plan["tiers"].values():
+        for loc in [*tier["tensors"].values(), *tier["kv"].values()]:
+            if loc != "cpu":
+                out.add(int(loc.split(":")[1].split("+")[0]))
+    return out
+
+
+@functools.lru_cache(maxsize=None)
+def real_plan(name: str, fractions: tuple[float, ...]):
+    spec = load_spec(str(resolve_model(name)))
+    return spec, devices_plan(spec, fractions, tiers=(1, 16))
+
+
+# (model, budgets as fractions of its layers' weights, the devices the plan uses): unequal
+# budgets over two and three devices, and a middle device with no room for a layer
+CASES = {
+    "smollm2-three": ("smollm2-135m", (0.3, 0.3, 0.25), {0, 1, 2}),
+    "gemma3-two": ("gemma3-270m", (0.45, 0.35), {0, 1}),
+    "gemma3-one-left-out": ("gemma3-270m", (0.3, 0, 0.25), {0, 2}),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_layer_split_plans_agree_with_numpy_on_the_stand_in(case):
+    name, fractions, used = CASES[case]
+    spec, plan = real_plan(name, fractions)
+    assert devices_used(plan) == used
+    engine, reference = StandInEngine(spec, plan, seed=4), NumpyEngine(spec, n_ctx=N_CTX)
+    assert {d for t in engine.tiers.values() for d in t.map} == set(range(len(fractions)))
+    ids = np.random.default_rng(2).integers(0, spec.hparams.n_vocab, 7)
+    ours, want = engine.prefill(ids), reference.prefill(ids)
+    for _ in range(2):
+        assert normwise(ours, want) <= engine.tolerance
+        token = int(np.argmax(want))
+        assert int(np.argmax(ours)) == token
+        ours, want = engine.decode(token), reference.decode(token)
+    assert normwise(ours, want) <= engine.tolerance
+
+
+def test_every_cross_device_wait_is_needed_on_five_seeds():
+    """Each wait of a queue for an event another device's queue records (the activations' hop
+    between devices, and the CPU's), removed in turn: the validator names the read, and the
+    stand-in device, run on 5 seeds, reports it."""
+    spec, plan = real_plan(*CASES["smollm2-three"][:2])
+    engine = StandInEngine(spec, plan)
+    tier = max(engine.tiers.values(), key=lambda t: len({device_of(p.queue) for p in t.parts}))
+    ops = tier.schedule
+    recorded_on = {op.event: op.queue for op in ops if isinstance(op, Record)}
+    crossing = [
+        i for i, op in enumerate(ops)
+        if isinstance(op, Wait) and recorded_on[op.event] != op.queue
+        and "cpu" not in (op.queue, recorded_on[op.event])
+        and device_of(recorded_on[op.event]) != device_of(op.queue)
+    ]  # fmt: skip
+    assert len(crossing) >= 2  # device 0 -> 1 -> 2
+    sizes = engine.unit_nbytes(tier)
+    for i in crossing:
+        assert validate(ops[:i] + ops[i + 1 :], tier.slots, sizes), ops[i]
+        for seed in range(5):
+            device = StandInDevice(tier.slots, lambda u: engine._host_bytes(tier, u), seed,
+                                   **FAST_DELAYS)  # fmt: skip
+            try:
+                violations = device.execute(ops[:i] + ops[i + 1 :])
+            finally:
+                device.close()
+            assert violations, f"removing op {i} ({ops[i]}) went unnoticed with seed {seed}"
+
+
+def test_the_cuda_engine_refuses_several_devices_in_one_line(small_models):
+    from cudarun.cuda_engine import CudaEngine
+
+    spec = load_spec(str(small_models["llama"]))
+    with pytest.raises(UserError, match="--engine standin"):
+        CudaEngine(spec, devices_plan(spec, (0.5, 0.5)))
