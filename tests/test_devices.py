@@ -7,17 +7,17 @@ from __future__ import annotations
 
 import functools
 
-import numpy as np
 import pytest
 
 from cudarun.schedule import Record, Wait, device_of, validate
 from cudarun.standin import StandInDevice
 from cudarun.standin_engine import FAST_DELAYS, StandInEngine
-from refengine.agreement import normwise
+from refengine.agreement import agreement_along, reference_run
 from refengine.engine import NumpyEngine
 from refengine.errors import UserError
 from refengine.models import resolve_model
 from refengine.spec import load_spec
+from refengine.tokenizer import Tokenizer
 from solver.budget import minimum_budget_bytes
 from solver.cost import Workload
 from solver.groups import tensor_groups
@@ -25,6 +25,7 @@ from solver.profile import for_devices
 from solver.solve import load_profile, solve_plan
 
 N_CTX = 256
+PROMPT = "The engine streams the weights that do not fit into a ring of slots on the GPU."
 pytestmark = pytest.mark.xdist_group("devices")  # one worker solves each plan once
 
 
@@ -58,7 +59,7 @@ def real_plan(name: str, fractions: tuple[float, ...]):
 # budgets over two and three devices, and a middle device with no room for a layer
 CASES = {
     "smollm2-three": ("smollm2-135m", (0.3, 0.3, 0.25), {0, 1, 2}),
-    "gemma3-two": ("gemma3-270m", (0.45, 0.35), {0, 1}),
+    "smollm2-two": ("smollm2-135m", (0.45, 0.35), {0, 1}),
     "gemma3-one-left-out": ("gemma3-270m", (0.3, 0, 0.25), {0, 2}),
 }
 
@@ -70,14 +71,10 @@ def test_layer_split_plans_agree_with_numpy_on_the_stand_in(case):
     assert devices_used(plan) == used
     engine, reference = StandInEngine(spec, plan, seed=4), NumpyEngine(spec, n_ctx=N_CTX)
     assert {d for t in engine.tiers.values() for d in t.map} == set(range(len(fractions)))
-    ids = np.random.default_rng(2).integers(0, spec.hparams.n_vocab, 7)
-    ours, want = engine.prefill(ids), reference.prefill(ids)
-    for _ in range(2):
-        assert normwise(ours, want) <= engine.tolerance
-        token = int(np.argmax(want))
-        assert int(np.argmax(ours)) == token
-        ours, want = engine.decode(token), reference.decode(token)
-    assert normwise(ours, want) <= engine.tolerance
+    # as `diff` judges it: greedy identical up to a near-tie, top-1 and KL within the path's bounds
+    prompt = Tokenizer.from_gguf(spec.path).encode(PROMPT)
+    a = agreement_along(engine, prompt, reference_run(reference, prompt, 6), engine.tolerance)
+    assert a.ok, a.summary()
 
 
 def test_every_cross_device_wait_is_needed_on_five_seeds():
