@@ -9,8 +9,9 @@ the activations handed over through events. This module holds what does not depe
 the CUDA engine on a GPU.
 
 The arena is one allocation of the budget, laid out exactly as the plan's memory map of the tier:
-pinned weights, the scratch ring, the workspace, and the KV of device-resident layers packed from
-the right. Host memory holds the groups some tier streams, computes on the CPU or pins only in some
+pinned weights, expert caches, the scratch ring, the workspace, and the KV of device-resident
+layers packed from the right; a plan over several devices has an arena, a ring and queues per
+device (docs/runtime.md, Several devices). Host memory holds the groups some tier streams, computes on the CPU or pins only in some
 tiers, and the fp16 KV of every layer (`kvstore.KVMirror`).
 """
 

@@ -60,7 +60,7 @@ def real_plan(name: str, fractions: tuple[float, ...]):
 CASES = {
     "smollm2-three": ("smollm2-135m", (0.3, 0.3, 0.25), {0, 1, 2}),
     "smollm2-two": ("smollm2-135m", (0.45, 0.35), {0, 1}),
-    "gemma3-one-left-out": ("gemma3-270m", (0.3, 0, 0.25), {0, 2}),
+    "smollm2-one-left-out": ("smollm2-135m", (0.3, 0, 0.25), {0, 2}),
 }
 
 

@@ -172,7 +172,7 @@ def test_the_cuda_engine_reads_experts_from_the_cache_and_the_copy(tmp_path):
     plan, _ = cache_plan(spec, 1, True, stats)
     engine, reference = CudaEngine(spec, plan), NumpyEngine(spec, n_ctx=N_CTX)
     assert normwise(engine.prefill([5, 9, 2]), reference.prefill([5, 9, 2])) <= 1e-3
-    for token in (3, 7, 1):
+    for token in (3, 7):
         assert normwise(engine.decode(token), reference.decode(token)) <= engine.tolerance
     hits = engine.expert_lookups
     assert 0 < hits["resident"] <= hits["chosen"] // 2 and hits["predicted"] > 0
