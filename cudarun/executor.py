@@ -26,22 +26,25 @@ from refengine.engine import SequenceCalls, keep_all
 from refengine.errors import UserError
 from refengine.sequences import Sequences, Ubatch, one_sequence
 from refengine.spec import ModelSpec
-from solver.cost import CPU, PINNED, ROUTED, TierPlacement
+from solver.cost import CPU, PINNED, ROUTED, Loc, TierPlacement
 from solver.groups import cache_nbytes, routed_slot_nbytes, tensor_groups
 from solver.memory import kv_cell_nbytes, kv_layer_nbytes
 from solver.plan import Region, fingerprint_hash, placements_from_json, plan_workload
+from solver.shares import Shares
 from solver.usage import kv_shape
 
-from . import program
+from . import program, tensor_program
 from .kvstore import SEQ_WINDOW, KVCells, SwaPool, device_cells
 from .expert_cache import Admission, ExpertCache
 from .schedule import Slot, pipeline_schedule, prefetch_of, slot_name, validate
 from .segments import cpu_segments, ends_with_sync
 from .switch import switch_steps
+from .tensor_program import SUMS
 
 
-# parts whose arithmetic is exact on every queue: the token rows, the attention over the fp16 KV
-EXACT_PARTS = ("embed", "kq")
+# parts whose arithmetic is exact on every queue: the token rows, the attention over the fp16 KV,
+# a tensor split's sums and gather
+EXACT_PARTS = ("embed", "kq", *SUMS, "logits")
 
 
 class PlanError(UserError):
@@ -58,11 +61,13 @@ def check_plan(plan: dict, spec: ModelSpec) -> None:
         )
     if fingerprint_hash(fp) != plan.get("fingerprint_hash"):
         raise PlanError("the plan's fingerprint does not match its contents; solve again")
-    if plan["target"] != "refengine" or plan["split_mode"] != "layer":
-        raise PlanError(
-            f"this plan targets {plan['target']} with split mode {plan['split_mode']}; the "
-            "runtime executes `--target refengine` plans split by layer: solve with those"
-        )
+    if plan["target"] != "refengine":
+        raise PlanError(f"this plan targets {plan['target']}; the runtime executes `--target "
+                        "refengine` plans: solve with that")  # fmt: skip
+    if fp["kv_type"] != "f16":
+        raise PlanError("the runtime keeps an f16 KV cache; solve with --kv-type f16")
+    if plan["split_mode"] == "tensor":
+        return
     for t, place in placements_from_json(plan, spec).items():
         routed = {}
         for g in tensor_groups(spec):
@@ -76,8 +81,6 @@ def check_plan(plan: dict, spec: ModelSpec) -> None:
         if any(len(v) > 1 for v in routed.values()):
             raise PlanError(f"tier {t}: a layer's routed stacks must share one expert cache; "
                             "solve again")  # fmt: skip
-    if fp["kv_type"] != "f16":
-        raise PlanError("the runtime keeps an f16 KV cache; solve with --kv-type f16")
 
 
 def check_users(plan: dict, n_seq: int) -> None:
@@ -98,15 +101,21 @@ class Tier:
         self.map = maps  # device -> its memory map
         # every device's regions by name, a later device's ring and workspace as `name@d`
         self.regions, self.region_device = {}, {}
+        split = engine.shares is not None  # every device holds every layer's regions
         for d, regions in maps.items():
             for r in regions:
-                self.regions[local_name(r.name, d)] = r
-                self.region_device[local_name(r.name, d)] = d
-        self.parts = program.parts(engine.spec, place)
-        self.schedule = pipeline_schedule([p.step for p in self.parts], engine.n_slots)
-        # consecutive CPU parts run as one segment between two hand-offs (segments.py)
-        self.segments = cpu_segments(self.parts, engine.spec.arch.moe)
-        self.final_sync = ends_with_sync(self.parts, self.segments)
+                self.regions[local_name(r.name, d, split)] = r
+                self.region_device[local_name(r.name, d, split)] = d
+        if engine.shares is not None:  # a tensor split: every device's parts and the sums
+            self.parts = tensor_program.parts(engine.spec.hparams.n_layer, engine.shares)
+            self.schedule = tensor_program.schedule(self.parts)
+            self.segments, self.final_sync = [], True
+        else:
+            self.parts = program.parts(engine.spec, place)
+            self.schedule = pipeline_schedule([p.step for p in self.parts], engine.n_slots)
+            # consecutive CPU parts run as one segment between two hand-offs (segments.py)
+            self.segments = cpu_segments(self.parts, engine.spec.arch.moe)
+            self.final_sync = ends_with_sync(self.parts, self.segments)
         self.slots, self.slot_region = {}, {}  # ring slot -> its `scratch:` region's name
         for d, regions in maps.items():
             ring = [r for r in regions if r.name.startswith("scratch:")]
@@ -154,17 +163,23 @@ class PlanExecutor(SequenceCalls):
         self.budget_bytes = self.budgets[0]
         self.cell_nbytes = kv_cell_nbytes(spec, "f16")
         self.groups = {g.name: g for g in tensor_groups(spec)}
-        self.placements = placements_from_json(plan, spec)
+        # a tensor split: each device's shares of every layer (solver.shares)
+        self.shares = Shares.from_json(plan["shares"]) if plan.get("shares") else None
+        if self.shares is not None:
+            self.placements = split_placements(spec, plan)
+        else:
+            self.placements = placements_from_json(plan, spec)
         self.maps = {
             t: {int(d): [Region(*r) for r in m]
                 for d, m in plan["tiers"][str(t)]["memory_map"].items()}
             for t in self.placements
         }  # fmt: skip
         self.n_slots = max(
-            sum(r.name.startswith("scratch:") for r in m)
-            for maps in self.maps.values()
-            for m in maps.values()
-        )
+            (sum(r.name.startswith("scratch:") for r in m)
+             for maps in self.maps.values()
+             for m in maps.values()),
+            default=0,
+        )  # fmt: skip
         self.tier_sizes = sorted(self.placements)
         self.ubatch_tokens = self.tier_sizes[-1]
         everywhere = {
@@ -365,11 +380,21 @@ def group_bytes(engine: "PlanExecutor", group: str) -> np.ndarray:
     return out
 
 
-def local_name(region: str, device: int) -> str:
+def local_name(region: str, device: int, split: bool = False) -> str:
     """A region's name among every device's: a later device's ring slots and workspace, which
-    each device has, as `scratch:0@1`; the others (weights, caches, KV) are one device's."""
-    shared = region.startswith("scratch:") or region == "workspace"
+    each device has, as `scratch:0@1`; the others (weights, caches, KV) are one device's, but
+    under a tensor split (`split`), where each device holds its share of every one."""
+    shared = split or region.startswith("scratch:") or region == "workspace"
     return f"{region}@{device}" if shared and device else region
+
+
+def split_placements(spec: ModelSpec, plan: dict) -> dict[int, TierPlacement]:
+    """A tensor split's placements as the rest of the executor reads them: the embedding on the
+    host, everything else held on the devices (their shares) in every tier."""
+    groups = {g.name: Loc(CPU) if g.name == "token_embd" else Loc(PINNED) for g in
+              tensor_groups(spec)}  # fmt: skip
+    kv = {il: Loc(PINNED) for il in range(spec.hparams.n_layer)}
+    return {int(t): TierPlacement(groups, kv) for t in plan["tiers"]}
 
 
 def weight_steps(before: list[Region] | None, after: list[Region]):

@@ -49,6 +49,7 @@ class Act:
     pred: np.ndarray | None = None  # MoE, prefetch: the experts the router is predicted to choose
     gates: np.ndarray | None = None  # MoE: their weights [T, k]
     logits: np.ndarray | None = None
+    total: np.ndarray | None = None  # a tensor split: the host's latest sum of partial outputs
     record: dict = field(default_factory=dict)  # activation name -> [T, ...] of this ubatch
     cells: CellMap | None = None  # the host KV cells the tokens write and read
     device: DeviceCells | None = None  # and the device's (the plan executor's)

@@ -60,10 +60,11 @@ def plan_for_run(
     say=print,
     users: int = 1,
     unified: bool = False,
+    split_mode: str = "layer",
 ) -> dict:
     """The plan to run: `plan_path`, or the plan cached under the fingerprint of this request
-    (model, context, KV type, threads, users, profile, budget, tiers), or a new one, solved and
-    cached. `threads` 0: the profile's CPU threads."""
+    (model, context, KV type, threads, users, profile, budget, tiers, split mode), or a new one,
+    solved and cached. `threads` 0: the profile's CPU threads."""
     from solver import budget as B
     from solver.cost import Workload
     from solver.plan import fingerprint, fingerprint_hash, load_plan
@@ -91,12 +92,15 @@ def plan_for_run(
     )
     budgets = B.plan_budgets(spec, w, tier_list, budget, reserve, prof,
                              measure_free=measure_free(engine))  # fmt: skip
-    fp_hash = fingerprint_hash(fingerprint(spec, w, prof.name, budgets.bytes, tier_list))
+    fp_hash = fingerprint_hash(
+        fingerprint(spec, w, prof.name, budgets.bytes, tier_list, split_mode)
+    )
     cached = cache_path(spec, fp_hash + (f".{strategy}" if strategy else ""))
     if cached.is_file():
         say(f"reusing the plan {cached}")
         return load_plan(cached)
-    plan = solve_plan(spec, prof, w, budgets.tiers, budgets.bytes, strategy)
+    plan = solve_plan(spec, prof, w, budgets.tiers, budgets.bytes, strategy,
+                      split_mode=None if split_mode == "layer" else split_mode)  # fmt: skip
     # written whole, then renamed: another process reading the cache never sees half a plan
     partial = cached.with_name(f"{cached.name}.{os.getpid()}.partial")
     partial.write_text(json.dumps(plan, indent=1) + "\n")
@@ -139,14 +143,15 @@ def plan_engine(
     say=print,
     n_seq: int = 1,
     unified: bool = False,
+    split_mode: str = "layer",
 ):
     """(a plan engine, its plan) for the words of `run`, `diff` and `bench`: the cpu engine without
     a plan runs every part on the host; otherwise `plan_for_run`'s plan on `make_engine`'s engine.
     `n_seq` sequences (docs/sequences.md), sharing one cache when `unified`."""
     if name == "cpu" and plan_path is None:
-        if budget is not None:
-            raise UserError("--engine cpu runs every part on the host: --budget does not apply "
-                            "(--plan takes a plan's context and tiers)")  # fmt: skip
+        if budget is not None or split_mode != "layer":
+            raise UserError("--engine cpu runs every part on the host: --budget and --split-mode "
+                            "do not apply (--plan takes a plan's context and tiers)")  # fmt: skip
         from solver import budget as B
 
         from .cpu_engine import CpuEngine
@@ -157,5 +162,6 @@ def plan_engine(
         engine.warm_up()
         return engine, {"strategy": "all-host"}
     plan = plan_for_run(spec, name, plan_path, budget, reserve, profile_name, n_ctx, tiers,
-                        strategy, n_prompt, n_predict, threads, say, n_seq, unified)  # fmt: skip
+                        strategy, n_prompt, n_predict, threads, say, n_seq, unified,
+                        split_mode)  # fmt: skip
     return make_engine(name, spec, plan, threads, n_seq=n_seq, unified=unified), plan

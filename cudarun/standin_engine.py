@@ -14,12 +14,14 @@ from solver.cost import PINNED, ROUTED
 from solver.groups import EXPERTS
 
 from . import counts, program
-from .executor import PlanExecutor, Tier, group_bytes, weight_steps
+from .executor import PlanExecutor, Tier, group_bytes, local_name, weight_steps
 from .hostmath import Act, HostMath
 from .hostweights import cache_ranges, routed_pack, routed_tensors_of, tensors_of
 from .kvstore import kv_views
 from .program import routed_experts
 from .segments import SegmentRunner
+from .shards import share_bytes
+from .split_kernels import split_kernels
 from .standin import POISON, StandInDevice
 from .switch import apply_steps
 
@@ -52,19 +54,28 @@ class StandInEngine(PlanExecutor):
     def switch(self, tier: Tier) -> None:
         for d, arena in enumerate(self.arenas):
             before = self.current.map.get(d, []) if self.current else None
-            apply_steps(arena, weight_steps(before, tier.map.get(d, [])), _GroupBytes(self))
+            apply_steps(arena, weight_steps(before, tier.map.get(d, [])), _GroupBytes(self, d))
         self.pool = self.new_pool(tier)  # the mirror is written through: nothing to fetch first
-        for il, loc in tier.place.kv.items():
-            if loc.kind == PINNED:
-                self._lay_kv(il, self.region(tier, f"kv:{il}"), tier.kv_cells[il])
+        if self.shares is not None:  # each device its KV heads of every layer
+            for d in self.shares.devices:
+                for il in tier.kv_cells:
+                    self._lay_kv(il, self.region(tier, local_name(f"kv:{il}", d, True)),
+                                 tier.kv_cells[il], self.shares.kv_heads(self.spec, d))  # fmt: skip
+        else:
+            for il, loc in tier.place.kv.items():
+                if loc.kind == PINNED:
+                    self._lay_kv(il, self.region(tier, f"kv:{il}"), tier.kv_cells[il])
         self.current = tier
 
-    def _lay_kv(self, il: int, buf: np.ndarray, cells: int) -> np.ndarray:
-        """The mirror's keys and values of layer il in the device layout (`kvstore`)."""
+    def _lay_kv(self, il: int, buf: np.ndarray, cells: int, heads=None) -> np.ndarray:
+        """The mirror's keys and values of layer il (of KV `heads` [lo, hi) only, under a tensor
+        split) in the device layout (`kvstore`)."""
         buf[:] = 0  # cells never written must not hold NaN (0 x NaN in the masked sum)
-        k, v = kv_views(buf, cells, self.mirror.k_shape, self.mirror.v_shape)
+        lo, hi = heads or (0, self.mirror.k_shape[0])
+        k_shape, v_shape = (hi - lo, *self.mirror.k_shape[1:]), (hi - lo, *self.mirror.v_shape[1:])
+        k, v = kv_views(buf, cells, k_shape, v_shape)
         dev, host = self.kv_rows(il)
-        k[dev], v[dev] = self.mirror.k[il][host], self.mirror.v[il][host]
+        k[dev], v[dev] = self.mirror.k[il][host, lo:hi], self.mirror.v[il][host, lo:hi]
         return buf
 
     def _host_bytes(self, tier: Tier, unit: str, st: Act | None = None) -> np.ndarray:
@@ -108,8 +119,12 @@ class StandInEngine(PlanExecutor):
         device = StandInDevice(tier.slots, lambda u: self._host_bytes(tier, u, st),
                                self.seed + self.ubatches, memory, **self.delays)  # fmt: skip
         self.ubatches += 1
-        starts = {seg.first: seg for seg in tier.segments}
-        kernels = {p.name: self._kernel(tier, i, p, st, starts) for i, p in enumerate(tier.parts)}
+        if self.shares is not None:
+            kernels = split_kernels(self, tier, st)
+        else:
+            starts = {seg.first: seg for seg in tier.segments}
+            kernels = {p.name: self._kernel(tier, i, p, st, starts)
+                       for i, p in enumerate(tier.parts)}  # fmt: skip
         before = self.runner.calls
         try:
             violations = device.execute(tier.schedule, kernels)
@@ -172,10 +187,15 @@ class StandInEngine(PlanExecutor):
 
 
 class _GroupBytes:
-    """`weights:<group>` -> the group's bytes, for `apply_steps`."""
+    """`weights:<group>` -> the group's bytes (device d's share under a tensor split), for
+    `apply_steps`."""
 
-    def __init__(self, engine: StandInEngine):
-        self.engine = engine
+    def __init__(self, engine: StandInEngine, d: int):
+        self.engine, self.d = engine, d
 
     def __getitem__(self, name: str) -> np.ndarray:
-        return group_bytes(self.engine, name.removeprefix("weights:"))
+        e, group = self.engine, name.removeprefix("weights:")
+        if e.shares is not None:
+            return share_bytes(e.spec, e.groups[group], e.shares, self.d,
+                               e.math["compute"].reference.raw)  # fmt: skip
+        return group_bytes(e, group)

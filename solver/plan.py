@@ -21,7 +21,8 @@ from .cost import PINNED, ROUTED, STREAMED, Loc, Prediction, TierPlacement, Work
 from .groups import Group, cache_nbytes, tensor_groups
 from .memory import kv_layer_nbytes
 from .routing import RoutingStats
-from .tensor_split import tensor_split_nbytes
+from .shares import Shares
+from .tensor_split import device_nbytes, split_memory_map, tensor_split_nbytes
 from .usage import PREFETCH_DEPTH, device_usage, kv_shape
 
 SCHEMA = "refengine.plan"
@@ -92,8 +93,9 @@ def memory_map(
 
 
 def fingerprint(
-    spec: ModelSpec, w: Workload, profile_name: str, budgets: list[int], tiers: list[int]
-) -> dict:
+    spec: ModelSpec, w: Workload, profile_name: str, budgets: list[int], tiers: list[int],
+    split_mode: str = "layer",
+) -> dict:  # fmt: skip
     return {
         "model": spec.name,
         "model_nbytes": spec.file_nbytes,
@@ -106,7 +108,9 @@ def fingerprint(
         "profile": profile_name,
         "budget_bytes": budgets,
         "tiers": tiers,
-    } | ({"routing": w.routing.digest} if w.routing else {})
+    } | ({"routing": w.routing.digest} if w.routing else {}) | (
+        {"split_mode": split_mode} if split_mode != "layer" else {}
+    )
 
 
 def fingerprint_hash(fp: dict) -> str:
@@ -125,11 +129,28 @@ def plan_json(
     solver: dict | None = None,
     not_needed: bool = False,
     split_mode: str = "layer",
+    shares: Shares | None = None,
 ) -> dict:
     groups = tensor_groups(spec)
-    fp = fingerprint(spec, w, profile_name, budgets, sorted(tiers))
+    fp = fingerprint(spec, w, profile_name, budgets, sorted(tiers), split_mode)
     out_tiers = {}
-    if split_mode == "tensor":  # every matrix and all KV split evenly across the GPUs
+    if shares is not None:  # our runtime's tensor split: each device's shares, laid out
+        devices = range(len(budgets))
+        for t in sorted(tiers):
+            out_tiers[str(t)] = {
+                "tensors": {
+                    n: "cpu" if n == "token_embd.weight" else "split" for n in spec.by_name
+                },
+                "kv": {str(il): "split" for il in range(spec.hparams.n_layer)},
+                "memory": {str(d): {"total": device_nbytes(spec, w, t, shares, d)}
+                           for d in devices},
+                "memory_map": {
+                    str(d): [[r.name, r.offset_bytes, r.nbytes]
+                             for r in split_memory_map(spec, w, t, shares, budgets[d], d)]
+                    for d in devices
+                },
+            }  # fmt: skip
+    elif split_mode == "tensor":  # every matrix and all KV split evenly across the GPUs
         for t in sorted(tiers):
             need = tensor_split_nbytes(spec, w, t, len(budgets))
             out_tiers[str(t)] = {
@@ -200,6 +221,7 @@ def plan_json(
         "solver": solver or {},
         "routing": w.routing.to_json() if w.routing else None,
         "tiers": out_tiers,
+        "shares": shares.to_json() if shares is not None else None,
         # llama.cpp allocates once, for its largest ubatch, with the one placement of every tier
         "memory_worst": out_tiers[str(max(tiers))]["memory"] if target == "llamacpp" else None,
     }

@@ -11,7 +11,8 @@ from refengine.defaults import SOLVER_SECONDS
 from refengine.errors import UserError
 from refengine.spec import ModelSpec
 
-from .budget import Budgets, default_tiers, minimum_budget_bytes, parse_tiers, plan_budgets
+from .budget import Budgets, default_tiers, mib_text, minimum_budget_bytes, parse_tiers
+from .budget import plan_budgets
 from .budget import viable_or_refuse
 from .cost import CPU, PINNED, Loc, Prediction, TierPlacement, Workload, evaluate
 from .groups import ATTN_SIDE, EXPERTS, FFN_MATRIX, tensor_groups
@@ -19,7 +20,9 @@ from .memory import kv_layer_nbytes
 from .optimize import RELATIVE_GAP, optimize, score_starts, warm_starts
 from .profile import HardwareProfile
 from .strategies import STRATEGIES, Problem, fit_for_runtime
-from .tensor_split import evaluate_tensor_split, short_devices, tensor_split_nbytes
+from .shares import Shares, units
+from .tensor_split import evaluate_tensor_split, refengine_split, short_devices
+from .tensor_split import tensor_split_nbytes
 from .usage import device_usage, fits_budgets, kv_shape
 
 SHIPPED_PROFILES = Path(__file__).resolve().parents[1] / "examples" / "profiles"
@@ -47,7 +50,8 @@ class Outcome:
     tiers: dict[int, TierPlacement]
     prediction: Prediction
     target: str
-    split_mode: str = "layer"  # or "tensor" (llama.cpp -sm tensor; tiers then say nothing)
+    split_mode: str = "layer"  # or "tensor" (every matrix split; tiers then say nothing)
+    shares: Shares | None = None  # our runtime's tensor split: what each device holds
 
 
 def solve(
@@ -66,8 +70,9 @@ def solve(
     """(chosen plan, every named strategy's plan, solver facts). `budget_bytes`: one per GPU
     (the named strategies use the first). Target llamacpp: the best static placement llama.cpp's
     flags can express, warm-started from its --fit placement; over several GPUs a layer split or
-    a tensor split (`split_mode` "layer" or "tensor"; None: the faster)."""
-    check_split_mode(split_mode, target, budget_bytes)
+    a tensor split (`split_mode` "layer" or "tensor"; None: the faster); target refengine: a
+    tensor split only when asked for."""
+    check_split_mode(split_mode, budget_bytes, strategy)
     began = time.perf_counter()
     budgets = [budget_bytes] if isinstance(budget_bytes, int) else list(budget_bytes)
     first, more = budgets[0], tuple(budgets[1:])
@@ -86,6 +91,8 @@ def solve(
             tiers_ = fit_for_runtime(Problem(spec, profile, w, tuple(tiers), first), named.tiers)
             named = Outcome(strategy, tiers_, evaluate(tiers_, spec, profile, w, target), target)
         return named, baselines, {}
+    if target == "refengine" and split_mode == "tensor":
+        return split_by_tensors(spec, profile, w, tiers, budgets, began, baselines)
     all_pinned = _all_pinned(spec, tiers)
     if (
         target == "refengine"
@@ -217,17 +224,47 @@ def solve(
     return chosen, baselines, facts
 
 
-def check_split_mode(split_mode: str | None, target: str, budget_bytes) -> None:
+def check_split_mode(split_mode: str | None, budget_bytes, strategy=None) -> None:
     if split_mode is None:
         return
     if split_mode not in SPLIT_MODES:
         raise UserError(f"unknown split mode {split_mode!r} (known: {', '.join(SPLIT_MODES)})")
     several = not isinstance(budget_bytes, int) and len(budget_bytes) > 1
-    if split_mode == "tensor" and (target != "llamacpp" or not several):
+    if split_mode == "tensor" and not several:
+        raise UserError("--split-mode tensor splits every matrix over several devices: give a "
+                        "budget per device, e.g. --budget 120MiB,60MiB")  # fmt: skip
+    if split_mode == "tensor" and strategy is not None:
+        raise UserError("the named strategies place layers on one device: leave out --strategy "
+                        "with --split-mode tensor")  # fmt: skip
+
+
+def split_by_tensors(spec, profile, w, tiers, budgets, began, baselines):
+    """Our runtime's tensor split: the shares that fit the budgets, as even as they allow."""
+    if spec.arch.moe:
+        raise UserError("our runtime splits dense models by tensors (expert stacks not yet): use "
+                        "--split-mode layer")  # fmt: skip
+    try:
+        units(spec)
+    except ValueError as e:
+        raise UserError(f"{spec.name} cannot be split by tensors ({e}): use --split-mode layer")
+    # the largest tiers' workspaces may crowd the shares out: the prompt then runs in the
+    # largest ubatches that leave room
+    tiers, dropped = sorted(tiers), []
+    while (found := refengine_split(spec, w, tiers[-1], budgets))[0] is None and len(tiers) > 1:
+        dropped.append(tiers.pop())
+    shares, excluded = found
+    if shares is None:
         raise UserError(
-            "--split-mode tensor is llama.cpp's (-sm tensor) over several GPUs: add "
-            "--target llamacpp and a budget per GPU (our runtime splits by layers)"
+            f"the budgets ({', '.join(mib_text(b) for b in budgets)}) cannot hold "
+            f"{spec.name} split by tensors with ubatches of {tiers[-1]}: raise --budget or use "
+            "--split-mode layer"
         )
+    prediction = evaluate_tensor_split(spec, profile, w, tiers, len(budgets), "refengine", shares)
+    chosen = Outcome("optimal", _all_pinned(spec, tiers), prediction, "refengine", "tensor", shares)
+    left_out = {d: excluded.get(d, 0) for d in range(len(budgets)) if d not in shares.devices}
+    facts = {"split_mode": "tensor", "excluded": left_out, "prefill_ubatch": max(tiers),
+             "dropped_tiers": dropped[::-1], "wall_seconds": time.perf_counter() - began}  # fmt: skip
+    return chosen, baselines, facts
 
 
 def _tensor_split(spec, profile, w, tiers, budgets) -> Outcome | None:
@@ -321,17 +358,20 @@ def solve_plan(
     strategy: str | None = None,
     time_limit_seconds: float = SOLVER_SECONDS,
     objective: str = "e2e",
+    split_mode: str | None = None,
 ) -> dict:
-    """A `refengine` plan as JSON, for the runtime: the optimizer's, or a named strategy's."""
+    """A `refengine` plan as JSON, for the runtime: the optimizer's, or a named strategy's; split
+    by tensors when asked."""
     from .plan import plan_json
 
     viable = viable_or_refuse(spec, w, tiers, budgets)
     chosen, _, facts = solve(
-        spec, profile, w, viable, budgets, objective, strategy, time_limit_seconds
-    )
+        spec, profile, w, viable, budgets, objective, strategy, time_limit_seconds,
+        split_mode=split_mode,
+    )  # fmt: skip
     return plan_json(
         spec, w, profile.name, budgets, chosen.tiers, chosen.prediction, chosen.name,
-        chosen.target, facts, facts.get("not_needed", False), chosen.split_mode,
+        chosen.target, facts, facts.get("not_needed", False), chosen.split_mode, chosen.shares,
     )  # fmt: skip
 
 

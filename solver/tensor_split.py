@@ -9,6 +9,10 @@ terms are llama.cpp's): each layer takes max over GPUs i of (sum of its groups' 
 its attention time on i) / D, plus two all-reduces of 2 hops each (down to the host, up to the
 other GPU), plus its kernel launches; the embedding is gathered on the CPU and sent up (one hop),
 the head is split too and its logits gathered (one hop).
+
+Our runtime executes tensor splits too (target refengine): by the plan's shares (`solver.shares`),
+uneven where the budgets are, every layer split and held on the GPUs, the sums over pinned host
+memory; `refengine_split` chooses the shares and lays out each device's memory.
 """
 
 from __future__ import annotations
@@ -26,8 +30,10 @@ from .cost import (
     request_shapes,
 )
 from .groups import EMBD, tensor_groups
-from .memory import compute_nbytes, kv_layer_nbytes
+from .memory import compute_nbytes, kv_cells, kv_layer_nbytes
 from .profile import HardwareProfile
+from .shares import FF, HEADS, VOCAB, Shares, group_share_nbytes, kv_share_cell_nbytes, shares_for
+from .shares import units
 from .usage import kv_shape
 
 ALL_REDUCES_PER_LAYER = 2
@@ -48,16 +54,27 @@ def short_devices(spec: ModelSpec, w: Workload, tier: int, budgets: list[int]) -
     return {d: need - b for d, b in enumerate(budgets) if b < need}
 
 
-def ubatch_terms(cm: CostModel, n_devices: int, tokens: int, depth: int, sequences: int) -> Terms:
+def even_fractions(n_devices: int) -> list[dict[str, float]]:
+    """llama.cpp's split: an even share of every dimension on each GPU."""
+    return [dict.fromkeys((HEADS, FF, VOCAB), 1 / n_devices)] * n_devices
+
+
+def ubatch_terms(cm: CostModel, fractions: list[dict[str, float]], tokens: int, depth: int,
+                 sequences: int) -> Terms:  # fmt: skip
+    """One ubatch; `fractions`: per device, its share of the heads, the FFN rows and the vocab
+    (llama.cpp's: even)."""
     spec, total = cm.spec, Terms()
     hop = cm.hop_seconds(tokens, spec.hparams.n_embd)
     for il in range(spec.hparams.n_layer):
-        share = max(
-            sum(cm.gpu_seconds(g, tokens, d) for g in cm.by_layer[il])
-            + cm.attention_seconds(il, tokens, depth, Loc(PINNED, d), sequences)
-            for d in range(n_devices)
-        )
-        t = Terms(gpu=share / n_devices)
+        attn, ffn = [g for g in cm.by_layer[il] if g.kind == "attn"], [
+            g for g in cm.by_layer[il] if g.kind != "attn"
+        ]
+        t = Terms(gpu=max(
+            f[HEADS] * (sum(cm.gpu_seconds(g, tokens, d) for g in attn)
+                        + cm.attention_seconds(il, tokens, depth, Loc(PINNED, d), sequences))
+            + f[FF] * sum(cm.gpu_seconds(g, tokens, d) for g in ffn)
+            for d, f in enumerate(fractions)
+        ))  # fmt: skip
         t.latency = ALL_REDUCES_PER_LAYER * 2 * hop + cm.launch_seconds(
             ELEMENTWISE_KERNELS_PER_LAYER + len(cm.by_layer[il]), tokens
         )
@@ -65,7 +82,7 @@ def ubatch_terms(cm: CostModel, n_devices: int, tokens: int, depth: int, sequenc
         total.add(t)
     embd, head = cm.by_layer[None]
     t = Terms(cpu=cm.cpu_seconds(embd, tokens))
-    t.gpu = max(cm.gpu_seconds(head, tokens, d) for d in range(n_devices)) / n_devices
+    t.gpu = max(f[VOCAB] * cm.gpu_seconds(head, tokens, d) for d, f in enumerate(fractions))
     t.latency = 2 * hop  # the embedding up, the logits gathered
     t.total = t.cpu + t.gpu + t.latency
     total.add(t)
@@ -73,16 +90,23 @@ def ubatch_terms(cm: CostModel, n_devices: int, tokens: int, depth: int, sequenc
 
 
 def evaluate_tensor_split(
-    spec: ModelSpec, profile: HardwareProfile, w: Workload, tiers: list[int], n_devices: int
-) -> Prediction:
+    spec: ModelSpec, profile: HardwareProfile, w: Workload, tiers: list[int], n_devices: int,
+    target: str = "llamacpp", shares: Shares | None = None,
+) -> Prediction:  # fmt: skip
     """TTFT, decode time and TPS of the workload under tensor split, as `cost.evaluate` prices a
-    plan (one static placement: no plan switch)."""
-    cm = CostModel(spec, profile, w, "llamacpp")
+    plan (one static placement: no plan switch): llama.cpp's even split, or our runtime's
+    `shares`."""
+    cm = CostModel(spec, profile, w, target)
+    if shares is None:
+        fractions = even_fractions(n_devices)
+    else:
+        fractions = [{dim: shares.fraction(dim, d) for dim in (HEADS, FF, VOCAB)}
+                     for d in range(shares.n_devices)]  # fmt: skip
     shapes, _, _ = request_shapes(cm, sorted(tiers))
     ttft = decode = 0.0
     per_tier: dict[int, dict[int, Terms]] = {}
     for s in shapes:
-        t = ubatch_terms(cm, n_devices, s.tokens, s.depth, s.sequences)
+        t = ubatch_terms(cm, fractions, s.tokens, s.depth, s.sequences)
         per_tier.setdefault(s.tier, {})[s.depth] = t
         if s.part == "prefill":
             ttft += s.weight * t.total
@@ -91,3 +115,94 @@ def evaluate_tensor_split(
     ttft, decode = float(ttft), float(decode)
     tps = w.users * w.gen_tokens / decode if decode > 0 else 0.0
     return Prediction(ttft, decode, tps, ttft + decode, per_tier, 0.0)
+
+
+# -- our runtime's tensor split ------------------------------------------------------------------
+
+
+def workspace_nbytes(spec: ModelSpec, w: Workload, tier: int) -> int:
+    """Each device's workspace: the whole model's for a ubatch (a device's share of it is less;
+    the activations it sums are whole), with a logits row per sequence."""
+    return compute_nbytes(spec, tier, w.n_ctx, w.flash_attn, min(tier, w.users), "refengine")
+
+
+def device_nbytes(spec: ModelSpec, w: Workload, tier: int, shares: Shares, d: int) -> int:
+    """What device d holds in a tier: its share of every layer and the head, of the KV, and a
+    workspace (nothing when it takes no part)."""
+    if not shares.takes_part(d):
+        return 0
+    weights = sum(
+        group_share_nbytes(spec, g.tensors, shares, d) for g in tensor_groups(spec) if g.kind != EMBD
+    )
+    cell = kv_share_cell_nbytes(spec, shares, d, w.kv_type)
+    kv = sum(kv_cells(spec, il, kv_shape(w, tier)) * cell for il in range(spec.hparams.n_layer))
+    return weights + kv + workspace_nbytes(spec, w, tier)
+
+
+def split_memory_map(spec: ModelSpec, w: Workload, tier: int, shares: Shares, budget_bytes: int,
+                     d: int) -> list:  # fmt: skip
+    """Device d's arena in a tier, as `plan.memory_map` lays out a layer split's: its weight
+    shares from the left, the workspace, its KV share of every layer from the right."""
+    from .plan import Region
+
+    if not shares.takes_part(d):
+        return []
+    regions, offset = [], 0
+    for g in tensor_groups(spec):
+        if g.kind != EMBD:
+            regions.append(Region(f"weights:{g.name}", offset,
+                                  group_share_nbytes(spec, g.tensors, shares, d)))  # fmt: skip
+            offset += regions[-1].nbytes
+    regions.append(Region("workspace", offset, workspace_nbytes(spec, w, tier)))
+    offset += regions[-1].nbytes
+    end, cell = budget_bytes, kv_share_cell_nbytes(spec, shares, d, w.kv_type)
+    for il in range(spec.hparams.n_layer):
+        n = kv_cells(spec, il, kv_shape(w, tier)) * cell
+        end -= n
+        regions.append(Region(f"kv:{il}", end, n))
+    if end < offset:  # the shares were chosen to fit: a bug, not a user error
+        raise AssertionError(f"tier {tier}: device {d}'s map overflows its budget by {offset - end} B")
+    return regions
+
+
+def refengine_split(spec: ModelSpec, w: Workload, tier: int, budgets: list[int]):
+    """(shares, excluded devices and the bytes they lack) of our runtime's tensor split for
+    ubatches up to `tier`: every layer cut as evenly as the budgets allow (the devices are alike:
+    the slowest share sets the pace), a device that cannot hold its workspace and a share of
+    every layer left out; None for the shares when the budgets cannot hold the model."""
+    floor, scaling = share_nbytes_line(spec, w, tier)
+    excluded = {d: floor - b for d, b in enumerate(budgets) if b < floor}
+    caps = [0.0 if d in excluded else (b - floor) / scaling for d, b in enumerate(budgets)]
+    for _ in range(50):
+        if sum(caps) < 1.0:
+            return None, excluded
+        ratios = _water_fill(caps)
+        shares = shares_for(spec, ratios)
+        over = {d: device_nbytes(spec, w, tier, shares, d) - budgets[d] for d in shares.devices}
+        over = {d: b for d, b in over.items() if b > 0}
+        if not over:
+            return shares, excluded
+        for d, b in over.items():
+            caps[d] = max(0.0, min(caps[d], ratios[d]) - b / scaling - 1e-6)
+    return None, excluded
+
+
+def share_nbytes_line(spec: ModelSpec, w: Workload, tier: int) -> tuple[int, int]:
+    """(what a device taking part holds at least, what the rest of the model adds to it): its
+    workspace, the tensors each holds whole and a unit of each dimension (with a single KV head,
+    all the KV); a device with a share r of every dimension holds about floor + r * scaling."""
+    one = Shares(*(((0, units(spec)[dim][1]),) for dim in (HEADS, FF, VOCAB)))
+    floor = device_nbytes(spec, w, tier, one, 0)
+    return floor, max(1, device_nbytes(spec, w, tier, shares_for(spec, [1.0]), 0) - floor)
+
+
+def _water_fill(caps: list[float]) -> list[float]:
+    """Ratios summing to 1, each at most its cap, the largest as small as it can be."""
+    lo, hi = 0.0, 1.0
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        if sum(min(c, mid) for c in caps) < 1.0:
+            lo = mid
+        else:
+            hi = mid
+    return [min(c, hi) for c in caps]

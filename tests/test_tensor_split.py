@@ -14,6 +14,7 @@ from solver.plan import plan_json
 from solver.solve import solve
 from solver.tensor_split import (
     evaluate_tensor_split,
+    even_fractions,
     short_devices,
     tensor_split_nbytes,
     ubatch_terms,
@@ -46,7 +47,7 @@ def test_compute_halves_and_each_layer_pays_two_all_reduces():
         {g.name: Loc(PINNED) for g in cm.groups}, {il: Loc(PINNED) for il in range(2)}
     )
     one = cm.layer_terms(0, pinned, 512, 1000, False)
-    split = ubatch_terms(cm, 2, 512, 1000, 1)
+    split = ubatch_terms(cm, even_fractions(2), 512, 1000, 1)
     layers_gpu = 2 * one.gpu / 2  # two layers, each half as long
     head_gpu = cm.gpu_seconds(next(g for g in cm.groups if g.name == "output"), 512) / 2
     assert split.gpu == pytest.approx(layers_gpu + head_gpu)

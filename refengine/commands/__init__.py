@@ -60,6 +60,10 @@ def plan_options(f):
         click.option("--tiers", help="Tokens per ubatch to plan for (default: PSHARD's)."),
         click.option("--threads", default=0, callback=THREADS_CHECK,
                      help="CPU threads of CPU-placed parts (0: all)."),
+        click.option("--split-mode", type=click.Choice(["layer", "tensor"]), default="layer",
+                     show_default=True,
+                     help="Over several budgets: each device a range of layers, or a share of "
+                          "every matrix."),
     ]  # fmt: skip
     for option in reversed(options):
         f = option(f)

@@ -115,7 +115,7 @@ def bench(model, n_prompt, n_gen, depth, ctx_size, baseline, engine_name, trace,
     rows = run_bench(engine, profile, n_prompt, n_gen, depths, repetitions=repetitions)
     base_rows = None
     if baseline:
-        base_args = dict(plan_args, strategy=baseline, plan_path=None)
+        base_args = dict(plan_args, strategy=baseline, plan_path=None, split_mode="layer")
         base_engine, _ = plan_engine(engine_name, spec, n_ctx, base_args, n_prompt, n_gen)
         base_rows = run_bench(base_engine, profile, n_prompt, n_gen, depths,
                               repetitions=repetitions)  # fmt: skip

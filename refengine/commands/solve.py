@@ -53,8 +53,8 @@ from . import THREADS_CHECK, USERS_CHECK, cli, open_for_writing
 @click.option(
     "--split-mode",
     type=click.Choice(["layer", "tensor"]),
-    help="Over several GPUs with --target llamacpp: llama.cpp's -sm layer or -sm tensor "
-    "(default: the faster).",
+    help="Over several GPUs: split by layers or split every matrix (--target llamacpp: llama.cpp's "
+    "-sm layer or -sm tensor, default the faster; --target refengine: layer unless asked).",
 )
 @click.option(
     "--objective", type=click.Choice(["e2e", "tps", "ttft"]), default="e2e", show_default=True
@@ -176,6 +176,10 @@ def solve(
     if chosen.split_mode == "layer":
         con.print(t)
         con.print(mem)
+    elif chosen.shares is not None:
+        con.print("plan: tensor split, every layer and the head split over the GPUs by shares, "
+                  "two sums a layer through host memory")  # fmt: skip
+        _print_shares(con, spec, w, chosen.shares, max(chosen.tiers), budgets)
     else:
         need = tensor_split_nbytes(spec, w, max(chosen.tiers), len(budgets))
         con.print(
@@ -183,7 +187,9 @@ def solve(
             f"{len(budgets)} GPUs: {need / 2**30:.2f} GiB on each"
         )
     for d, lack in sorted(facts.get("excluded", {}).items()):
-        con.print(f"GPU {d} excluded: {mib_text(lack)} short of one layer, its KV and a workspace")
+        what = "its workspace and a share of every layer" if chosen.shares else (
+            "one layer, its KV and a workspace")  # fmt: skip
+        con.print(f"GPU {d} excluded: {mib_text(lack)} short of {what}")
     if solved.budgets.dropped:
         con.print(
             f"not viable (their workspace alone exceeds the budget): tiers {solved.budgets.dropped}"
@@ -220,11 +226,28 @@ def solve(
             facts,
             facts.get("not_needed", False),
             chosen.split_mode,
+            chosen.shares,
         )
         out = open_for_writing(output)
         with out:
             out.write((json.dumps(doc, indent=1) + "\n").encode())
         con.print(f"wrote {output}")
+
+
+def _print_shares(con, spec, w, shares, tier: int, budgets: list[int]) -> None:
+    from rich.table import Table
+
+    from solver.tensor_split import device_nbytes
+
+    t = Table(title=f"shares (ubatch {tier}), MiB")
+    for col in ("GPU", "query heads", "FFN rows", "vocab rows", "total", "budget"):
+        t.add_column(col)
+    for d, b in enumerate(budgets):
+        ranges = (f"{hi - lo} [{lo}, {hi})" for lo, hi in
+                  (shares.heads[d], shares.ff[d], shares.vocab[d]))  # fmt: skip
+        total = device_nbytes(spec, w, tier, shares, d)
+        t.add_row(str(d), *ranges, f"{total / 2**20:.1f}", f"{b / 2**20:.1f}")
+    con.print(t)
 
 
 @cli.command()

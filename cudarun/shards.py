@@ -1,0 +1,53 @@
+"""A device's share of a weight group under a tensor split (`solver.shares`): its layout (the
+group's tensors in their order, each cut to the device's rows or columns) and its bytes, cut from
+the file's."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import numpy as np
+
+from refengine.quants import qtype
+from refengine.spec import ModelSpec, TensorInfo
+from solver.groups import Group
+from solver.shares import Cut, Shares, cut_nbytes, cut_of, cut_shape
+
+from .hostweights import Placed, group_layout
+
+
+def cut_raw(raw: np.ndarray, info: TensorInfo, cut: Cut | None) -> np.ndarray:
+    """The cut of a tensor's raw bytes ([..., row bytes], as `GGUFWeights.raw` gives them)."""
+    if cut is None:
+        return raw
+    if cut.axis == 0 and len(info.shape) > 1:
+        return raw[cut.lo : cut.hi]
+    q = qtype(info.qtype)  # columns: whole blocks of each row (a 1-D tensor is one row)
+    return raw[..., q.row_nbytes(cut.lo) : q.row_nbytes(cut.hi)]
+
+
+def cut_dense(dense: np.ndarray, cut: Cut | None) -> np.ndarray:
+    if cut is None:
+        return dense
+    return dense[cut.lo : cut.hi] if cut.axis == 0 else dense[..., cut.lo : cut.hi]
+
+
+def share_layout(spec: ModelSpec, group: Group, shares: Shares, d: int) -> list[Placed]:
+    out, offset = [], 0
+    for p in group_layout(spec, group):
+        cut = cut_of(spec, p.info.name, shares, d)
+        info = replace(p.info, shape=cut_shape(p.info, cut), nbytes=cut_nbytes(p.info, cut))
+        out.append(Placed(info, offset))
+        offset += info.nbytes
+    return out
+
+
+def share_bytes(spec: ModelSpec, group: Group, shares: Shares, d: int, raw_of) -> np.ndarray:
+    """Device d's bytes of a group in its share layout; `raw_of(name)`: the tensor's raw bytes."""
+    layout = share_layout(spec, group, shares, d)
+    out = np.empty(sum(p.info.nbytes for p in layout), np.uint8)
+    for p in layout:
+        full = spec.by_name[p.info.name]
+        piece = cut_raw(raw_of(full.name), full, cut_of(spec, full.name, shares, d))
+        out[p.offset : p.offset + p.info.nbytes] = np.ascontiguousarray(piece).reshape(-1)
+    return out

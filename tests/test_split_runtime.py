@@ -1,0 +1,160 @@
+"""Tensor split in our runtime (issue 20, seed 002): each device holds its shares of every matrix,
+of the KV heads and of the head, by ratios the budgets allow; two sums a layer over host memory.
+Checked against the NumPy engine on the stand-in, with every cross-queue wait shown needed."""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+import pytest
+
+from cudarun.schedule import Compute, Record, Wait, validate
+from cudarun.shards import cut_raw, share_bytes
+from cudarun.standin import StandInDevice
+from cudarun.standin_engine import FAST_DELAYS, StandInEngine
+from cudarun.tensor_program import SUMS
+from refengine.agreement import agreement_along, reference_run
+from refengine.engine import NumpyEngine
+from refengine.errors import UserError
+from refengine.models import resolve_model
+from refengine.spec import load_spec
+from refengine.tokenizer import Tokenizer
+from refengine.weights import GGUFWeights
+from solver.cost import Workload
+from solver.groups import tensor_groups
+from solver.profile import for_devices
+from solver.shares import FF, HEADS, VOCAB, cut_of, shares_for, units
+from solver.solve import load_profile, solve_plan
+from solver.tensor_split import ALL_REDUCES_PER_LAYER, device_nbytes, refengine_split
+from solver.tensor_split import share_nbytes_line
+
+N_CTX = 128
+W = Workload(n_ctx=N_CTX, prompt_tokens=16, gen_tokens=8, threads=2)
+pytestmark = pytest.mark.xdist_group("devices")
+
+
+def split_plan(spec, fractions, tiers=(1, 8)):
+    """Our runtime's tensor split over one device a budget: what a device taking part holds at
+    least and a fraction of the rest of the model each (0: a device too small to take part)."""
+    floor, scaling = share_nbytes_line(spec, W, max(tiers))
+    budgets = [int(floor + f * scaling) if f else 0 for f in fractions]
+    profile = for_devices(load_profile("h100"), len(budgets))
+    return solve_plan(spec, profile, W, list(tiers), budgets, split_mode="tensor")
+
+
+def test_shares_follow_the_ratios_in_whole_units():
+    spec = load_spec(str(resolve_model("smollm2-135m")))
+    assert units(spec) == {HEADS: (3, 3), FF: (48, 32), VOCAB: (49152, 1)}  # KV groups of 3
+    s = shares_for(spec, [2.0, 1.0])
+    assert s.heads == ((0, 6), (6, 9)) and s.ff == ((0, 1024), (1024, 1536))
+    assert s.kv_heads(spec, 0) == (0, 2) and s.kv_heads(spec, 1) == (2, 3)
+    assert shares_for(spec, [1.0, 0.0, 1.0]).devices == [0, 2]
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "gemma3"])
+def test_a_share_is_the_file_tensors_cut(small_models, arch):
+    """Every device's bytes of every group, put back together along each cut, are the file's."""
+    spec = load_spec(str(small_models[arch]))
+    weights = GGUFWeights(spec)
+    shares = shares_for(spec, [1.0, 2.0])
+    for g in tensor_groups(spec):
+        for name in g.tensors:
+            info, raw = spec.by_name[name], weights.raw(name)
+            cuts = [cut_of(spec, name, shares, d) for d in shares.devices]
+            if cuts[0] is None:
+                continue
+            pieces = [cut_raw(raw, info, c) for c in cuts]
+            axis = 0 if cuts[0].axis == 0 and len(info.shape) > 1 else -1
+            joined = np.concatenate(pieces, axis=axis)
+            if ("attn_k." in name or "attn_v." in name) and spec.hparams.n_head_kv == 1:
+                assert all(np.array_equal(p, raw) for p in pieces)  # the one KV head, on each
+            else:
+                assert np.array_equal(joined, raw), name
+        for d in shares.devices:
+            assert share_bytes(spec, g, shares, d, weights.raw).size > 0
+
+
+def test_budgets_set_the_shares_and_a_small_device_is_left_out(small_models):
+    spec = load_spec(str(small_models["llama"]))
+    whole = device_nbytes(spec, W, 8, shares_for(spec, [1.0]), 0)
+    even, _ = refengine_split(spec, W, 8, [whole, whole])
+    assert even.ff == ((0, 64), (64, 128))
+    budgets = [whole, int(0.7 * whole)]  # the second holds its workspace and less than half
+    uneven, _ = refengine_split(spec, W, 8, budgets)
+    assert uneven.fraction(VOCAB, 0) > uneven.fraction(VOCAB, 1) > 0
+    assert all(device_nbytes(spec, W, 8, uneven, d) <= b for d, b in enumerate(budgets))
+    left, excluded = refengine_split(spec, W, 8, [whole, 1000, whole])
+    assert left.devices == [0, 2] and excluded[1] > 0
+    assert refengine_split(spec, W, 8, [whole // 3, whole // 3])[0] is None
+    with pytest.raises(UserError, match="cannot hold .* split by tensors"):
+        split_plan(spec, (0.45, 0.45))
+    with pytest.raises(UserError, match="a budget per device"):
+        solve_plan(spec, load_profile("h100"), W, [1, 8], [whole], split_mode="tensor")
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "gemma3"])
+def test_tensor_split_agrees_with_numpy_on_the_stand_in(small_models, arch):
+    """Two devices, unequal; three with the middle one left out (gemma3: its one KV head on both
+    devices)."""
+    spec = load_spec(str(small_models[arch]))
+    reference = NumpyEngine(spec, n_ctx=N_CTX)
+    prompt = list(range(3, 40))  # more than a ubatch: a tier switch, several ubatches
+    run = reference_run(reference, prompt, 6)
+    for fractions, used in (((0.7, 0.5), [0, 1]), ((0.6, 0, 0.6), [0, 2])):
+        plan = split_plan(spec, fractions)
+        engine = StandInEngine(spec, plan, seed=3, reference=reference.w)
+        assert engine.shares.devices == used
+        a = agreement_along(engine, prompt, run, engine.tolerance)
+        assert engine.path == "fp32" and a.ok, a.summary()
+
+
+@functools.lru_cache(maxsize=None)
+def smollm2_split(fractions):
+    spec = load_spec(str(resolve_model("smollm2-135m")))
+    return spec, split_plan(spec, fractions, tiers=(1, 16))
+
+
+def test_smollm2_split_over_two_unequal_devices_agrees_with_numpy():
+    spec, plan = smollm2_split((0.7, 0.4))
+    reference = NumpyEngine(spec, n_ctx=N_CTX)
+    engine = StandInEngine(spec, plan, seed=4, reference=reference.w)
+    assert engine.shares.fraction(FF, 0) > engine.shares.fraction(FF, 1) > 0
+    prompt = Tokenizer.from_gguf(spec.path).encode("The engine splits every matrix over two GPUs.")
+    a = agreement_along(engine, prompt, reference_run(reference, prompt, 6), engine.tolerance)
+    assert a.ok, a.summary()
+
+
+def test_every_cross_queue_wait_of_a_tensor_split_is_needed_on_five_seeds(small_models):
+    """Each wait of one queue for another's event (a device for the host's sum, the host for a
+    device's partial output), removed in turn: the validator names the read, and the stand-in
+    device reports it on 5 seeds."""
+    spec = load_spec(str(small_models["gemma3"]))
+    engine = StandInEngine(spec, split_plan(spec, (0.4, 0.4, 0.4)))
+    tier = engine.tiers[1]
+    ops = tier.schedule
+    recorded_on = {op.event: op.queue for op in ops if isinstance(op, Record)}
+    crossing = [i for i, op in enumerate(ops)
+                if isinstance(op, Wait) and recorded_on[op.event] != op.queue]  # fmt: skip
+    n_layer = spec.hparams.n_layer
+    assert len(crossing) == 3 * (1 + 2 * n_layer) + 3 * (2 * n_layer + 1)
+    assert not validate(ops, tier.slots, {})
+    for i in crossing:
+        cut = ops[:i] + ops[i + 1 :]
+        assert validate(cut, tier.slots, {}), ops[i]
+        for seed in range(5):
+            device = StandInDevice(tier.slots, {}, seed, **FAST_DELAYS)
+            try:
+                violations = device.execute(cut)
+            finally:
+                device.close()
+            assert violations, f"removing op {i} ({ops[i]}) went unnoticed with seed {seed}"
+
+
+def test_the_schedule_sums_twice_a_layer_as_the_cost_model_prices(small_models):
+    spec = load_spec(str(small_models["qwen2"]))
+    engine = StandInEngine(spec, split_plan(spec, (0.6, 0.5)))
+    for tier in engine.tiers.values():
+        sums = [op for op in tier.schedule
+                if isinstance(op, Compute) and op.name.endswith(SUMS)]  # fmt: skip
+        assert len(sums) == ALL_REDUCES_PER_LAYER * spec.hparams.n_layer
