@@ -14,6 +14,9 @@ import numpy as np
 from solver.cost import CPU, STREAMED, CostModel, TierPlacement
 from solver.groups import EMBD, EXPERTS, tensor_groups
 from solver.memory import kv_layer_nbytes
+from solver.shares import group_share_nbytes
+from solver.tensor_split import share_fractions, split_operations
+from solver.tensor_split import ubatch_terms as split_terms
 from solver.usage import kv_shape
 
 
@@ -64,6 +67,11 @@ def bound_seconds(engine, place: TierPlacement, tier: int, profile, cm: CostMode
     stack's expected experts), every device-resident weight byte read from HBM, every CPU weight
     byte read from host memory, whichever is longest."""
     spec, gpu = engine.spec, profile.gpus[0]
+    if getattr(engine, "shares", None) is not None:  # a tensor split: the largest share, at once
+        device = max(sum(group_share_nbytes(spec, g.tensors, engine.shares, d)
+                         for g in tensor_groups(spec) if g.kind != EMBD)
+                     for d in engine.shares.devices)  # fmt: skip
+        return device / (gpu.hbm_gbps.value * 1e9)
     streamed, device, host = cm.expert_copy_nbytes(place, tokens), 0, 0
     for g in tensor_groups(spec):
         loc = place.groups[g.name]
@@ -80,6 +88,14 @@ def bound_seconds(engine, place: TierPlacement, tier: int, profile, cm: CostMode
         device / (gpu.hbm_gbps.value * 1e9),
         host / (profile.cpu.memory_gbps.value * 1e9),
     )
+
+
+def ubatch_seconds(engine, cm: CostModel, tier, tokens: int, depth: int) -> float:
+    """The cost model's time of one ubatch of the engine's plan (a tensor split's, by its
+    shares)."""
+    if getattr(engine, "shares", None) is not None:
+        return split_terms(cm, share_fractions(engine.shares), tokens, depth, 1).total
+    return cm.ubatch_terms(tier.place, tokens, depth).total
 
 
 def _fill(engine, depth: int, rng) -> None:
@@ -114,7 +130,7 @@ def run_bench(engine, profile, n_prompt: int, n_gen: int, depths: list[int], see
             for first in range(0, n_prompt, step):
                 n = min(step, n_prompt - first)
                 tier = engine.tier_for(n)
-                predicted += cm.ubatch_terms(tier.place, n, depth + first).total
+                predicted += ubatch_seconds(engine, cm, tier, n, depth + first)
                 bound += bound_seconds(engine, tier.place, tier.tier, profile, cm, n)
                 experts += cm.expert_copy_nbytes(tier.place, n)
             rows.append(Row(f"pp{n_prompt} @ d{depth}", n_prompt, 0, depth, seconds[1:],
@@ -133,14 +149,36 @@ def run_bench(engine, profile, n_prompt: int, n_gen: int, depths: list[int], see
                 seconds.append(time.perf_counter() - start)
                 copied.append(_expert_nbytes(engine) - before)
             tier = engine.tier_for(1)
-            predicted = sum(
-                cm.ubatch_terms(tier.place, 1, depth + 1 + i).total for i in range(n_gen)
-            )
+            predicted = sum(ubatch_seconds(engine, cm, tier, 1, depth + 1 + i) for i in range(n_gen))
             bound = n_gen * bound_seconds(engine, tier.place, tier.tier, profile, cm, 1)
             rows.append(Row(f"tg{n_gen} @ d{depth}", 0, n_gen, depth, seconds[1:], predicted,
                             bound, np.mean(copied[1:]) / n_gen,
                             cm.expert_copy_nbytes(tier.place, 1)))  # fmt: skip
     return rows
+
+
+def operation_lines(engine, profile) -> list[str]:
+    """Per tier and ubatch size run: what each ubatch moved between the CPU and the devices as
+    the engine counted it (copies, all-reduces, hops), beside the cost model's count."""
+    tally = getattr(engine, "tally", None)
+    if tally is None:
+        return []
+    cm = CostModel(engine.spec, profile, engine.workload, "refengine")
+    out = []
+    for (t, n, _), (ubatches, total) in sorted(tally.rows.items()):
+        if engine.shares is not None:
+            want = split_operations(engine.spec.hparams.n_layer, len(engine.shares.devices))
+        else:
+            want = cm.ubatch_operations(engine.tiers[t].place, n)
+        got = [getattr(total, f) / ubatches for f in OPERATIONS]
+        out.append(f"tier {t}, {n}-token ubatches: per ubatch "
+                   + ", ".join(f"{g:g} {f.replace('_', '-')}" for g, f in zip(got, OPERATIONS))
+                   + " counted; the cost model's "
+                   + ", ".join(f"{getattr(want, f)}" for f in OPERATIONS))  # fmt: skip
+    return out
+
+
+OPERATIONS = ("copies", "all_reduces", "hops")
 
 
 def _expert_nbytes(engine) -> int:

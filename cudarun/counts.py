@@ -23,11 +23,13 @@ from contextlib import contextmanager
 from dataclasses import dataclass, fields
 
 from refengine.spec import ModelSpec
-from solver.cost import STREAMED, TierPlacement
+from solver.cost import STREAMED, Operations, TierPlacement, hops_between
 from solver.workspace import MAX_DECODE_TOKENS, PANEL_ROWS
 
 from . import program
+from .schedule import Compute, Copy, Record, Wait, device_of
 from .segments import Segment, cpu_segments, ends_with_sync
+from .tensor_program import SUMS
 
 
 @dataclass(frozen=True)
@@ -39,9 +41,27 @@ class Counts:
     segments: int = 0  # CPU segments run
     downloads: int = 0  # device -> host hand-offs (a batch of copies, then one wait)
     uploads: int = 0  # host -> device hand-offs (a batch of copies, no wait)
+    copies: int = 0  # weight and KV copies up (`solver.cost.Operations`)
+    all_reduces: int = 0
+    hops: int = 0
 
     def __add__(self, other: "Counts") -> "Counts":
         return Counts(*(getattr(self, f.name) + getattr(other, f.name) for f in fields(self)))
+
+
+def schedule_operations(ops) -> Operations:
+    """What a schedule moves, as the cost model counts it (`CostModel.ubatch_operations`): its
+    copies, its sums over the devices (a tensor split's `*_sum` parts) and its hops: each wait of
+    a queue for another's hand-off (`done:` event), one between the CPU and a device, two between
+    devices (through the host)."""
+    where = {op.event: op.queue for op in ops if isinstance(op, Record)}
+    place = lambda q: -1 if q == "cpu" else device_of(q)  # noqa: E731
+    return Operations(
+        copies=sum(isinstance(op, Copy) for op in ops),
+        all_reduces=sum(isinstance(op, Compute) and op.name.endswith(SUMS) for op in ops),
+        hops=sum(hops_between(place(where[op.event]), place(op.queue)) for op in ops
+                 if isinstance(op, Wait) and op.event.startswith("done:")),
+    )  # fmt: skip
 
 
 # -- counted -------------------------------------------------------------------------------------
@@ -114,6 +134,10 @@ def _wrap(owner, name: str, is_launch) -> None:
     counted.counts_launches = True
     counted.__wrapped__ = original
     setattr(owner, name, counted)
+
+
+def operation_counts(ops: Operations) -> Counts:
+    return Counts(copies=ops.copies, all_reduces=ops.all_reduces, hops=ops.hops)
 
 
 class Tally:
@@ -252,10 +276,15 @@ def report_lines(engine) -> list[str]:
     for t in sorted(engine.tiers):
         tier = engine.tiers[t]
         rows = sorted((k, v) for k, v in tally.rows.items() if k[0] == t)
-        if not rows:
+        if not rows and engine.shares is None:
             want, graph = _expected(engine, tier, t, None)
             out.append(f"tier {t}, not run: scheduled {_per_token(want, t, graph)}")
         for (_, n, graph), (ubatches, total) in rows:
+            if engine.shares is not None:  # a tensor split's parts have no launch table yet
+                got = ", ".join(f"{getattr(total, f) / ubatches / n:.2f} {f}" for f in counted)
+                out.append(f"tier {t}, {n}-token ubatches ({ubatches} run): counted per token "
+                           f"{got}")  # fmt: skip
+                continue
             # an engine that counts launches ran eagerly or as a graph; the others: as a GPU would
             want, want_graph = _expected(engine, tier, n, graph if "launches" in counted else None)
             got = ", ".join(f"{getattr(total, f) / ubatches / n:.2f} {f}" for f in counted)

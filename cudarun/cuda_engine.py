@@ -272,7 +272,8 @@ class CudaEngine(PlanExecutor):
             self.pending_logits[:] = stage["logits"][: self.pending_logits.shape[0]]
             self.pending_logits = None
         self.counter = None
-        self.tally.add(tier.tier, n, graph, counter.counts())
+        moved = counts.operation_counts(tier.operations)  # as the schedule it follows
+        self.tally.add(tier.tier, n, graph, counter.counts() + moved)
 
     def _sync(self, waitable) -> None:
         """A host synchronization (a stream or an event), counted."""

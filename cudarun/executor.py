@@ -35,6 +35,7 @@ from solver.usage import kv_shape
 
 from . import program, tensor_program
 from .kvstore import SEQ_WINDOW, KVCells, SwaPool, device_cells
+from .counts import schedule_operations
 from .expert_cache import Admission, ExpertCache
 from .schedule import Slot, pipeline_schedule, prefetch_of, slot_name, validate
 from .segments import cpu_segments, ends_with_sync
@@ -141,6 +142,7 @@ class Tier:
         }
         swa = [c for il, c in self.kv_cells.items() if engine.spec.is_swa(il)]
         self.pool_cells = swa[0] if swa else 0  # every sliding-window layer's device cells
+        self.operations = schedule_operations(self.schedule)  # what each ubatch moves
         errors = validate(self.schedule, self.slots, engine.unit_nbytes(self))
         if errors:  # the schedule builder is wrong: a bug, never a user error
             raise AssertionError(f"tier {tier}: invalid schedule: {errors[:3]}")

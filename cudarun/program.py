@@ -28,6 +28,7 @@ import numpy as np
 
 from refengine.spec import ModelSpec
 from solver.cost import CPU, ROUTED, STREAMED, Loc, TierPlacement
+from solver.groups import FFN_ORDER
 
 from .schedule import Step, queue_of
 
@@ -65,7 +66,6 @@ def predicts(parts: list[Part], index: int) -> bool:
     return any(p.predicted_by == parts[index].name for p in parts)
 
 
-FFN_KINDS = ("ffn_gate", "ffn_up", "ffn_down", "ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")
 
 
 def parts(spec: ModelSpec, place: TierPlacement) -> list[Part]:
@@ -77,7 +77,7 @@ def parts(spec: ModelSpec, place: TierPlacement) -> list[Part]:
         out.append(_part(p + "qkv", "qkv", il, attn, g[attn], attn))
         out.append(_part(p + "kq", "kq", il, None, place.kv[il], f"kv:{il}"))
         out.append(_part(p + "o", "o", il, attn, g[attn], attn))
-        for kind in FFN_KINDS:  # gate and up feed down, whatever the GGUF order
+        for kind in FFN_ORDER:
             if p + kind in g:
                 out.append(_part(p + kind, kind, il, p + kind, g[p + kind], p + kind))
     out.append(_part("output", "output", None, "output", g["output"], "output"))

@@ -130,8 +130,9 @@ class StandInEngine(PlanExecutor):
             violations = device.execute(tier.schedule, kernels)
         finally:
             device.close()
+        done = counts.Counts(segments=self.runner.calls - before)
         self.tally.add(tier.tier, st.tokens.size, False,
-                       counts.Counts(segments=self.runner.calls - before))  # fmt: skip
+                       done + counts.operation_counts(tier.operations))  # fmt: skip
         if self.trace_events is not None:
             self.trace_events.extend(device.trace)
         if violations:  # the schedule or the executor is wrong: a bug, never a user error

@@ -56,7 +56,8 @@ import numpy as np
 from refengine.errors import UserError
 from refengine.spec import ModelSpec
 
-from .groups import EMBD, EXPERTS, HEAD, Group, expert_nbytes, routed_nbytes, tensor_groups
+from .groups import ATTN_SIDE, EMBD, EXPERTS, FFN_ORDER, HEAD, Group, expert_nbytes, routed_nbytes
+from .groups import tensor_groups
 from .memory import expected_distinct_experts, kv_cell_nbytes
 from .profile import HardwareProfile
 from .routing import RoutingStats, miss_ratio, prefetch_ratios
@@ -78,6 +79,15 @@ GGML_CPU_ATTENTION_EFFICIENCY = 0.42
 PSHARD_PAGEABLE_H2D_GBPS = 8.5
 ELEMENTWISE_KERNELS_PER_LAYER = 8
 OBJECTIVES = ("e2e", "tps", "ttft")
+
+
+@dataclass(frozen=True)
+class Operations:
+    """What one ubatch moves between the CPU and the devices, by count."""
+
+    copies: int = 0  # weight or KV copies up (H2D into a ring slot or an expert cache)
+    all_reduces: int = 0  # sums of partial outputs over every device (tensor split)
+    hops: int = 0  # activation copies: CPU <-> a device, or device -> host -> device (two)
 
 
 def hops_between(a: int, b: int) -> int:
@@ -220,6 +230,10 @@ class CostModel:
         self.by_layer: dict[int | None, list[Group]] = {}
         for g in self.groups:
             self.by_layer.setdefault(g.layer, []).append(g)
+        for il, groups in self.by_layer.items():  # each layer's groups in compute order
+            if il is not None:
+                groups.sort(key=lambda g: -1 if g.kind == ATTN_SIDE else
+                            FFN_ORDER.index(g.name.split(".")[2]))  # fmt: skip
         self.threads = workload.threads or profile.cpu.threads
         self.cell_nbytes = kv_cell_nbytes(spec, workload.kv_type)
         hp = spec.hparams
@@ -456,9 +470,7 @@ class CostModel:
             up, down = self.kv_stream_nbytes(il, tokens, depth, sequences)
             t.copy += self.copy_seconds(up, kv.device, cpu_busy)
             t.latency += self.copy_seconds(down, kv.device, cpu_busy)
-        # device sequence: attention side, attention, FFN matrices (in file order)
-        runs_on = [self.effective(g, place.groups[g.name], tokens).where for g in groups]
-        seq = [runs_on[0], kv.where, runs_on[0]] + runs_on[1:]
+        seq = self.layer_sequence(il, place, tokens)
         hops = sum(hops_between(a, b) for a, b in zip(seq, seq[1:]))
         t.latency += hops * self.hop_seconds(tokens, self.hop_width)
         # the residual stream arrives from another device
@@ -470,6 +482,30 @@ class CostModel:
         inner = np.maximum(t.gpu, t.copy) if self.overlap else t.gpu + t.copy
         t.total = inner + t.cpu + t.latency
         return t
+
+    def layer_sequence(self, il: int, place: TierPlacement, tokens: int) -> list[int]:
+        """Where a layer's ops run (Loc.where), in order: its attention side, the attention, the
+        attention side again (the output projection), its FFN matrices in compute order."""
+        runs_on = [self.effective(g, place.groups[g.name], tokens).where for g in self.by_layer[il]]
+        kv = self.attention_loc(place.kv[il], tokens)
+        return [runs_on[0], kv.where, runs_on[0]] + runs_on[1:]
+
+    def ubatch_operations(self, place: TierPlacement, tokens: int) -> "Operations":
+        """What one ubatch moves (our runtime): a copy per streamed unit (a group, a layer's KV; a
+        routed stack's, and its prefetch), a hop per activation copy between devices."""
+        copies = sum(
+            (loc := self.effective(g, place.groups[g.name], tokens)).kind in (STREAMED, ROUTED)
+            and 1 + loc.prefetch
+            for g in self.groups
+        ) + sum(self.attention_loc(kv, tokens).kind == STREAMED for kv in place.kv.values())
+        hops, prev = 0, place.groups["token_embd"].where
+        for il in range(self.spec.hparams.n_layer):
+            seq = self.layer_sequence(il, place, tokens)
+            hops += sum(hops_between(a, b) for a, b in zip([prev, *seq], seq))
+            prev = seq[-1]
+        hops += hops_between(prev, self.effective(self.by_layer[None][-1],
+                                                  place.groups["output"], tokens).where)  # fmt: skip
+        return Operations(copies=int(copies), hops=hops)
 
     def global_terms(
         self, g: Group, place: TierPlacement, tokens: int, cpu_busy: bool, prev: int

@@ -24,6 +24,7 @@ from .cost import (
     PINNED,
     CostModel,
     Loc,
+    Operations,
     Prediction,
     Terms,
     Workload,
@@ -57,6 +58,12 @@ def short_devices(spec: ModelSpec, w: Workload, tier: int, budgets: list[int]) -
 def even_fractions(n_devices: int) -> list[dict[str, float]]:
     """llama.cpp's split: an even share of every dimension on each GPU."""
     return [dict.fromkeys((HEADS, FF, VOCAB), 1 / n_devices)] * n_devices
+
+
+def share_fractions(shares: Shares) -> list[dict[str, float]]:
+    """Our runtime's split: each device's share of every dimension."""
+    return [{dim: shares.fraction(dim, d) for dim in (HEADS, FF, VOCAB)}
+            for d in range(shares.n_devices)]  # fmt: skip
 
 
 def ubatch_terms(cm: CostModel, fractions: list[dict[str, float]], tokens: int, depth: int,
@@ -97,11 +104,7 @@ def evaluate_tensor_split(
     plan (one static placement: no plan switch): llama.cpp's even split, or our runtime's
     `shares`."""
     cm = CostModel(spec, profile, w, target)
-    if shares is None:
-        fractions = even_fractions(n_devices)
-    else:
-        fractions = [{dim: shares.fraction(dim, d) for dim in (HEADS, FF, VOCAB)}
-                     for d in range(shares.n_devices)]  # fmt: skip
+    fractions = even_fractions(n_devices) if shares is None else share_fractions(shares)
     shapes, _, _ = request_shapes(cm, sorted(tiers))
     ttft = decode = 0.0
     per_tier: dict[int, dict[int, Terms]] = {}
@@ -115,6 +118,14 @@ def evaluate_tensor_split(
     ttft, decode = float(ttft), float(decode)
     tps = w.users * w.gen_tokens / decode if decode > 0 else 0.0
     return Prediction(ttft, decode, tps, ttft + decode, per_tier, 0.0)
+
+
+def split_operations(n_layer: int, n_devices: int) -> Operations:
+    """What a tensor split's ubatch moves: two sums a layer, and a hop per device each time the
+    activations change hands (the embedding's rows up; each sum, the partial outputs down and the
+    sum back up; the head's rows down), which the devices make at once (priced as one)."""
+    sums = ALL_REDUCES_PER_LAYER * n_layer
+    return Operations(all_reduces=sums, hops=2 * n_devices * (sums + 1))
 
 
 # -- our runtime's tensor split ------------------------------------------------------------------

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import functools
 
+import numpy as np
 import pytest
 
 from cudarun.schedule import Record, Wait, device_of, validate
@@ -19,8 +20,10 @@ from refengine.models import resolve_model
 from refengine.spec import load_spec
 from refengine.tokenizer import Tokenizer
 from solver.budget import minimum_budget_bytes
-from solver.cost import Workload
-from solver.groups import tensor_groups
+from solver.cost import CPU, PINNED, ROUTED, STREAMED, CostModel, Loc, TierPlacement, Workload
+from solver.cost import evaluate
+from solver.groups import EXPERTS, tensor_groups
+from solver.plan import plan_json
 from solver.profile import for_devices
 from solver.solve import load_profile, solve_plan
 
@@ -112,3 +115,54 @@ def test_the_cuda_engine_refuses_several_devices_in_one_line(small_models):
     spec = load_spec(str(small_models["llama"]))
     with pytest.raises(UserError, match="--engine standin"):
         CudaEngine(spec, devices_plan(spec, (0.5, 0.5)))
+
+
+def random_placements(spec, n_devices: int, rng, tiers=(1, 8)):
+    """Each group and each layer's KV at a random place over the CPU and `n_devices` devices:
+    pinned or streamed; an expert stack also routed, with an expert cache (and its prefetch where
+    the layer's attention is on a device) shared by the layer's stacks."""
+    out = {}
+    for t in tiers:
+        groups, kv = {}, {}
+        for il in range(spec.hparams.n_layer):
+            kv[il] = [Loc(CPU), Loc(PINNED, rng.integers(n_devices)),
+                      Loc(STREAMED, rng.integers(n_devices))][rng.integers(3)]  # fmt: skip
+        cache = {}
+        for g in tensor_groups(spec):
+            d = int(rng.integers(n_devices))
+            choice = [Loc(CPU), Loc(PINNED, d), Loc(STREAMED, d)]
+            if g.kind == EXPERTS:
+                attn_on_gpu = groups[f"blk.{g.layer}.attn"].kind != CPU
+                slots, prefetch = cache.setdefault(
+                    g.layer, (int(rng.choice([0, 2])), attn_on_gpu and bool(rng.integers(2)))
+                )
+                choice.append(Loc(ROUTED, d, slots, prefetch and slots > 0))
+            groups[g.name] = choice[rng.integers(len(choice))]
+        out[t] = TierPlacement(groups, kv)
+    return out
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3", "qwen3moe"])
+def test_the_operations_a_schedule_moves_are_the_cost_models(small_models, arch):
+    """Over random placements on one, two and three devices: the copies and hops of every
+    tier's schedule (what the engines count, ubatch by ubatch) equal `CostModel.ubatch_operations`;
+    one run on the stand-in counts them so."""
+    spec = load_spec(str(small_models[arch]))
+    w = Workload(n_ctx=64, prompt_tokens=8, gen_tokens=4, threads=2)
+    rng = np.random.default_rng(0)
+    for n_devices in (1, 2, 3):
+        profile = for_devices(load_profile("h100"), n_devices)
+        cm = CostModel(spec, profile, w)
+        for _ in range(4):
+            places = random_placements(spec, n_devices, rng)
+            budgets = [4 * spec.weights_nbytes + (8 << 20)] * n_devices
+            plan = plan_json(spec, w, profile.name, budgets, places,
+                             evaluate(places, spec, profile, w), "random", "refengine")  # fmt: skip
+            engine = StandInEngine(spec, plan, seed=1)
+            for t, tier in engine.tiers.items():
+                assert tier.operations == cm.ubatch_operations(tier.place, t), (t, tier.place)
+    engine.prefill(list(range(3, 12)))
+    engine.decode(5)
+    for (t, n, _), (ubatches, total) in engine.tally.rows.items():
+        want = cm.ubatch_operations(engine.tiers[t].place, n)
+        assert (total.copies, total.hops) == (ubatches * want.copies, ubatches * want.hops)

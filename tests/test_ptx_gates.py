@@ -208,7 +208,7 @@ def _kernel_names():
     return [name for name, _, _ in ptx_check.kernels()]
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")  # not torn down when another module's tests run in between
 def assembled(tmp_path_factory):
     """ptx_check --out over every kernel, once: name -> its row of report.json."""
     import json

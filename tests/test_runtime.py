@@ -46,7 +46,7 @@ def real(request):
     spec = load_spec(str(resolve_model(request.param)))
     reference = NumpyEngine(spec, n_ctx=N_CTX)
     prompt = Tokenizer.from_gguf(spec.path).encode(PROMPT)
-    return spec, reference, prompt, reference_run(reference, prompt, 64)
+    return spec, reference, prompt, reference_run(reference, prompt, 32)
 
 
 @pytest.mark.parametrize("plan_name", list(REAL_PLANS))

@@ -27,7 +27,7 @@ from solver.profile import for_devices
 from solver.shares import FF, HEADS, VOCAB, cut_of, shares_for, units
 from solver.solve import load_profile, solve_plan
 from solver.tensor_split import ALL_REDUCES_PER_LAYER, device_nbytes, refengine_split
-from solver.tensor_split import share_nbytes_line
+from solver.tensor_split import share_nbytes_line, split_operations
 
 N_CTX = 128
 W = Workload(n_ctx=N_CTX, prompt_tokens=16, gen_tokens=8, threads=2)
@@ -151,10 +151,19 @@ def test_every_cross_queue_wait_of_a_tensor_split_is_needed_on_five_seeds(small_
             assert violations, f"removing op {i} ({ops[i]}) went unnoticed with seed {seed}"
 
 
-def test_the_schedule_sums_twice_a_layer_as_the_cost_model_prices(small_models):
+def test_the_operations_of_a_tensor_split_are_the_cost_models(small_models):
+    """Two sums a layer, and a hop per device at each hand-off: scheduled, counted on a run, and
+    priced alike."""
     spec = load_spec(str(small_models["qwen2"]))
-    engine = StandInEngine(spec, split_plan(spec, (0.6, 0.5)))
+    engine = StandInEngine(spec, split_plan(spec, (0.6, 0.5, 0.5)))
+    want = split_operations(spec.hparams.n_layer, len(engine.shares.devices))
+    assert want.all_reduces == ALL_REDUCES_PER_LAYER * spec.hparams.n_layer
     for tier in engine.tiers.values():
         sums = [op for op in tier.schedule
                 if isinstance(op, Compute) and op.name.endswith(SUMS)]  # fmt: skip
-        assert len(sums) == ALL_REDUCES_PER_LAYER * spec.hparams.n_layer
+        assert len(sums) == want.all_reduces and tier.operations == want
+    engine.prefill(list(range(3, 12)))
+    engine.decode(5)
+    for (t, n, _), (ubatches, total) in engine.tally.rows.items():
+        assert (total.copies, total.all_reduces, total.hops) == (
+            0, ubatches * want.all_reduces, ubatches * want.hops)  # fmt: skip

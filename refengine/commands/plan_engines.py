@@ -128,7 +128,8 @@ def bench(model, n_prompt, n_gen, depth, ctx_size, baseline, engine_name, trace,
         return
     con = Console()
     where = ("every part on the host" if engine.name == "cpu"
-             else f"budget {engine.budget_bytes / 2**20:.1f} MiB")  # fmt: skip
+             else "budget " + " + ".join(f"{b / 2**20:.1f}" for b in engine.budgets) + " MiB"
+             + (", split by tensors" if engine.shares is not None else ""))  # fmt: skip
     con.print(f"{spec.name}: {plan['strategy']} plan on {engine.name}, {where}")
     table = Table()
     cols = ["test", "t/s", "pred t/s", "bound t/s", "meas/pred"]
@@ -153,9 +154,12 @@ def bench(model, n_prompt, n_gen, depth, ctx_size, baseline, engine_name, trace,
                   f"{looked['predicted'] / looked['chosen']:.1%}")  # fmt: skip
     for line in engine.memory_report() + engine.launch_report(profile.gpus[0].launch_seconds.value):
         con.print(line)
+    from cudarun.bench_plan import operation_lines
     from cudarun.counts import report_lines
 
     for line in report_lines(engine):  # launches and syncs per token, counted and scheduled
+        con.print(line)
+    for line in operation_lines(engine, profile):  # copies, all-reduces, hops: and predicted
         con.print(line)
     if engine.name == "standin":
         con.print("stand-in device: the times are of the host simulation, not of a GPU")
