@@ -158,8 +158,9 @@ def run_bench(engine, profile, n_prompt: int, n_gen: int, depths: list[int], see
 
 
 def operation_lines(engine, profile) -> list[str]:
-    """Per tier and ubatch size run: what each ubatch moved between the CPU and the devices as
-    the engine counted it (copies, all-reduces, hops), beside the cost model's count."""
+    """Per tier and ubatch size run: what each ubatch moved between the CPU and the devices, as
+    the schedule the engine issued counts it (copies, all-reduces, hops: `counts.
+    schedule_operations`), beside the cost model's count."""
     tally = getattr(engine, "tally", None)
     if tally is None:
         return []
@@ -170,10 +171,10 @@ def operation_lines(engine, profile) -> list[str]:
             want = split_operations(engine.spec.hparams.n_layer, len(engine.shares.devices))
         else:
             want = cm.ubatch_operations(engine.tiers[t].place, n)
-        got = [getattr(total, f) / ubatches for f in OPERATIONS]
-        out.append(f"tier {t}, {n}-token ubatches: per ubatch "
-                   + ", ".join(f"{g:g} {f.replace('_', '-')}" for g, f in zip(got, OPERATIONS))
-                   + " counted; the cost model's "
+        got = [getattr(engine.tiers[t].operations, f) for f in OPERATIONS]
+        out.append(f"tier {t}, {n}-token ubatches ({ubatches} run): per ubatch "
+                   + ", ".join(f"{g} {f.replace('_', '-')}" for g, f in zip(got, OPERATIONS))
+                   + " issued; the cost model's "
                    + ", ".join(f"{getattr(want, f)}" for f in OPERATIONS))  # fmt: skip
     return out
 

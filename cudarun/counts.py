@@ -41,9 +41,6 @@ class Counts:
     segments: int = 0  # CPU segments run
     downloads: int = 0  # device -> host hand-offs (a batch of copies, then one wait)
     uploads: int = 0  # host -> device hand-offs (a batch of copies, no wait)
-    copies: int = 0  # weight and KV copies up (`solver.cost.Operations`)
-    all_reduces: int = 0
-    hops: int = 0
 
     def __add__(self, other: "Counts") -> "Counts":
         return Counts(*(getattr(self, f.name) + getattr(other, f.name) for f in fields(self)))
@@ -134,10 +131,6 @@ def _wrap(owner, name: str, is_launch) -> None:
     counted.counts_launches = True
     counted.__wrapped__ = original
     setattr(owner, name, counted)
-
-
-def operation_counts(ops: Operations) -> Counts:
-    return Counts(copies=ops.copies, all_reduces=ops.all_reduces, hops=ops.hops)
 
 
 class Tally:

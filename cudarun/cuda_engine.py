@@ -27,14 +27,15 @@ from solver.groups import EXPERTS
 from solver.workspace import MAX_DECODE_TOKENS, arrays, layout
 
 from . import counts, program
+from .device_hops import DeviceHops
 from .devicemath import CACHE_SLOTS, CACHED, ROUTED_IDS, DeviceMath, device_tensors
-from .executor import PlanExecutor, Tier, group_bytes, weight_steps
+from .executor import PlanExecutor, Tier, group_bytes, local_name, weight_steps
 from .expert_cache import Admission
 from .hostmath import Act, HostMath
-from .hostweights import cache_ranges, routed_ranges
+from .hostweights import cache_ranges, cache_stacks, routed_ranges
 from .kvstore import EMPTY, host_runs, kv_views
 from .program import routed_experts
-from .schedule import Compute, Copy, Record, Wait
+from .schedule import Compute, Copy, Record, Wait, device_of, queue_of
 from .segments import Segment, SegmentRunner
 
 
@@ -54,9 +55,9 @@ class CudaEngine(PlanExecutor):
         from . import driver
         from .executor import PlanError
 
-        if len(plan["fingerprint"]["budget_bytes"]) > 1:
-            raise PlanError("the CUDA engine runs one-device plans for now (several devices run "
-                            "on --engine standin); solve with one --budget")  # fmt: skip
+        if plan["split_mode"] == "tensor":
+            raise PlanError("the CUDA engine runs plans split by layers; a tensor split runs on "
+                            "--engine standin for now")  # fmt: skip
         if not simulated():
             driver.init()  # one line, "no NVIDIA GPU ...", where there is none
             self.free_at_start = driver.mem_info()[0]
@@ -64,15 +65,22 @@ class CudaEngine(PlanExecutor):
 
         self.cuda = cuda
         super().__init__(spec, plan, progress, n_seq, unified)
-        self.arena = cuda.device_array(self.budget_bytes, np.uint8)  # the one allocation
-        self.arenas = [self.arena]
-        if simulated():
-            self.compute, self.copy = cuda.stream(), cuda.stream()
-            self.streams = None
-        else:  # raw non-blocking streams (graph capture needs their handles)
-            self.streams = driver.Stream(), driver.Stream()
-            self.compute, self.copy = (st.numba_stream() for st in self.streams)
-        self.dmath = DeviceMath(spec, self.streams[0].ptr if self.streams else 0)
+        # one allocation a device; several budgets are virtual devices of this GPU, each its own
+        # arena and streams, the activations handed between them through pinned host memory
+        self.arenas = [cuda.device_array(b, np.uint8) for b in self.budgets]
+        self.arena = self.arenas[0]
+        self.queues, self.dmaths, raw = {}, {}, []
+        for d in range(len(self.budgets)):
+            if simulated():
+                pair = cuda.stream(), cuda.stream()
+            else:  # raw non-blocking streams (graph capture needs their handles)
+                raw.append((driver.Stream(), driver.Stream()))
+                pair = tuple(st.numba_stream() for st in raw[-1])
+            self.queues[queue_of("compute", d)], self.queues[queue_of("copy", d)] = pair
+            self.dmaths[d] = DeviceMath(spec, raw[-1][0].ptr if raw else 0)
+        self.streams = raw[0] if raw else None
+        self.compute, self.copy = self.queues["compute"], self.queues["copy"]
+        self.dmath = self.dmaths[0]
         self.graphs: dict[tuple[int, int], object] = {}  # (tier, tokens) -> captured decode
         self.graph_nodes: dict[tuple[int, int], int | None] = {}
         self.ran_eagerly: set[tuple[int, int]] = set()
@@ -89,6 +97,7 @@ class CudaEngine(PlanExecutor):
         self.counter: counts.Counter | None = None  # the ubatch being issued
         self.pending_logits: np.ndarray | None = None  # filled from staging after the last wait
         self.routed_held: dict[str, int] = {}  # routed stack -> experts its slot holds now
+        self.hops = DeviceHops(self)  # a plan over several devices: their hand-offs
 
     def host_alloc(self, nbytes: int) -> np.ndarray:
         """Pinned host memory: copies from it are asynchronous, and nothing streams from pageable
@@ -110,10 +119,11 @@ class CudaEngine(PlanExecutor):
         if not simulated():
             from . import driver
 
-            used = self.free_at_start - driver.mem_info()[0]
-            verdict = "within" if used <= self.budget_bytes else "OVER (a memory-model bug)"
+            used, budget = self.free_at_start - driver.mem_info()[0], sum(self.budgets)
+            verdict = "within" if used <= budget else "OVER (a memory-model bug)"
             out.append(f"device memory used since the context was created: {used / 2**20:.1f} "
-                       f"MiB, {verdict} the budget of {self.budget_bytes / 2**20:.1f} MiB")  # fmt: skip
+                       f"MiB, {verdict} the budget of {budget / 2**20:.1f} MiB"
+                       + (" (its virtual devices' together)" if len(self.budgets) > 1 else ""))  # fmt: skip
         return out
 
     def launch_report(self, launch_seconds: float) -> list[str]:
@@ -137,15 +147,17 @@ class CudaEngine(PlanExecutor):
                     self._download_kv(il, self.region(self.current, f"kv:{il}"),
                                       self.current.kv_cells[il])  # fmt: skip
         self.pool = self.new_pool(tier)
-        for s in weight_steps(self.current.map[0] if self.current else None, tier.map[0]):
-            if s.kind == "move":
-                src = self.arena[s.src : s.src + s.nbytes]
-                if abs(s.src - s.dst) < s.nbytes:  # overlapping: through the host
-                    src = src.copy_to_host()
-                self.arena[s.dst : s.dst + s.nbytes].copy_to_device(src)
-            elif s.kind == "upload":
-                data = group_bytes(self, s.name.removeprefix("weights:"))
-                self.arena[s.dst : s.dst + s.nbytes].copy_to_device(data)
+        for d, arena in enumerate(self.arenas):
+            before = self.current.map.get(d, []) if self.current else None
+            for s in weight_steps(before, tier.map.get(d, [])):
+                if s.kind == "move":
+                    src = arena[s.src : s.src + s.nbytes]
+                    if abs(s.src - s.dst) < s.nbytes:  # overlapping: through the host
+                        src = src.copy_to_host()
+                    arena[s.dst : s.dst + s.nbytes].copy_to_device(src)
+                elif s.kind == "upload":
+                    data = group_bytes(self, s.name.removeprefix("weights:"))
+                    arena[s.dst : s.dst + s.nbytes].copy_to_device(data)
         self.current = tier
         for il, loc in tier.place.kv.items():
             if loc.kind == PINNED:
@@ -189,16 +201,21 @@ class CudaEngine(PlanExecutor):
         return kv_views(buf, cells, self.mirror.k_shape, self.mirror.v_shape)
 
     def synchronize(self) -> None:
-        self.compute.synchronize()
-        self.copy.synchronize()
+        for stream in self.queues.values():
+            stream.synchronize()
 
     # -- one ubatch ------------------------------------------------------------------------------
 
-    def workspace(self, tier: Tier) -> dict:
-        if tier.tier not in self.workspaces:
-            slices = layout(self.spec, tier.tier, self._logit_rows(tier), self.n_ctx)
-            self.workspaces[tier.tier] = arrays(self.region(tier, "workspace"), slices)
-        return self.workspaces[tier.tier]
+    def workspace(self, tier: Tier, d: int = 0) -> dict:
+        """Device d's workspace arrays in a tier (logit rows where the head is: its memory map's
+        size)."""
+        if (tier.tier, d) not in self.workspaces:
+            head = tier.place.groups["output"]
+            rows = self._logit_rows(tier) if head.kind != CPU and head.device == d else 0
+            slices = layout(self.spec, tier.tier, rows, self.n_ctx)
+            region = self.region(tier, local_name("workspace", d))
+            self.workspaces[tier.tier, d] = arrays(region, slices)
+        return self.workspaces[tier.tier, d]
 
     def staging(self, tier: Tier) -> dict:
         """Pinned host arrays, allocated once per tier, through which the activations go down and
@@ -209,11 +226,11 @@ class CudaEngine(PlanExecutor):
         for op in tier.schedule:  # each CPU wait is on a device part's end: the hand-off's wait
             if isinstance(op, Wait) and op.queue == "cpu":
                 name = op.event.removeprefix("done:")
-                assert any(p.name == name and p.queue == "compute" for p in tier.parts), op
+                assert any(p.name == name and p.queue != "cpu" for p in tier.parts), op
         rows = self._logit_rows(tier)
         slices = layout(self.spec, tier.tier, rows, self.n_ctx)
         names = {f for seg in tier.segments for f in seg.reads + seg.writes}
-        if any(p.queue == "compute" for p in tier.parts):
+        if any(p.queue != "cpu" for p in tier.parts):
             names |= {*INPUTS, *self._cell_counts(tier)} | ({"logits"} if rows else set())
         want = {n: slices[n] for n in sorted(names)}
         sizes = {n: int(np.prod(sl.shape)) * np.dtype(sl.dtype).itemsize for n, sl in want.items()}
@@ -241,6 +258,8 @@ class CudaEngine(PlanExecutor):
         return min(tier.tier, self.seqs.n_seq, MAX_DECODE_TOKENS)  # the matvec kernels' rows
 
     def execute(self, tier: Tier, st: Act) -> None:
+        if len(self.budgets) > 1:
+            return self.hops.execute(tier, st)
         n = st.tokens.size
         ws, stage = self.workspace(tier), self.staging(tier)
         host = Act(st.tokens, st.pos, st.all_logits)  # the CPU segments' activations
@@ -272,8 +291,7 @@ class CudaEngine(PlanExecutor):
             self.pending_logits[:] = stage["logits"][: self.pending_logits.shape[0]]
             self.pending_logits = None
         self.counter = None
-        moved = counts.operation_counts(tier.operations)  # as the schedule it follows
-        self.tally.add(tier.tier, n, graph, counter.counts() + moved)
+        self.tally.add(tier.tier, n, graph, counter.counts())
 
     def _sync(self, waitable) -> None:
         """A host synchronization (a stream or an event), counted."""
@@ -285,7 +303,7 @@ class CudaEngine(PlanExecutor):
         # untimed events are cheaper; the simulator's take no arguments
         return self.cuda.event() if simulated() else self.cuda.event(False)
 
-    def _upload_inputs(self, tier: Tier, st: Act, ws: dict, stage: dict) -> None:
+    def _upload_inputs(self, tier: Tier, st: Act, ws: dict, stage: dict, device: int = 0) -> None:
         """Token ids, positions, the device cells the tokens write and the keys they and every
         KV cell hold (`kvstore.DeviceCells`; cells past those in use are EMPTY), through
         staging."""
@@ -297,7 +315,7 @@ class CudaEngine(PlanExecutor):
             src = stage[key][:count]
             src[: values[key].size] = values[key]
             src[values[key].size :] = EMPTY
-            ws[key][:count].copy_to_device(src, stream=self.compute)
+            ws[key][:count].copy_to_device(src, stream=self.queues[queue_of("compute", device)])
 
     def _graphable(self, tier: Tier, st: Act) -> bool:
         """A decode ubatch whose work is all on the device, its KV resident: one CUDA graph (its
@@ -349,10 +367,14 @@ class CudaEngine(PlanExecutor):
                         prefetch = op.tensor.endswith("@prefetch")
                         if (by, prefetch) not in routed:
                             part = tier.parts[index[by]]
-                            routed[by, prefetch] = self._route(tier, part, events, st, host, ws,
-                                                               prefetch)  # fmt: skip
+                            admission, ids = self._route(tier, part, events, st, host, ws,
+                                                         prefetch)  # fmt: skip
+                            if not prefetch:
+                                self._place_experts(tier, part.layer, admission, ids, ws,
+                                                    self.copy)  # fmt: skip
+                            routed[by, prefetch] = admission
                         self._copy_routed(tier, op.tensor.removesuffix("@prefetch"), op.slot,
-                                          routed[by, prefetch])  # fmt: skip
+                                          routed[by, prefetch], prefetch)  # fmt: skip
                     else:
                         self._copy_unit(tier, op.tensor, op.slot)
             elif isinstance(op, Compute):
@@ -380,26 +402,25 @@ class CudaEngine(PlanExecutor):
         return out
 
     def _slot(self, tier: Tier, slot: str):
-        return self.region(tier, "scratch:" + slot.removeprefix("slot:"))
+        return self.region(tier, tier.slot_region[slot])
 
-    def _copy_unit(self, tier: Tier, unit: str, slot: str) -> None:
-        buf = self._slot(tier, slot)
+    def _copy_unit(self, tier: Tier, unit: str, slot: str, copy=None) -> None:
+        buf, copy = self._slot(tier, slot), copy or self.copy
         if unit.startswith("kv:"):
             il = int(unit[3:])
-            self._upload_kv(il, buf, tier.kv_cells[il], self.copy)
+            self._upload_kv(il, buf, tier.kv_cells[il], copy)
         else:
             data = self.host.group(unit)
-            buf[: data.size].copy_to_device(data, stream=self.copy)
+            buf[: data.size].copy_to_device(data, stream=copy)
             if self.groups[unit].kind == EXPERTS:
                 self.expert_copied_nbytes += data.size
 
     def _route(self, tier: Tier, part, events: dict, st: Act, host: Act, ws: dict,
-               prefetch: bool) -> Admission:  # fmt: skip
+               prefetch: bool) -> tuple[Admission, np.ndarray]:  # fmt: skip
         """The experts a router chose (or, for a prefetch, is predicted to choose: `part` is the
-        layer's `qkv`), read back (a sync: the copies depend on them, as under llama.cpp's
-        op-offload); where each goes (`Admission`: its expert cache, else the routed copy); and,
-        for the choice, each chosen expert's place on the device, where the expert products
-        read it."""
+        layer's `qkv`), read back from `ws` (a sync: the copies depend on them, as under
+        llama.cpp's op-offload), and where each goes (`Admission`: its expert cache, else the
+        routed copy); with the ids [T, k]."""
         n, il = st.tokens.size, part.layer
         if part.queue == "cpu":
             ids = host.ids
@@ -411,29 +432,35 @@ class CudaEngine(PlanExecutor):
             admission = self.admit(tier, il, ids, prefetch)
         else:
             admission = Admission(overflow=routed_experts(ids))
-        if not prefetch:
-            slots = tier.cache_slots.get(il, 0)
-            places = np.vectorize(lambda e: admission.place(int(e), slots), otypes=[np.int32])
-            # before the copies' events, which the expert products wait for
-            ws["slot_ids"][:n].copy_to_device(places(ids), stream=self.copy)
-        return admission
+        return admission, ids
 
-    def _copy_routed(self, tier: Tier, unit: str, slot: str, admission: Admission) -> None:
+    def _place_experts(self, tier: Tier, il: int, admission: Admission, ids, ws: dict,
+                       copy) -> None:  # fmt: skip
+        """Each chosen expert's place (its expert cache slot, else its place in the routed copy)
+        into the workspace the expert products read it from, on the copy stream before the
+        copies' events, which the products wait for."""
+        slots = tier.cache_slots.get(il, 0)
+        places = np.vectorize(lambda e: admission.place(int(e), slots), otypes=[np.int32])
+        ws["slot_ids"][: ids.shape[0]].copy_to_device(places(ids), stream=copy)
+
+    def _copy_routed(self, tier: Tier, unit: str, slot: str, admission: Admission,
+                     prefetch: bool, copy=None) -> None:  # fmt: skip
         """A routed stack's experts from pinned host memory: those its expert cache keeps
         (`admission.inserted`) into their cache slots, the others chosen into its ring slot, one
         copy per run of consecutive experts (`routed_ranges`); a prefetch fills the cache only."""
         src, layout, at = self.host.group(unit), self.host.layouts[unit], 0
+        copy = copy or self.copy
         if admission.inserted:
             cache, slots = self.region(tier, f"cache:{unit}"), tier.place.groups[unit].cache
             for e, place in admission.inserted.items():
                 for lo, to, nbytes in cache_ranges(layout, slots, e, place):
-                    cache[to : to + nbytes].copy_to_device(src[lo : lo + nbytes], stream=self.copy)
+                    cache[to : to + nbytes].copy_to_device(src[lo : lo + nbytes], stream=copy)
                     self.expert_copied_nbytes += nbytes
-        if slot.startswith("cache:"):  # a prefetch
+        if prefetch:
             return
         buf = self._slot(tier, slot)
         for lo, nbytes in routed_ranges(layout, admission.overflow):
-            buf[at : at + nbytes].copy_to_device(src[lo : lo + nbytes], stream=self.copy)
+            buf[at : at + nbytes].copy_to_device(src[lo : lo + nbytes], stream=copy)
             at += nbytes
         self.routed_held[unit] = len(admission.overflow)
         self.expert_copied_nbytes += at
@@ -444,12 +471,10 @@ class CudaEngine(PlanExecutor):
             layout = self.host.layouts[group]
             w = device_tensors(layout, self._slot(tier, slot), self.routed_held[group])
             w[ROUTED_IDS] = ws["slot_ids"]
-            if loc.cache:  # each stack's cached experts (`cache_ranges`), before the copy's
-                cache, at = self.region(tier, f"cache:{group}"), 0
-                for p in (p for p in layout if len(p.info.shape) == 3):
-                    nbytes = p.info.nbytes // p.info.shape[0] * loc.cache
+            if loc.cache:  # each stack's cached experts, before the copy's
+                cache = self.region(tier, f"cache:{group}")
+                for p, at, nbytes in cache_stacks(layout, loc.cache):
                     w[p.info.name + CACHED] = cache[at : at + nbytes]
-                    at += nbytes
                 w[CACHE_SLOTS] = loc.cache
             return w
         buf = (
@@ -459,7 +484,7 @@ class CudaEngine(PlanExecutor):
 
     def _device_part(self, tier: Tier, part, st: Act, ws: dict, stage: dict | None,
                      slot: str | None, capturing: bool = False) -> None:  # fmt: skip
-        n, s = st.tokens.size, self.compute
+        n, s, dmath = st.tokens.size, self.queues[part.queue], self.dmaths[device_of(part.queue)]
         if part.kind == "kq":
             il = part.layer
             loc = tier.place.kv[il]
@@ -470,7 +495,7 @@ class CudaEngine(PlanExecutor):
             k_pos = ws["k_pos_swa" if swa else "k_pos"][:cells]
             # a graph replays with other cells in use: over every cell, EMPTY ones masked
             ranges = [(0, n, 0, cells)] if capturing else self.attention_ranges(st, il)
-            self.dmath.kq(ws, n, il, k, v, k_pos, ws["write_swa" if swa else "write"][:n],
+            dmath.kq(ws, n, il, k, v, k_pos, ws["write_swa" if swa else "write"][:n],
                           self.attention_window(il), ranges, s)  # fmt: skip
             if loc.kind == PINNED:  # the buffer stays; the mirror catches up at the next switch
                 return
@@ -483,22 +508,22 @@ class CudaEngine(PlanExecutor):
                 )
             return
         w = self._weights(tier, part.group, slot, ws)
-        getattr(self.dmath, part.kind)(ws, n, w, part.layer, s)
+        getattr(dmath, part.kind)(ws, n, w, part.layer, s)
         if part.kind == "qkv" and program.predicts(tier.parts, tier.parts.index(part)):
-            self.dmath.predict(ws, n, w, part.layer, s)
+            dmath.predict(ws, n, w, part.layer, s)
         if part.kind.startswith("ffn_down"):
-            self._record(st, f"blk.{part.layer}.out", ws["x"][:n])
+            self._record(st, f"blk.{part.layer}.out", ws["x"][:n], s)
         elif part.kind == "output" and capturing:
-            self.dmath.head(ws, w, n - 1, 1, s)  # the logits are read after the replay
+            dmath.head(ws, w, n - 1, 1, s)  # the logits are read after the replay
         elif part.kind == "output":
-            self._record(st, "output_norm", ws["h"][:n])
+            self._record(st, "output_norm", ws["h"][:n], s)
             rows = ws["logits"].shape[0]
             chunks = [(t + i, c + i, min(rows, count - i)) for t, c, count in
                       host_runs(st.logit_rows) for i in range(0, count, rows)]  # fmt: skip
             st.logits = np.empty((st.logit_rows.size, self.spec.hparams.n_vocab), np.float32)
             for j, (first, row, count) in enumerate(chunks):
                 # consecutive rows at once; staged, the last read after the end's wait
-                self.dmath.head(ws, w, row, count, s)
+                dmath.head(ws, w, row, count, s)
                 ws["logits"][:count].copy_to_host(stage["logits"][:count], stream=s)
                 if j + 1 < len(chunks):
                     self._sync(s)
@@ -506,10 +531,10 @@ class CudaEngine(PlanExecutor):
             first, _, count = chunks[-1]
             self.pending_logits = st.logits[first : first + count]
 
-    def _record(self, st: Act, name: str, dev) -> None:
+    def _record(self, st: Act, name: str, dev, stream) -> None:
         if name in self.requested:
-            st.record[name] = dev.copy_to_host(stream=self.compute)
-            self._sync(self.compute)
+            st.record[name] = dev.copy_to_host(stream=stream)
+            self._sync(stream)
 
     def _segment(self, tier: Tier, seg: Segment, st: Act, host: Act, ws: dict,
                  stage: dict) -> None:  # fmt: skip

@@ -83,17 +83,25 @@ def routed_pack(layout: list[Placed], buf: np.ndarray, experts: list[int]) -> np
     return np.concatenate(pieces) if pieces else np.empty(0, np.uint8)
 
 
-def cache_ranges(layout: list[Placed], slots: int, expert: int, slot: int):
-    """(offset in the group, offset in its expert cache, bytes) of expert `expert`'s slice of
-    each stack of the group, held in cache slot `slot`: the cache holds each stack's `slots`
-    slices in turn."""
+def cache_stacks(layout: list[Placed], slots: int) -> list[tuple[Placed, int, int]]:
+    """Each expert stack of a group with its range in the group's expert cache of `slots`
+    experts, (stack, offset, bytes): the cache holds each stack's `slots` slices in turn."""
     out, at = [], 0
     for p in layout:
-        t = p.info
-        if len(t.shape) == 3:
-            per = t.nbytes // t.shape[0]
-            out.append((p.offset + expert * per, at + slot * per, per))
-            at += slots * per
+        if len(p.info.shape) == 3:
+            nbytes = p.info.nbytes // p.info.shape[0] * slots
+            out.append((p, at, nbytes))
+            at += nbytes
+    return out
+
+
+def cache_ranges(layout: list[Placed], slots: int, expert: int, slot: int):
+    """(offset in the group, offset in its expert cache, bytes) of expert `expert`'s slice of
+    each stack of the group, held in cache slot `slot`."""
+    out = []
+    for p, at, _ in cache_stacks(layout, slots):
+        per = p.info.nbytes // p.info.shape[0]
+        out.append((p.offset + expert * per, at + slot * per, per))
     return out
 
 
@@ -118,20 +126,19 @@ def routed_tensors_of(layout: list[Placed], buf: np.ndarray, experts: list[int],
                       cache: np.ndarray | None = None, resident=None) -> dict:  # fmt: skip
     """The tensors of a routed copy in `buf` (`routed_pack` of `experts`): as `tensors_of`, each
     stack a `RoutedStack`, which finds the `resident` experts (expert -> slot) in `cache`."""
-    out, offset, at = {}, 0, 0
+    out, offset = {}, 0
     resident = resident or {}
-    slots = 0 if cache is None else cache.size // sum(
-        p.info.nbytes // p.info.shape[0] for p in layout if len(p.info.shape) == 3
-    )
+    stacks = cache_stacks(layout, 1)
+    slots = 0 if cache is None else cache.size // sum(n for _, _, n in stacks)
+    held = {p.info.name: cache[at:] for p, at, _ in cache_stacks(layout, slots)} if resident else {}
     for p in layout:
         t = p.info
         if len(t.shape) == 3:
             nbytes = t.nbytes // t.shape[0] * len(experts)
             rows = dict(zip(experts, _stack_rows(t, buf[offset:], len(experts))))
             if resident:
-                held = _stack_rows(t, cache[at:], slots)
-                rows.update({e: held[slot] for e, slot in resident.items()})
-                at += t.nbytes // t.shape[0] * slots
+                cached = _stack_rows(t, held[t.name], slots)
+                rows.update({e: cached[slot] for e, slot in resident.items()})
             out[t.name] = RoutedStack(rows)
         else:
             nbytes = t.nbytes

@@ -78,8 +78,8 @@ def plan_for_run(
     if plan_path is not None:
         return load_plan(plan_path)
     prof = load_profile(profile_name)
-    if engine == "standin" and budget:  # its devices take the profile's GPU, one a budget
-        prof = for_devices(prof, len(B.parse_budget(budget)))
+    if engine in ("standin", "cuda") and budget:  # the stand-in's devices and the GPU's virtual
+        prof = for_devices(prof, len(B.parse_budget(budget)))  # ones: the profile's GPU a budget
     n_ctx = min(n_ctx, spec.hparams.n_ctx_train)
     tier_list = B.parse_tiers(tiers) if tiers else B.default_tiers(n_ctx, users)
     w = Workload(

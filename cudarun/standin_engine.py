@@ -130,9 +130,8 @@ class StandInEngine(PlanExecutor):
             violations = device.execute(tier.schedule, kernels)
         finally:
             device.close()
-        done = counts.Counts(segments=self.runner.calls - before)
         self.tally.add(tier.tier, st.tokens.size, False,
-                       done + counts.operation_counts(tier.operations))  # fmt: skip
+                       counts.Counts(segments=self.runner.calls - before))  # fmt: skip
         if self.trace_events is not None:
             self.trace_events.extend(device.trace)
         if violations:  # the schedule or the executor is wrong: a bug, never a user error
@@ -161,9 +160,9 @@ class StandInEngine(PlanExecutor):
             return tensors_of(self.host.layouts[group], self.region(tier, f"weights:{group}"))
         (buf,) = (v for name, v in views.items() if name.startswith("slot"))
         if kind == ROUTED:
-            layout, experts = self.host.layouts[group], routed_experts(st.ids)
+            layout = self.host.layouts[group]
             if not tier.place.groups[group].cache:
-                return routed_tensors_of(layout, buf, experts)
+                return routed_tensors_of(layout, buf, routed_experts(st.ids))
             got, cache = self.admitted[(self.groups[group].layer, False)], f"cache:{group}"
             return routed_tensors_of(layout, buf, got.overflow, self.region(tier, cache),
                                      got.resident)  # fmt: skip

@@ -189,6 +189,18 @@ def solve(
     # optimizer's plan against every warm start, named strategy and static plan; the best stands.
     _, _, chosen_from, plan, excluded = min(pool, key=lambda c: c[:2])
     chosen = Outcome("optimal", plan, evaluate(plan, spec, profile, w, target), target)
+    tensor_facts = None
+    if target == "refengine" and more and split_mode is None:  # or our tensor split, if faster
+        try:
+            split, _, tensor_facts = split_by_tensors(spec, profile, w, tiers, budgets, began, [])
+        except UserError:  # it does not fit, or the model cannot be split so
+            split = None
+        if split is not None:
+            baselines.append(replace(split, name="tensor-split"))
+            if split.prediction.objective(objective) < chosen.prediction.objective(objective):
+                chosen = split
+            else:
+                tensor_facts = None
     if target == "llamacpp" and more and split_mode != "layer":  # or split every matrix
         split = _tensor_split(spec, profile, w, tiers, budgets)
         if split is not None:
@@ -219,7 +231,9 @@ def solve(
         "prefill_ubatch": max(chosen.tiers),
         "excluded": excluded,
     }
-    if chosen.split_mode == "tensor":  # the program's figures are the layer split's
+    if tensor_facts is not None:
+        facts = tensor_facts
+    elif chosen.split_mode == "tensor":  # the program's figures are the layer split's
         facts = {"split_mode": "tensor", "excluded": excluded, "prefill_ubatch": max(tiers)}
     return chosen, baselines, facts
 
@@ -250,7 +264,10 @@ def split_by_tensors(spec, profile, w, tiers, budgets, began, baselines):
     # the largest tiers' workspaces may crowd the shares out: the prompt then runs in the
     # largest ubatches that leave room
     tiers, dropped = sorted(tiers), []
-    while (found := refengine_split(spec, w, tiers[-1], budgets))[0] is None and len(tiers) > 1:
+    speeds = [g.hbm_gbps.value for g in profile.gpus[: len(budgets)]]  # decode reads weights
+    while (found := refengine_split(spec, w, tiers[-1], budgets, speeds))[0] is None and len(
+        tiers
+    ) > 1:
         dropped.append(tiers.pop())
     shares, excluded = found
     if shares is None:

@@ -176,18 +176,20 @@ def split_memory_map(spec: ModelSpec, w: Workload, tier: int, shares: Shares, bu
     return regions
 
 
-def refengine_split(spec: ModelSpec, w: Workload, tier: int, budgets: list[int]):
+def refengine_split(spec: ModelSpec, w: Workload, tier: int, budgets: list[int],
+                    speeds: list[float] | None = None):  # fmt: skip
     """(shares, excluded devices and the bytes they lack) of our runtime's tensor split for
-    ubatches up to `tier`: every layer cut as evenly as the budgets allow (the devices are alike:
-    the slowest share sets the pace), a device that cannot hold its workspace and a share of
-    every layer left out; None for the shares when the budgets cannot hold the model."""
+    ubatches up to `tier`: every layer cut in proportion to the devices' `speeds` (the slowest
+    share sets the pace; None: alike) as far as the budgets allow, a device that cannot hold its
+    workspace and a share of every layer left out; None for the shares when the budgets cannot
+    hold the model."""
     floor, scaling = share_nbytes_line(spec, w, tier)
     excluded = {d: floor - b for d, b in enumerate(budgets) if b < floor}
     caps = [0.0 if d in excluded else (b - floor) / scaling for d, b in enumerate(budgets)]
     for _ in range(50):
         if sum(caps) < 1.0:
             return None, excluded
-        ratios = _water_fill(caps)
+        ratios = _water_fill(caps, speeds or [1.0] * len(caps))
         shares = shares_for(spec, ratios)
         over = {d: device_nbytes(spec, w, tier, shares, d) - budgets[d] for d in shares.devices}
         over = {d: b for d, b in over.items() if b > 0}
@@ -207,13 +209,14 @@ def share_nbytes_line(spec: ModelSpec, w: Workload, tier: int) -> tuple[int, int
     return floor, max(1, device_nbytes(spec, w, tier, shares_for(spec, [1.0]), 0) - floor)
 
 
-def _water_fill(caps: list[float]) -> list[float]:
-    """Ratios summing to 1, each at most its cap, the largest as small as it can be."""
-    lo, hi = 0.0, 1.0
-    for _ in range(60):
+def _water_fill(caps: list[float], speeds: list[float]) -> list[float]:
+    """Ratios summing to 1, each at most its cap, the longest share (ratio over speed) as short
+    as it can be: min(cap, level * speed), at the least level that adds up."""
+    lo, hi = 0.0, 1.0 / min(speeds)
+    for _ in range(80):
         mid = (lo + hi) / 2
-        if sum(min(c, mid) for c in caps) < 1.0:
+        if sum(min(c, mid * v) for c, v in zip(caps, speeds)) < 1.0:
             lo = mid
         else:
             hi = mid
-    return [min(c, hi) for c in caps]
+    return [min(c, hi * v) for c, v in zip(caps, speeds)]

@@ -105,7 +105,7 @@ def test_cli_runs_and_benches_the_cpu_engine(small_models):
     assert all(r["avg_ts"] > 0 and len(r["samples_ts"]) == 2 and "stddev_ts" in r
                for r in records)  # fmt: skip
     out = refengine("bench", model, "--engine", "cpu", "--budget", "1GiB")
-    assert out.returncode == 2 and "--budget does not apply" in out.stderr
+    assert out.returncode == 2 and "--budget and --split-mode do not apply" in out.stderr
 
 
 def test_the_heads_second_int8_plane_recovers_what_the_first_rounds_away():

@@ -1,7 +1,9 @@
 """The runtime on the stand-in device against the NumPy engine: the real SmolLM2 and Gemma-3 files
-under three plans each (everything pinned; 40% of the weights, streaming; CPU-placed tensors),
+under three plans (everything pinned, SmolLM2 only; 40% of the weights, streaming; CPU-placed tensors),
 prefill at tier 512 and decode at tier 1, and tiny synthetic models of every architecture under
 plans that switch tiers back and forth."""
+
+import functools
 
 import numpy as np
 import pytest
@@ -41,17 +43,24 @@ def kinds(plan, tier):
     return {loc.split(":")[0] for loc in locs}
 
 
-@pytest.fixture(scope="module", params=["smollm2-135m", "gemma3-270m"])
-def real(request):
-    spec = load_spec(str(resolve_model(request.param)))
+@functools.lru_cache(maxsize=1)  # the cases of one model run one after another
+def real(name: str):
+    spec = load_spec(str(resolve_model(name)))
     reference = NumpyEngine(spec, n_ctx=N_CTX)
     prompt = Tokenizer.from_gguf(spec.path).encode(PROMPT)
     return spec, reference, prompt, reference_run(reference, prompt, 32)
 
 
-@pytest.mark.parametrize("plan_name", list(REAL_PLANS))
-def test_real_models_agree_with_numpy_under_each_plan(real, plan_name):
-    spec, reference, prompt, rows = real
+# Gemma-3 all pinned is left out: its 262K-token head made it the slowest case, and pinned adds
+# nothing there that SmolLM2 pinned and Gemma-3's other plans do not run
+@pytest.mark.parametrize("name, plan_name", [
+    pytest.param(name, plan, marks=pytest.mark.xdist_group(f"real-{name}"))  # one reference run
+    for name, plan in [("smollm2-135m", "pinned"), ("smollm2-135m", "streamed-40%"),
+                       ("smollm2-135m", "cpu-placed"), ("gemma3-270m", "streamed-40%"),
+                       ("gemma3-270m", "cpu-placed")]
+])  # fmt: skip
+def test_real_models_agree_with_numpy_under_each_plan(name, plan_name):
+    spec, reference, prompt, rows = real(name)
     plan = plan_for(spec, *REAL_PLANS[plan_name])
     if plan_name == "pinned":
         assert kinds(plan, 1) == kinds(plan, 512) == {"pinned"}

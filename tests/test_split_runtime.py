@@ -25,7 +25,7 @@ from solver.cost import Workload
 from solver.groups import tensor_groups
 from solver.profile import for_devices
 from solver.shares import FF, HEADS, VOCAB, cut_of, shares_for, units
-from solver.solve import load_profile, solve_plan
+from solver.solve import load_profile, solve, solve_plan
 from solver.tensor_split import ALL_REDUCES_PER_LAYER, device_nbytes, refengine_split
 from solver.tensor_split import share_nbytes_line, split_operations
 
@@ -75,7 +75,7 @@ def test_a_share_is_the_file_tensors_cut(small_models, arch):
             assert share_bytes(spec, g, shares, d, weights.raw).size > 0
 
 
-def test_budgets_set_the_shares_and_a_small_device_is_left_out(small_models):
+def test_budgets_and_speeds_set_the_shares_and_a_small_device_is_left_out(small_models):
     spec = load_spec(str(small_models["llama"]))
     whole = device_nbytes(spec, W, 8, shares_for(spec, [1.0]), 0)
     even, _ = refengine_split(spec, W, 8, [whole, whole])
@@ -84,11 +84,16 @@ def test_budgets_set_the_shares_and_a_small_device_is_left_out(small_models):
     uneven, _ = refengine_split(spec, W, 8, budgets)
     assert uneven.fraction(VOCAB, 0) > uneven.fraction(VOCAB, 1) > 0
     assert all(device_nbytes(spec, W, 8, uneven, d) <= b for d, b in enumerate(budgets))
+    faster, _ = refengine_split(spec, W, 8, [whole, whole], speeds=[3.0, 1.0])
+    assert faster.ff == ((0, 96), (96, 128))  # a device three times as fast: three times the rows
     left, excluded = refengine_split(spec, W, 8, [whole, 1000, whole])
     assert left.devices == [0, 2] and excluded[1] > 0
     assert refengine_split(spec, W, 8, [whole // 3, whole // 3])[0] is None
+    dropped = split_plan(spec, (0.45, 0.45))  # tier 8's workspace crowds the shares out
+    assert list(dropped["tiers"]) == ["1"] and dropped["solver"]["dropped_tiers"] == [8]
     with pytest.raises(UserError, match="cannot hold .* split by tensors"):
-        split_plan(spec, (0.45, 0.45))
+        solve_plan(spec, for_devices(load_profile("h100"), 2), W, [1, 8], [whole // 5] * 2,
+                   split_mode="tensor")  # fmt: skip
     with pytest.raises(UserError, match="a budget per device"):
         solve_plan(spec, load_profile("h100"), W, [1, 8], [whole], split_mode="tensor")
 
@@ -152,8 +157,7 @@ def test_every_cross_queue_wait_of_a_tensor_split_is_needed_on_five_seeds(small_
 
 
 def test_the_operations_of_a_tensor_split_are_the_cost_models(small_models):
-    """Two sums a layer, and a hop per device at each hand-off: scheduled, counted on a run, and
-    priced alike."""
+    """Two sums a layer, and a hop per device at each hand-off: scheduled and priced alike."""
     spec = load_spec(str(small_models["qwen2"]))
     engine = StandInEngine(spec, split_plan(spec, (0.6, 0.5, 0.5)))
     want = split_operations(spec.hparams.n_layer, len(engine.shares.devices))
@@ -162,8 +166,16 @@ def test_the_operations_of_a_tensor_split_are_the_cost_models(small_models):
         sums = [op for op in tier.schedule
                 if isinstance(op, Compute) and op.name.endswith(SUMS)]  # fmt: skip
         assert len(sums) == want.all_reduces and tier.operations == want
-    engine.prefill(list(range(3, 12)))
-    engine.decode(5)
-    for (t, n, _), (ubatches, total) in engine.tally.rows.items():
-        assert (total.copies, total.all_reduces, total.hops) == (
-            0, ubatches * want.all_reduces, ubatches * want.hops)  # fmt: skip
+
+
+def test_solve_weighs_our_tensor_split_against_the_layer_split(small_models):
+    """Over several budgets, unless a split mode is named: the tensor split among the plans
+    compared, and the chosen plan never slower than it."""
+    spec = load_spec(str(small_models["llama"]))
+    floor, scaling = share_nbytes_line(spec, W, 8)
+    budgets = [floor + scaling] * 2
+    chosen, baselines, _ = solve(spec, for_devices(load_profile("h100"), 2), W, [1, 8], budgets,
+                                 time_limit_seconds=3)  # fmt: skip
+    split = next(b for b in baselines if b.name == "tensor-split")
+    assert split.shares is not None and split.target == "refengine"
+    assert chosen.prediction.e2e_seconds <= split.prediction.e2e_seconds

@@ -1,0 +1,188 @@
+"""A layer split on the CUDA engine: several devices, each with its arena, workspace, compute and
+copy streams (virtual devices of one GPU, or real ones), the activations handed between them
+through pinned host memory.
+
+Where a single device hands activations only to and from the host at the CPU segments' edges
+(`segments.py`), several devices also hand them to each other, so each ubatch tracks where every
+activation field (`segments.FIELDS`: x, h, q, k, v, a, gate, up, ids, gates) is current: on which
+devices, and on the host. Before a part runs, each field it reads that its place does not hold
+is brought there — from the host by an upload on the part's stream; from another device by a
+download on that device's compute stream into a pinned buffer of its own, an event, and an upload
+on the part's stream after it (a hop through the host) — and a CPU segment downloads what it reads
+and waits for it. A part's writes make its place the field's only holder. The schedule's events
+between the devices' streams are issued as they are, so the copies and the parts stay ordered as
+the validator proved them; the hops add their own events. The ubatch ends with every stream
+synchronized; no CUDA graph is captured.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from solver.workspace import layout
+
+from . import counts
+from .hostmath import Act
+from .schedule import Compute, Copy, Record, Wait, device_of, queue_of
+from .segments import fields
+
+HOST = "host"
+
+
+class DeviceHops:
+    def __init__(self, engine):
+        self.e = engine
+        self.buffers: dict[tuple, np.ndarray] = {}  # (tier, key) -> a pinned buffer of its own
+
+    def execute(self, tier, st: Act) -> None:
+        e, n = self.e, st.tokens.size
+        stage = e.staging(tier)
+        host = Act(st.tokens, st.pos, st.all_logits)  # the CPU segments' activations
+        host.record, host.cells = st.record, st.cells
+        devices = sorted({device_of(p.queue) for p in tier.parts if p.queue != "cpu"})
+        wss = {d: e.workspace(tier, d) for d in devices}
+        glu = _glu_layers(tier.parts)
+        for d in devices:
+            e.dmaths[d].glu_layers = glu
+        e.counter = counter = counts.Counter()
+        with counts.counting(counter):
+            for d in devices:
+                e._upload_inputs(tier, st, wss[d], stage, d)
+            self._issue(tier, st, wss, stage, host)
+            for stream in e.queues.values():
+                e._sync(stream)
+        if e.pending_logits is not None:
+            e.pending_logits[:] = stage["logits"][: e.pending_logits.shape[0]]
+            e.pending_logits = None
+        e.counter = None
+        e.tally.add(tier.tier, n, False, counter.counts())
+
+    def _issue(self, tier, st: Act, wss: dict, stage: dict, host: Act) -> None:
+        e, moe = self.e, self.e.spec.arch.moe
+        events: dict[str, object] = {}
+        routed: dict = {}  # (router part, prefetch) -> (admission, ids)
+        placed: set = set()  # (router part, device): the experts' places are in its workspace
+        index = {p.name: i for i, p in enumerate(tier.parts)}
+        starts = {seg.first: seg for seg in tier.segments}
+        recorded_on = {op.event: op.queue for op in tier.schedule if isinstance(op, Record)}
+        holders: dict[str, set] = {}
+        for op in tier.schedule:
+            if isinstance(op, Record):
+                if op.queue != "cpu":  # the host's work is done when it issues the next op
+                    events[op.event] = ev = e._event()
+                    ev.record(e.queues[op.queue])
+            elif isinstance(op, Wait):
+                if op.queue != "cpu" and recorded_on[op.event] != "cpu":
+                    events[op.event].wait(e.queues[op.queue])
+            elif isinstance(op, Copy):
+                copy, d = e.queues[op.queue], device_of(op.queue)
+                if op.reads:  # routed or prefetched: the router's choice (or guess) first
+                    by = op.reads[0][0].partition("@")[2]
+                    prefetch = op.tensor.endswith("@prefetch")
+                    part = tier.parts[index[by]]
+                    if (by, prefetch) not in routed:
+                        ws = wss.get(device_of(part.queue)) if part.queue != "cpu" else None
+                        routed[by, prefetch] = e._route(tier, part, events, st, host, ws,
+                                                        prefetch)  # fmt: skip
+                    admission, ids = routed[by, prefetch]
+                    if not prefetch and (by, d) not in placed:  # each device's expert products
+                        e._place_experts(tier, part.layer, admission, ids, wss[d], copy)
+                        placed.add((by, d))
+                    e._copy_routed(tier, op.tensor.removesuffix("@prefetch"), op.slot,
+                                   admission, prefetch, copy)  # fmt: skip
+                else:
+                    e._copy_unit(tier, op.tensor, op.slot, copy)
+            elif isinstance(op, Compute):
+                i = index[op.name]
+                part = tier.parts[i]
+                if part.queue == "cpu":
+                    if i in starts:  # the segment's other parts run with it
+                        self._segment(tier, starts[i], st, host, wss, holders)
+                    continue
+                d = device_of(part.queue)
+                reads, writes = fields(part.kind, moe)
+                for f in reads:
+                    if d not in holders.get(f, ()):
+                        self._bring(tier, f, d, host, wss, holders, st.tokens.size)
+                slot = next((s for _, s in op.reads if s.startswith("slot")), None)
+                e._device_part(tier, part, st, wss[d], stage, slot)
+                holders.update({f: {d} for f in writes})
+
+    def _segment(self, tier, seg, st: Act, host: Act, wss: dict, holders: dict) -> None:
+        """A CPU segment: what its parts read before writing it, down from where it is current
+        (a wait each device), its parts on the host, the host the holder of what they wrote."""
+        e, moe = self.e, self.e.spec.arch.moe
+        e.counter.segments += 1
+        reads, written = [], set()
+        for p in tier.parts[seg.first : seg.stop]:
+            r, w = fields(p.kind, moe)
+            reads += [f for f in r if f not in written and f not in reads]
+            written |= set(w)
+        self._bring_host(tier, reads, host, wss, holders, st)
+        e.runner.run(seg, tier.parts, host, e.requested)
+        holders.update({f: {HOST} for f in written})
+        if tier.parts[seg.stop - 1].kind == "output":
+            st.logits = host.logits
+
+    def _bring_host(self, tier, names, host: Act, wss: dict, holders: dict, st: Act) -> None:
+        e, n, waited = self.e, st.tokens.size, set()
+        for f in names:
+            if HOST in holders.get(f, {HOST}):  # current on the host (or never written)
+                continue
+            src = min(holders[f])
+            buf = self._buffer(tier, ("down", f), f)
+            dev, _ = e._rows(wss[src], {f: buf}, f, n)
+            stream = e.queues[queue_of("compute", src)]
+            dev.copy_to_host(buf[: dev.shape[0]], stream=stream)
+            if src not in waited:
+                e._sync(stream)
+                waited.add(src)
+            setattr(host, f, e._host_value(f, {f: buf}, n).copy())
+            holders[f].add(HOST)
+        e.counter.downloads += bool(waited)
+
+    def _bring(self, tier, f: str, d: int, host: Act, wss: dict, holders: dict, n: int) -> None:
+        """Field f onto device d: from the host, or from another device through the host."""
+        e = self.e
+        if f not in holders:  # never written this ubatch
+            return
+        to = e.queues[queue_of("compute", d)]
+        dst, _ = e._rows(wss[d], {f: wss[d][f]}, f, n)
+        if HOST in holders.get(f, ()):
+            buf = self._buffer(tier, ("up", f, d), f)
+            rows = buf[: dst.shape[0]]
+            rows[...] = np.reshape(getattr(host, f), rows.shape)
+            dst.copy_to_device(rows, stream=to)
+            e.counter.uploads += 1
+        else:
+            src = min(holders[f])
+            frm = e.queues[queue_of("compute", src)]
+            buf = self._buffer(tier, ("hop", f, src, d), f)
+            rows = buf[: dst.shape[0]]
+            e._rows(wss[src], {f: buf}, f, n)[0].copy_to_host(rows, stream=frm)
+            ev = e._event()
+            ev.record(frm)
+            ev.wait(to)
+            dst.copy_to_device(rows, stream=to)
+        holders[f].add(d)
+
+    def _buffer(self, tier, key: tuple, field: str) -> np.ndarray:
+        """A pinned host buffer of one field's rows, for one kind of copy of this tier: each hop
+        its own, so no later copy overwrites one an earlier upload still reads."""
+        if (tier.tier, key) not in self.buffers:
+            sl = layout(self.e.spec, tier.tier, self.e._logit_rows(tier), self.e.n_ctx)[field]
+            self.buffers[tier.tier, key] = self.e.host_alloc(
+                int(np.prod(sl.shape)) * np.dtype(sl.dtype).itemsize
+            ).view(sl.dtype).reshape(sl.shape)
+        return self.buffers[tier.tier, key]
+
+
+def _glu_layers(parts) -> frozenset[int]:
+    """The layers whose gate, up and down products all run on one device: there the up product's
+    epilogue gates (`DeviceMath.ffn_up`), and its output never crosses a device."""
+    where = {(p.layer, p.kind): p.queue for p in parts}
+    return frozenset(
+        il for (il, kind), q in where.items()
+        if kind == "ffn_gate" and q != "cpu" and where.get((il, "ffn_up")) == q
+        and where.get((il, "ffn_down")) == q
+    )  # fmt: skip
