@@ -20,16 +20,16 @@ def cut_raw(raw: np.ndarray, info: TensorInfo, cut: Cut | None) -> np.ndarray:
     """The cut of a tensor's raw bytes ([..., row bytes], as `GGUFWeights.raw` gives them)."""
     if cut is None:
         return raw
-    if cut.axis == 0 and len(info.shape) > 1:
-        return raw[cut.lo : cut.hi]
-    q = qtype(info.qtype)  # columns: whole blocks of each row (a 1-D tensor is one row)
+    if cut.axis < len(info.shape) - 1:
+        return raw[(slice(None),) * cut.axis + (slice(cut.lo, cut.hi),)]
+    q = qtype(info.qtype)  # the contiguous axis: whole blocks of each row
     return raw[..., q.row_nbytes(cut.lo) : q.row_nbytes(cut.hi)]
 
 
 def cut_dense(dense: np.ndarray, cut: Cut | None) -> np.ndarray:
     if cut is None:
         return dense
-    return dense[cut.lo : cut.hi] if cut.axis == 0 else dense[..., cut.lo : cut.hi]
+    return dense[(slice(None),) * cut.axis + (slice(cut.lo, cut.hi),)]
 
 
 def share_layout(spec: ModelSpec, group: Group, shares: Shares, d: int) -> list[Placed]:

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from solver.groups import FFN_ORDER
+
 from .executor import local_name
 from .hostweights import tensors_of
 from .kvstore import kv_views
@@ -19,6 +21,8 @@ def split_kernels(engine, tier, st) -> dict:
     math = ShardMath(spec, shares, engine.math["compute"])
     shards = {d: Shard() for d in shares.devices}
     last = spec.hparams.n_layer - 1
+    ffn_dim = shares.ff_exp if spec.arch.moe else shares.ff
+    down = "ffn_down_exps" if spec.arch.moe else "ffn_down"  # holds the FFN's post-norm
 
     def weights(group: str, d: int) -> dict:
         region = engine.region(tier, local_name(f"weights:{group}", d, True))
@@ -32,7 +36,7 @@ def split_kernels(engine, tier, st) -> dict:
         def kernel(views) -> None:
             sh, w = shards[d], weights(f"blk.{il}.attn", d)
             if il:
-                w_before = weights(f"blk.{il - 1}.ffn_down", d)
+                w_before = weights(f"blk.{il - 1}.{down}", d)
                 math.take_in(sh, st.total, w_before, f"blk.{il - 1}.ffn_down.bias",
                              f"blk.{il - 1}.post_ffw_norm.weight", f"blk.{il - 1}.out")  # fmt: skip
             else:
@@ -52,22 +56,23 @@ def split_kernels(engine, tier, st) -> dict:
             sh, w = shards[d], weights(f"blk.{il}.attn", d)
             math.take_in(sh, st.total, w, f"blk.{il}.attn_output.bias",
                          f"blk.{il}.post_attention_norm.weight", None)  # fmt: skip
-            lo, hi = shares.ff[d]
+            lo, hi = ffn_dim[d]
             if hi == lo:
                 sh.partial = np.zeros_like(sh.x)
                 return
             w = {}
-            for kind in ("ffn_gate", "ffn_up", "ffn_down"):
-                w.update(weights(f"blk.{il}.{kind}", d))
-            w.update(weights(f"blk.{il}.attn", d))  # the FFN norm
-            math.ffn(sh, w, il, d)
+            for kind in FFN_ORDER:
+                if f"blk.{il}.{kind}" in engine.groups:
+                    w.update(weights(f"blk.{il}.{kind}", d))
+            w.update(weights(f"blk.{il}.attn", d))  # the FFN norm (and a MoE layer's router)
+            (math.moe_ffn if spec.arch.moe else math.ffn)(sh, w, il, d)
 
         return kernel
 
     def output(d: int):
         def kernel(views) -> None:
             sh = shards[d]
-            math.take_in(sh, st.total, weights(f"blk.{last}.ffn_down", d),
+            math.take_in(sh, st.total, weights(f"blk.{last}.{down}", d),
                          f"blk.{last}.ffn_down.bias", f"blk.{last}.post_ffw_norm.weight",
                          f"blk.{last}.out")  # fmt: skip
             math.head(sh, weights("output", d), st.logit_rows, st.all_logits, d)

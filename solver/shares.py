@@ -6,6 +6,8 @@ Three dimensions are cut, each into contiguous ranges, one a device:
   and V of the KV heads they read, their KV cells, and their columns of the output projection (a
   model with one KV head, as Gemma-3-270M, is cut by query heads: each device holds the KV head);
 - `ff`: the FFN's hidden rows: rows of gate and up, columns of down;
+- `ff_exp`: each expert's hidden rows, alike (a MoE layer's router is held whole by each device,
+  which routes its tokens itself);
 - `vocab`: the head's rows (its logits are gathered).
 A column cut of a quantized matrix falls on whole blocks: the ranges are multiples of a unit (the
 least common multiple of the blocks of the column-cut matrices of every layer). Norms and the
@@ -20,10 +22,11 @@ from dataclasses import dataclass
 from refengine.quants import qtype
 from refengine.spec import ModelSpec, TensorInfo
 
-HEADS, FF, VOCAB = "heads", "ff", "vocab"
-DIMS = (HEADS, FF, VOCAB)
+HEADS, FF, FF_EXP, VOCAB = "heads", "ff", "ff_exp", "vocab"
+DIMS = (HEADS, FF, FF_EXP, VOCAB)
 
-# the tensor's base name -> (dimension, axis): axis 0 cuts rows, 1 columns (the contiguous one)
+# the tensor's base name -> (dimension, axis it cuts; the last is the contiguous one, cut on
+# whole quantized blocks)
 _CUTS = {
     "attn_q.weight": (HEADS, 0),
     "attn_q.bias": (HEADS, 0),
@@ -37,6 +40,9 @@ _CUTS = {
     "ffn_up.weight": (FF, 0),
     "ffn_up.bias": (FF, 0),
     "ffn_down.weight": (FF, 1),
+    "ffn_gate_exps.weight": (FF_EXP, 1),
+    "ffn_up_exps.weight": (FF_EXP, 1),
+    "ffn_down_exps.weight": (FF_EXP, 2),
     "output.weight": (VOCAB, 0),
     "token_embd.weight": (VOCAB, 0),  # as the tied head (the embedding itself is on the CPU)
 }
@@ -44,7 +50,7 @@ _CUTS = {
 
 @dataclass(frozen=True)
 class Cut:
-    axis: int  # 0: rows, 1: columns
+    axis: int  # of the tensor's shape; the last is its contiguous one
     lo: int  # elements of that axis
     hi: int
 
@@ -56,6 +62,7 @@ class Shares:
 
     heads: tuple[tuple[int, int], ...]
     ff: tuple[tuple[int, int], ...]
+    ff_exp: tuple[tuple[int, int], ...]
     vocab: tuple[tuple[int, int], ...]
 
     @property
@@ -63,7 +70,7 @@ class Shares:
         return len(self.heads)
 
     def takes_part(self, d: int) -> bool:
-        return any(hi > lo for lo, hi in (self.heads[d], self.ff[d], self.vocab[d]))
+        return any(hi > lo for dim in DIMS for lo, hi in (getattr(self, dim)[d],))
 
     @property
     def devices(self) -> list[int]:
@@ -104,23 +111,29 @@ def units(spec: ModelSpec) -> dict[str, tuple[int, int]]:
     """Per dimension (count of units, elements per unit): a cut between units falls on whole
     blocks of every column-cut matrix. Raises ValueError when the model cannot be cut so."""
     hp = spec.hparams
-    blocks = {HEADS: [hp.head_dim_v], FF: [1]}
+    blocks = {HEADS: [hp.head_dim_v], FF: [1], FF_EXP: [1]}
+    hidden = {FF: hp.n_ff if not hp.n_expert else 0, FF_EXP: hp.n_ff_exp}
     for t in spec.tensors:
         dim, axis = _CUTS.get(_base(t.name), (None, 0))
-        if axis == 1:
+        if dim in blocks and axis == len(t.shape) - 1 and len(t.shape) > 1:
             blocks[dim].append(qtype(t.qtype).block_elems)
-        if dim == FF and t.shape[axis] != hp.n_ff:
-            raise ValueError(f"{t.name} has {t.shape[axis]} hidden rows, not the model's {hp.n_ff}")
+        if dim in hidden and t.shape[axis] != hidden[dim]:
+            raise ValueError(f"{t.name} has {t.shape[axis]} hidden rows, not the model's "
+                             f"{hidden[dim]}")  # fmt: skip
     # a KV head's query heads stay together (on one device, so its KV is held once), but for a
     # single KV head, which each device then holds
     group = hp.n_head // hp.n_head_kv if hp.n_head_kv > 1 else 1
     per_head = math.lcm(math.lcm(*blocks[HEADS]) // hp.head_dim_v, group)
-    per_ff = math.lcm(*blocks[FF])
-    if hp.n_head % per_head or hp.n_ff % per_ff:
-        raise ValueError("its heads or hidden rows do not fall on whole quantized blocks")
+    out = {HEADS: (hp.n_head // per_head, per_head)}
+    for dim, rows in hidden.items():
+        per = math.lcm(*blocks[dim])
+        if rows % per:
+            raise ValueError("its hidden rows do not fall on whole quantized blocks")
+        out[dim] = (rows // per, per)
+    if hp.n_head % per_head:
+        raise ValueError("its heads do not fall on whole quantized blocks")
     vocab = spec.by_name.get("output.weight", spec.by_name["token_embd.weight"]).shape[0]
-    return {HEADS: (hp.n_head // per_head, per_head), FF: (hp.n_ff // per_ff, per_ff),
-            VOCAB: (vocab, 1)}  # fmt: skip
+    return out | {VOCAB: (vocab, 1)}
 
 
 def shares_for(spec: ModelSpec, ratios: list[float]) -> Shares:
@@ -170,11 +183,10 @@ def cut_shape(t: TensorInfo, cut: Cut | None) -> tuple[int, ...]:
 def cut_nbytes(t: TensorInfo, cut: Cut | None) -> int:
     if cut is None:
         return t.nbytes
+    if cut.axis < len(t.shape) - 1:
+        return t.nbytes // t.shape[cut.axis] * (cut.hi - cut.lo)
     q = qtype(t.qtype)
-    if cut.axis == 0:
-        return t.nbytes // t.shape[0] * (cut.hi - cut.lo)
-    rows = math.prod(t.shape[:-1])
-    return rows * (q.row_nbytes(cut.hi) - q.row_nbytes(cut.lo))
+    return math.prod(t.shape[:-1]) * (q.row_nbytes(cut.hi) - q.row_nbytes(cut.lo))
 
 
 def group_share_nbytes(spec: ModelSpec, tensors: tuple[str, ...], shares: Shares, d: int) -> int:

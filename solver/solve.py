@@ -254,9 +254,6 @@ def check_split_mode(split_mode: str | None, budget_bytes, strategy=None) -> Non
 
 def split_by_tensors(spec, profile, w, tiers, budgets, began, baselines):
     """Our runtime's tensor split: the shares that fit the budgets, as even as they allow."""
-    if spec.arch.moe:
-        raise UserError("our runtime splits dense models by tensors (expert stacks not yet): use "
-                        "--split-mode layer")  # fmt: skip
     try:
         units(spec)
     except ValueError as e:

@@ -30,10 +30,11 @@ from .cost import (
     Workload,
     request_shapes,
 )
-from .groups import EMBD, tensor_groups
+from .groups import EMBD, EXPERTS, tensor_groups
 from .memory import compute_nbytes, kv_cells, kv_layer_nbytes
 from .profile import HardwareProfile
-from .shares import FF, HEADS, VOCAB, Shares, group_share_nbytes, kv_share_cell_nbytes, shares_for
+from .shares import DIMS, FF, FF_EXP, HEADS, VOCAB, Shares, group_share_nbytes
+from .shares import kv_share_cell_nbytes, shares_for
 from .shares import units
 from .usage import kv_shape
 
@@ -57,13 +58,12 @@ def short_devices(spec: ModelSpec, w: Workload, tier: int, budgets: list[int]) -
 
 def even_fractions(n_devices: int) -> list[dict[str, float]]:
     """llama.cpp's split: an even share of every dimension on each GPU."""
-    return [dict.fromkeys((HEADS, FF, VOCAB), 1 / n_devices)] * n_devices
+    return [dict.fromkeys(DIMS, 1 / n_devices)] * n_devices
 
 
 def share_fractions(shares: Shares) -> list[dict[str, float]]:
     """Our runtime's split: each device's share of every dimension."""
-    return [{dim: shares.fraction(dim, d) for dim in (HEADS, FF, VOCAB)}
-            for d in range(shares.n_devices)]  # fmt: skip
+    return [{dim: shares.fraction(dim, d) for dim in DIMS} for d in range(shares.n_devices)]
 
 
 def ubatch_terms(cm: CostModel, fractions: list[dict[str, float]], tokens: int, depth: int,
@@ -79,7 +79,8 @@ def ubatch_terms(cm: CostModel, fractions: list[dict[str, float]], tokens: int, 
         t = Terms(gpu=max(
             f[HEADS] * (sum(cm.gpu_seconds(g, tokens, d) for g in attn)
                         + cm.attention_seconds(il, tokens, depth, Loc(PINNED, d), sequences))
-            + f[FF] * sum(cm.gpu_seconds(g, tokens, d) for g in ffn)
+            + sum(f[FF_EXP if g.kind == EXPERTS else FF] * cm.gpu_seconds(g, tokens, d)
+                  for g in ffn)
             for d, f in enumerate(fractions)
         ))  # fmt: skip
         t.latency = ALL_REDUCES_PER_LAYER * 2 * hop + cm.launch_seconds(
@@ -204,7 +205,7 @@ def share_nbytes_line(spec: ModelSpec, w: Workload, tier: int) -> tuple[int, int
     """(what a device taking part holds at least, what the rest of the model adds to it): its
     workspace, the tensors each holds whole and a unit of each dimension (with a single KV head,
     all the KV); a device with a share r of every dimension holds about floor + r * scaling."""
-    one = Shares(*(((0, units(spec)[dim][1]),) for dim in (HEADS, FF, VOCAB)))
+    one = Shares(*(((0, units(spec)[dim][1] if units(spec)[dim][0] else 0),) for dim in DIMS))
     floor = device_nbytes(spec, w, tier, one, 0)
     return floor, max(1, device_nbytes(spec, w, tier, shares_for(spec, [1.0]), 0) - floor)
 

@@ -19,12 +19,13 @@ from refengine.engine import NumpyEngine
 from refengine.errors import UserError
 from refengine.models import resolve_model
 from refengine.spec import load_spec
+from refengine.synthetic import SyntheticConfig, write_synthetic
 from refengine.tokenizer import Tokenizer
 from refengine.weights import GGUFWeights
 from solver.cost import Workload
 from solver.groups import tensor_groups
 from solver.profile import for_devices
-from solver.shares import FF, HEADS, VOCAB, cut_of, shares_for, units
+from solver.shares import FF, FF_EXP, HEADS, VOCAB, cut_of, shares_for, units
 from solver.solve import load_profile, solve, solve_plan
 from solver.tensor_split import ALL_REDUCES_PER_LAYER, device_nbytes, refengine_split
 from solver.tensor_split import share_nbytes_line, split_operations
@@ -45,17 +46,27 @@ def split_plan(spec, fractions, tiers=(1, 8)):
 
 def test_shares_follow_the_ratios_in_whole_units():
     spec = load_spec(str(resolve_model("smollm2-135m")))
-    assert units(spec) == {HEADS: (3, 3), FF: (48, 32), VOCAB: (49152, 1)}  # KV groups of 3
+    assert units(spec) == {HEADS: (3, 3), FF: (48, 32), FF_EXP: (0, 1), VOCAB: (49152, 1)}
     s = shares_for(spec, [2.0, 1.0])
     assert s.heads == ((0, 6), (6, 9)) and s.ff == ((0, 1024), (1024, 1536))
     assert s.kv_heads(spec, 0) == (0, 2) and s.kv_heads(spec, 1) == (2, 3)
     assert shares_for(spec, [1.0, 0.0, 1.0]).devices == [0, 2]
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "gemma3"])
-def test_a_share_is_the_file_tensors_cut(small_models, arch):
+@pytest.fixture(scope="module")
+def models(small_models, tmp_path_factory):
+    """The small models, and a MoE model whose experts' hidden rows are two blocks (the small
+    qwen3moe's are one, which no cut divides)."""
+    moe = SyntheticConfig("qwen3moe", n_layer=2, n_embd=64, n_ff=128, n_head=4, n_head_kv=2,
+                          head_dim=16, n_vocab=300, qtype="Q8_0", n_expert=4, n_expert_used=2,
+                          n_ff_exp=64)  # fmt: skip
+    return small_models | {"moe": write_synthetic(tmp_path_factory.mktemp("moe") / "m.gguf", moe)}
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "gemma3", "moe"])
+def test_a_share_is_the_file_tensors_cut(models, arch):
     """Every device's bytes of every group, put back together along each cut, are the file's."""
-    spec = load_spec(str(small_models[arch]))
+    spec = load_spec(str(models[arch]))
     weights = GGUFWeights(spec)
     shares = shares_for(spec, [1.0, 2.0])
     for g in tensor_groups(spec):
@@ -65,7 +76,7 @@ def test_a_share_is_the_file_tensors_cut(small_models, arch):
             if cuts[0] is None:
                 continue
             pieces = [cut_raw(raw, info, c) for c in cuts]
-            axis = 0 if cuts[0].axis == 0 and len(info.shape) > 1 else -1
+            axis = cuts[0].axis if cuts[0].axis < len(info.shape) - 1 else -1
             joined = np.concatenate(pieces, axis=axis)
             if ("attn_k." in name or "attn_v." in name) and spec.hparams.n_head_kv == 1:
                 assert all(np.array_equal(p, raw) for p in pieces)  # the one KV head, on each
@@ -98,11 +109,11 @@ def test_budgets_and_speeds_set_the_shares_and_a_small_device_is_left_out(small_
         solve_plan(spec, load_profile("h100"), W, [1, 8], [whole], split_mode="tensor")
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "gemma3"])
-def test_tensor_split_agrees_with_numpy_on_the_stand_in(small_models, arch):
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "gemma3", "moe"])
+def test_tensor_split_agrees_with_numpy_on_the_stand_in(models, arch):
     """Two devices, unequal; three with the middle one left out (gemma3: its one KV head on both
-    devices)."""
-    spec = load_spec(str(small_models[arch]))
+    devices; moe: each expert's hidden rows cut, each device routing the tokens itself)."""
+    spec = load_spec(str(models[arch]))
     reference = NumpyEngine(spec, n_ctx=N_CTX)
     prompt = list(range(3, 40))  # more than a ubatch: a tier switch, several ubatches
     run = reference_run(reference, prompt, 6)
@@ -110,6 +121,8 @@ def test_tensor_split_agrees_with_numpy_on_the_stand_in(small_models, arch):
         plan = split_plan(spec, fractions)
         engine = StandInEngine(spec, plan, seed=3, reference=reference.w)
         assert engine.shares.devices == used
+        if arch == "moe":  # both devices run experts
+            assert all(hi > lo for lo, hi in (engine.shares.ff_exp[d] for d in used))
         a = agreement_along(engine, prompt, run, engine.tolerance)
         assert engine.path == "fp32" and a.ok, a.summary()
 

@@ -240,11 +240,13 @@ def _print_shares(con, spec, w, shares, tier: int, budgets: list[int]) -> None:
     from solver.tensor_split import device_nbytes
 
     t = Table(title=f"shares (ubatch {tier}), MiB")
-    for col in ("GPU", "query heads", "FFN rows", "vocab rows", "total", "budget"):
+    ffn = "ff_exp" if spec.arch.moe else "ff"
+    for col in ("GPU", "query heads", "expert rows" if spec.arch.moe else "FFN rows",
+                "vocab rows", "total", "budget"):  # fmt: skip
         t.add_column(col)
     for d, b in enumerate(budgets):
         ranges = (f"{hi - lo} [{lo}, {hi})" for lo, hi in
-                  (shares.heads[d], shares.ff[d], shares.vocab[d]))  # fmt: skip
+                  (shares.heads[d], getattr(shares, ffn)[d], shares.vocab[d]))  # fmt: skip
         total = device_nbytes(spec, w, tier, shares, d)
         t.add_row(str(d), *ranges, f"{total / 2**20:.1f}", f"{b / 2**20:.1f}")
     con.print(t)
