@@ -564,9 +564,13 @@ class CudaEngine(PlanExecutor):
         host."""
         return field in ("gate", "up") and self.spec.arch.moe
 
+    def _row_count(self, field: str, n: int) -> int:
+        """Rows of a field for n tokens (MoE's gate and up: a row per chosen expert)."""
+        return n * self.spec.hparams.n_expert_used if self._per_slot(field) else n
+
     def _rows(self, ws: dict, stage: dict, field: str, n: int):
         """The device rows and the staging rows of a field for n tokens."""
-        rows = n * self.spec.hparams.n_expert_used if self._per_slot(field) else n
+        rows = self._row_count(field, n)
         return ws[field][:rows], stage[field][:rows]
 
     def _host_value(self, field: str, stage: dict, n: int) -> np.ndarray:

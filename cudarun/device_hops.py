@@ -129,11 +129,10 @@ class DeviceHops:
         for f in names:
             if HOST in holders.get(f, {HOST}):  # current on the host (or never written)
                 continue
-            src = min(holders[f])
+            src, rows = min(holders[f]), e._row_count(f, n)
             buf = self._buffer(tier, ("down", f), f)
-            dev, _ = e._rows(wss[src], {f: buf}, f, n)
             stream = e.queues[queue_of("compute", src)]
-            dev.copy_to_host(buf[: dev.shape[0]], stream=stream)
+            wss[src][f][:rows].copy_to_host(buf[:rows], stream=stream)
             if src not in waited:
                 e._sync(stream)
                 waited.add(src)
@@ -146,20 +145,18 @@ class DeviceHops:
         e = self.e
         if f not in holders:  # never written this ubatch
             return
-        to = e.queues[queue_of("compute", d)]
-        dst, _ = e._rows(wss[d], {f: wss[d][f]}, f, n)
-        if HOST in holders.get(f, ()):
-            buf = self._buffer(tier, ("up", f, d), f)
-            rows = buf[: dst.shape[0]]
+        to, count = e.queues[queue_of("compute", d)], e._row_count(f, n)
+        dst = wss[d][f][:count]
+        if HOST in holders[f]:
+            rows = self._buffer(tier, ("up", f, d), f)[:count]
             rows[...] = np.reshape(getattr(host, f), rows.shape)
             dst.copy_to_device(rows, stream=to)
             e.counter.uploads += 1
         else:
             src = min(holders[f])
             frm = e.queues[queue_of("compute", src)]
-            buf = self._buffer(tier, ("hop", f, src, d), f)
-            rows = buf[: dst.shape[0]]
-            e._rows(wss[src], {f: buf}, f, n)[0].copy_to_host(rows, stream=frm)
+            rows = self._buffer(tier, ("hop", f, src, d), f)[:count]
+            wss[src][f][:count].copy_to_host(rows, stream=frm)
             ev = e._event()
             ev.record(frm)
             ev.wait(to)

@@ -43,13 +43,18 @@ class ShardMath:
         self.spec, self.shares, self.m = spec, shares, math
         self.hp, self.tr = spec.hparams, spec.arch
 
-    def mm(self, x: np.ndarray, w: dict, name: str, d: int) -> np.ndarray:
-        """x times device d's cut of a matrix (and of its bias, cut with its rows)."""
+    def dense(self, w: dict, name: str, d: int) -> np.ndarray:
+        """Device d's cut of a tensor, dense, once the bytes it was handed are checked to be the
+        file's cut."""
         info, cut = self.spec.by_name[name], cut_of(self.spec, name, self.shares, d)
         want = np.ascontiguousarray(cut_raw(self.m.reference.raw(name), info, cut))
         if not np.array_equal(w[name].reshape(-1).view(np.uint8), want.reshape(-1)):
             raise ValueError(f"{name}: the bytes handed to device {d} are not its share")
-        y = ref.matmul(x, cut_dense(self.m.reference.dense(name), cut))
+        return cut_dense(self.m.reference.dense(name), cut)
+
+    def mm(self, x: np.ndarray, w: dict, name: str, d: int) -> np.ndarray:
+        """x times device d's cut of a matrix (and of its bias, cut with its rows)."""
+        y = ref.matmul(x, self.dense(w, name, d))
         bias = name.replace(".weight", ".bias")
         if bias in w and cut_of(self.spec, bias, self.shares, d) is not None:
             y = y + w[bias]
@@ -110,21 +115,13 @@ class ShardMath:
         h = self.m.norm(sh.x, w, p + "ffn_norm.weight")
         ids, gates = ref.moe_route(self.m.mm(h, w, p + "ffn_gate_inp.weight"),
                                    self.hp.n_expert_used, self.tr.expert_weights_norm)  # fmt: skip
-        gate_w, up_w, down_w = (self._stack(w, p + f"ffn_{m}_exps.weight", d)
+        gate_w, up_w, down_w = (self.dense(w, p + f"ffn_{m}_exps.weight", d)
                                 for m in ("gate", "up", "down"))  # fmt: skip
         sh.partial = np.zeros_like(sh.x)
         for e in np.unique(ids):  # the reference's order of summation
             rows, slot = np.nonzero(ids == e)
             act = self.m.gated(ref.matmul(h[rows], gate_w[e]), ref.matmul(h[rows], up_w[e]))
             sh.partial[rows] += gates[rows, slot][:, None] * ref.matmul(act, down_w[e])
-
-    def _stack(self, w: dict, name: str, d: int) -> np.ndarray:
-        """Device d's cut of an expert stack, dense, once its bytes are checked."""
-        info, cut = self.spec.by_name[name], cut_of(self.spec, name, self.shares, d)
-        want = np.ascontiguousarray(cut_raw(self.m.reference.raw(name), info, cut))
-        if not np.array_equal(w[name].reshape(-1).view(np.uint8), want.reshape(-1)):
-            raise ValueError(f"{name}: the bytes handed to device {d} are not its share")
-        return cut_dense(self.m.reference.dense(name), cut)
 
     def head(self, sh: Shard, w: dict, rows, all_logits: bool, d: int) -> None:
         """Device d's rows of the logits of the wanted tokens."""

@@ -92,7 +92,8 @@ def solve(
             named = Outcome(strategy, tiers_, evaluate(tiers_, spec, profile, w, target), target)
         return named, baselines, {}
     if target == "refengine" and split_mode == "tensor":
-        return split_by_tensors(spec, profile, w, tiers, budgets, began, baselines)
+        chosen, facts = split_by_tensors(spec, profile, w, tiers, budgets, began)
+        return chosen, baselines, facts
     all_pinned = _all_pinned(spec, tiers)
     if (
         target == "refengine"
@@ -192,7 +193,7 @@ def solve(
     tensor_facts = None
     if target == "refengine" and more and split_mode is None:  # or our tensor split, if faster
         try:
-            split, _, tensor_facts = split_by_tensors(spec, profile, w, tiers, budgets, began, [])
+            split, tensor_facts = split_by_tensors(spec, profile, w, tiers, budgets, began)
         except UserError:  # it does not fit, or the model cannot be split so
             split = None
         if split is not None:
@@ -252,7 +253,7 @@ def check_split_mode(split_mode: str | None, budget_bytes, strategy=None) -> Non
                         "with --split-mode tensor")  # fmt: skip
 
 
-def split_by_tensors(spec, profile, w, tiers, budgets, began, baselines):
+def split_by_tensors(spec, profile, w, tiers, budgets, began) -> tuple[Outcome, dict]:
     """Our runtime's tensor split: the shares that fit the budgets, as even as they allow."""
     try:
         units(spec)
@@ -262,11 +263,11 @@ def split_by_tensors(spec, profile, w, tiers, budgets, began, baselines):
     # largest ubatches that leave room
     tiers, dropped = sorted(tiers), []
     speeds = [g.hbm_gbps.value for g in profile.gpus[: len(budgets)]]  # decode reads weights
-    while (found := refengine_split(spec, w, tiers[-1], budgets, speeds))[0] is None and len(
-        tiers
-    ) > 1:
+    while True:
+        shares, excluded = refengine_split(spec, w, tiers[-1], budgets, speeds)
+        if shares is not None or len(tiers) == 1:
+            break
         dropped.append(tiers.pop())
-    shares, excluded = found
     if shares is None:
         raise UserError(
             f"the budgets ({', '.join(mib_text(b) for b in budgets)}) cannot hold "
@@ -278,7 +279,7 @@ def split_by_tensors(spec, profile, w, tiers, budgets, began, baselines):
     left_out = {d: excluded.get(d, 0) for d in range(len(budgets)) if d not in shares.devices}
     facts = {"split_mode": "tensor", "excluded": left_out, "prefill_ubatch": max(tiers),
              "dropped_tiers": dropped[::-1], "wall_seconds": time.perf_counter() - began}  # fmt: skip
-    return chosen, baselines, facts
+    return chosen, facts
 
 
 def _tensor_split(spec, profile, w, tiers, budgets) -> Outcome | None:
