@@ -18,16 +18,19 @@ from __future__ import annotations
 import os
 import time
 from contextlib import contextmanager
+from dataclasses import replace
 
 import numpy as np
 
 from refengine.spec import ModelSpec
+from refengine.weights import GGUFWeights
 from solver.cost import CPU, PINNED, ROUTED
 from solver.groups import EXPERTS
-from solver.workspace import MAX_DECODE_TOKENS, arrays, layout
+from solver.workspace import MAX_DECODE_TOKENS, arrays, layout, nbytes
 
 from . import counts, program
 from .device_hops import DeviceHops
+from .device_shards import DeviceShards
 from .devicemath import CACHE_SLOTS, CACHED, ROUTED_IDS, DeviceMath, device_tensors
 from .executor import PlanExecutor, Tier, group_bytes, local_name, weight_steps
 from .expert_cache import Admission
@@ -37,6 +40,7 @@ from .kvstore import EMPTY, host_runs, kv_views
 from .program import routed_experts
 from .schedule import Compute, Copy, Record, Wait, device_of, queue_of
 from .segments import Segment, SegmentRunner
+from .shards import shard_spec, share_bytes
 
 
 # what every ubatch with device parts uploads, beside the KV cells' keys
@@ -53,11 +57,7 @@ class CudaEngine(PlanExecutor):
     def __init__(self, spec: ModelSpec, plan: dict, threads: int = 0, progress: bool = False,
                  n_seq: int = 1, unified: bool = False):  # fmt: skip
         from . import driver
-        from .executor import PlanError
 
-        if plan["split_mode"] == "tensor":
-            raise PlanError("the CUDA engine runs plans split by layers; a tensor split runs on "
-                            "--engine standin for now")  # fmt: skip
         if not simulated():
             driver.init()  # one line, "no NVIDIA GPU ...", where there is none
             self.free_at_start = driver.mem_info()[0]
@@ -77,7 +77,9 @@ class CudaEngine(PlanExecutor):
                 raw.append((driver.Stream(), driver.Stream()))
                 pair = tuple(st.numba_stream() for st in raw[-1])
             self.queues[queue_of("compute", d)], self.queues[queue_of("copy", d)] = pair
-            self.dmaths[d] = DeviceMath(spec, raw[-1][0].ptr if raw else 0)
+            self.dmaths[d] = DeviceMath(self.device_spec(d), raw[-1][0].ptr if raw else 0)
+            if self.shares is not None:  # gate, up and down of every layer on each device
+                self.dmaths[d].glu_layers = frozenset(range(spec.hparams.n_layer))
         self.streams = raw[0] if raw else None
         self.compute, self.copy = self.queues["compute"], self.queues["copy"]
         self.dmath = self.dmaths[0]
@@ -97,7 +99,14 @@ class CudaEngine(PlanExecutor):
         self.counter: counts.Counter | None = None  # the ubatch being issued
         self.pending_logits: np.ndarray | None = None  # filled from staging after the last wait
         self.routed_held: dict[str, int] = {}  # routed stack -> experts its slot holds now
-        self.hops = DeviceHops(self)  # a plan over several devices: their hand-offs
+        self.hops = DeviceHops(self)  # a layer split over several devices: their hand-offs
+        self.shards = None  # a tensor split: its parts, and the file its shares are cut from
+        if self.shares is not None:
+            self.shards, self.weights_file = DeviceShards(self), GGUFWeights(spec)
+
+    def device_spec(self, d: int) -> ModelSpec:
+        """The model as device d's kernels see it: under a tensor split, its shares'."""
+        return self.spec if self.shares is None else shard_spec(self.spec, self.shares, d)
 
     def host_alloc(self, nbytes: int) -> np.ndarray:
         """Pinned host memory: copies from it are asynchronous, and nothing streams from pageable
@@ -142,10 +151,8 @@ class CudaEngine(PlanExecutor):
     def switch(self, tier: Tier) -> None:
         self.synchronize()
         if self.current is not None:  # device-resident KV back to the mirror first
-            for il, loc in self.current.place.kv.items():
-                if loc.kind == PINNED:
-                    self._download_kv(il, self.region(self.current, f"kv:{il}"),
-                                      self.current.kv_cells[il])  # fmt: skip
+            for il, buf, heads in self._resident_kv(self.current):
+                self._download_kv(il, buf, self.current.kv_cells[il], heads)
         self.pool = self.new_pool(tier)
         for d, arena in enumerate(self.arenas):
             before = self.current.map.get(d, []) if self.current else None
@@ -156,40 +163,67 @@ class CudaEngine(PlanExecutor):
                         src = src.copy_to_host()
                     arena[s.dst : s.dst + s.nbytes].copy_to_device(src)
                 elif s.kind == "upload":
-                    data = group_bytes(self, s.name.removeprefix("weights:"))
+                    data = self._group_bytes(s.name.removeprefix("weights:"), d)
                     arena[s.dst : s.dst + s.nbytes].copy_to_device(data)
         self.current = tier
-        for il, loc in tier.place.kv.items():
-            if loc.kind == PINNED:
-                self._upload_kv(il, self.region(tier, f"kv:{il}"), tier.kv_cells[il], None)
+        for il, buf, heads in self._resident_kv(tier):
+            self._upload_kv(il, buf, tier.kv_cells[il], None, heads)
         self.synchronize()
 
-    def _upload_kv(self, il: int, buf, cells: int, stream) -> None:
-        """Lay the mirror's keys and values of layer il into a device KV buffer `buf` of the
-        current tier (`PlanExecutor.kv_rows`): a full-context layer's straight from the mirror;
-        the sliding-window pool's gathered into pinned staging first (every copy from it has
-        ended by the next ubatch's: each has a reader that a later hand-off or sync waits for)."""
-        k, v = self._kv(buf, cells)
+    def _group_bytes(self, group: str, d: int) -> np.ndarray:
+        """What device d holds of a group: the whole group, or its share under a tensor split."""
+        if self.shares is None:
+            return group_bytes(self, group)
+        return share_bytes(self.spec, self.groups[group], self.shares, d, self.weights_file.raw)
+
+    def _resident_kv(self, tier: Tier):
+        """(layer, device buffer, KV heads it holds; None: all) of a tier's device-resident KV:
+        under a tensor split, each device's KV heads of every layer (a head held by several is
+        the same on each, so each may write it back)."""
+        if self.shares is None:
+            for il, loc in tier.place.kv.items():
+                if loc.kind == PINNED:
+                    yield il, self.region(tier, f"kv:{il}"), None
+            return
+        for d in self.shares.devices:
+            heads = self.shares.kv_heads(self.spec, d)
+            for il in range(self.spec.hparams.n_layer) if heads[1] > heads[0] else ():
+                yield il, self.region(tier, local_name(f"kv:{il}", d, True)), heads
+
+    def _upload_kv(self, il: int, buf, cells: int, stream, heads=None) -> None:
+        """Lay the mirror's keys and values of layer il (of KV `heads` [lo, hi) only, under a
+        tensor split) into a device KV buffer `buf` of the current tier
+        (`PlanExecutor.kv_rows`): a full-context layer's straight from the mirror; the
+        sliding-window pool's gathered into pinned staging first (every copy from it has ended by
+        the next ubatch's: each has a reader that a later hand-off or sync waits for)."""
+        k, v = self._kv(buf, cells, heads)
         dev, host = self.kv_rows(il)
-        if isinstance(dev, slice):  # a full-context layer's cells: straight from the mirror
+        lo, hi = heads or (0, self.mirror.k_shape[0])
+        if isinstance(dev, slice) and heads is None:  # straight from the mirror
             src_k, src_v, n = self.mirror.k[il], self.mirror.v[il], dev.stop
+        elif isinstance(dev, slice):  # a tier switch's: its heads, gathered
+            n = dev.stop
+            src_k, src_v = (m[il][:n, lo:hi].copy() for m in (self.mirror.k, self.mirror.v))
         else:
-            src_k, src_v = self._kv(self._swa_stage(il, cells), cells)
-            src_k[dev], src_v[dev] = self.mirror.k[il][host], self.mirror.v[il][host]
+            src_k, src_v = self._kv(self._swa_stage(il, cells), cells, heads)
+            src_k[dev], src_v[dev] = (m[il][host, lo:hi] for m in (self.mirror.k, self.mirror.v))
             n = self.pool.n_used
+        if n == 0:  # nothing cached yet (an empty gather's strides are not the buffer's)
+            return
         k[:n].copy_to_device(src_k[:n], stream=stream or 0)
         v[:n].copy_to_device(src_v[:n], stream=stream or 0)
 
-    def _download_kv(self, il: int, buf, cells: int) -> None:
-        """A device KV buffer of the current tier back into the mirror."""
-        k, v = self._kv(buf, cells)
+    def _download_kv(self, il: int, buf, cells: int, heads=None) -> None:
+        """A device KV buffer of the current tier (of KV `heads`) back into the mirror."""
+        k, v = self._kv(buf, cells, heads)
         dev, host = self.kv_rows(il)
-        if isinstance(dev, slice):  # a full-context layer's cells: straight into the mirror
+        if isinstance(dev, slice) and heads is None:  # straight into the mirror
             k[dev].copy_to_host(self.mirror.k[il][host])
             v[dev].copy_to_host(self.mirror.v[il][host])
         else:
-            self.mirror.k[il][host] = k.copy_to_host()[dev]
-            self.mirror.v[il][host] = v.copy_to_host()[dev]
+            lo, hi = heads or (0, self.mirror.k_shape[0])
+            self.mirror.k[il][host, lo:hi] = k.copy_to_host()[dev]
+            self.mirror.v[il][host, lo:hi] = v.copy_to_host()[dev]
 
     def _swa_stage(self, il: int, cells: int) -> np.ndarray:
         key = (self.current.tier, il)
@@ -197,8 +231,13 @@ class CudaEngine(PlanExecutor):
             self.swa_stages[key] = self.host_alloc(cells * self.cell_nbytes)
         return self.swa_stages[key]
 
-    def _kv(self, buf, cells: int):
-        return kv_views(buf, cells, self.mirror.k_shape, self.mirror.v_shape)
+    def _kv(self, buf, cells: int, heads=None):
+        """A KV buffer's keys and values [cells, heads, dim] (of KV `heads` [lo, hi) only)."""
+        if heads is None:
+            return kv_views(buf, cells, self.mirror.k_shape, self.mirror.v_shape)
+        n = heads[1] - heads[0]
+        return kv_views(buf, cells, (n, *self.mirror.k_shape[1:]),
+                        (n, *self.mirror.v_shape[1:]))  # fmt: skip
 
     def synchronize(self) -> None:
         for stream in self.queues.values():
@@ -211,9 +250,18 @@ class CudaEngine(PlanExecutor):
         size)."""
         if (tier.tier, d) not in self.workspaces:
             head = tier.place.groups["output"]
-            rows = self._logit_rows(tier) if head.kind != CPU and head.device == d else 0
-            slices = layout(self.spec, tier.tier, rows, self.n_ctx)
+            on_head = self.shares is not None or head.device == d  # a tensor split: every device
+            rows = self._logit_rows(tier) if head.kind != CPU and on_head else 0
+            slices = layout(self.device_spec(d), tier.tier, rows, self.n_ctx)
+            if self.shares is not None and "partial" in slices:
+                # as many KV splits as the whole model's workspace (which the plan reserved)
+                # holds: a device with fewer KV heads would take more
+                whole = layout(self.spec, tier.tier, rows, self.n_ctx)["partial"].shape[1]
+                sl = slices["partial"]
+                slices["partial"] = replace(sl, shape=(sl.shape[0], min(sl.shape[1], whole),
+                                                       *sl.shape[2:]))  # fmt: skip
             region = self.region(tier, local_name("workspace", d))
+            assert nbytes(slices) <= region.size, (d, nbytes(slices), region.size)
             self.workspaces[tier.tier, d] = arrays(region, slices)
         return self.workspaces[tier.tier, d]
 
@@ -231,7 +279,9 @@ class CudaEngine(PlanExecutor):
         slices = layout(self.spec, tier.tier, rows, self.n_ctx)
         names = {f for seg in tier.segments for f in seg.reads + seg.writes}
         if any(p.queue != "cpu" for p in tier.parts):
-            names |= {*INPUTS, *self._cell_counts(tier)} | ({"logits"} if rows else set())
+            # a tensor split's logits come down per device (`DeviceShards`)
+            logits = {"logits"} if rows and self.shares is None else set()
+            names |= {*INPUTS, *self._cell_counts(tier)} | logits
         want = {n: slices[n] for n in sorted(names)}
         sizes = {n: int(np.prod(sl.shape)) * np.dtype(sl.dtype).itemsize for n, sl in want.items()}
         total = sum(-(-b // 256) * 256 for b in sizes.values())
@@ -258,6 +308,8 @@ class CudaEngine(PlanExecutor):
         return min(tier.tier, self.seqs.n_seq, MAX_DECODE_TOKENS)  # the matvec kernels' rows
 
     def execute(self, tier: Tier, st: Act) -> None:
+        if self.shards is not None:
+            return self.shards.execute(tier, st)
         if len(self.budgets) > 1:
             return self.hops.execute(tier, st)
         n = st.tokens.size
@@ -528,8 +580,9 @@ class CudaEngine(PlanExecutor):
                 if j + 1 < len(chunks):
                     self._sync(s)
                     st.logits[first : first + count] = stage["logits"][:count]
-            first, _, count = chunks[-1]
-            self.pending_logits = st.logits[first : first + count]
+            if chunks:  # (a prompt's ubatch before its last wants none)
+                first, _, count = chunks[-1]
+                self.pending_logits = st.logits[first : first + count]
 
     def _record(self, st: Act, name: str, dev, stream) -> None:
         if name in self.requested:

@@ -146,6 +146,11 @@ class DeviceMath:
         self.mm(ws["a"][:n].reshape(n, -1), w, p + "attn_output.weight", f, ws, stream)
         post = p + "post_attention_norm.weight" if self.tr.post_norms else None
         self.residual(ws, n, f, w, post, stream)
+        self.ffn_input(ws, n, w, il, stream)
+
+    def ffn_input(self, ws, n, w, il, stream) -> None:
+        """The FFN norm into h; a MoE layer's router on it: the experts (ids) and their gates."""
+        p = f"blk.{il}."
         self.norm(ws["x"][:n], w[p + "ffn_norm.weight"], ws["h"][:n], stream)
         if self.tr.moe:
             router = ws["router"][:n]
@@ -175,13 +180,16 @@ class DeviceMath:
         self.mm(ws["h"][:n], w, f"blk.{il}.ffn_up.weight", ws["up"][:n], ws, stream, gated)
 
     def ffn_down(self, ws, n, w, il, stream) -> None:
+        self.down(ws, n, w, il, stream)
+        self._post_ffn(ws, n, ws["f"][:n], w, il, stream)
+
+    def down(self, ws, n, w, il, stream) -> None:
+        """f = the gated activations times down (and its bias, where `w` has it)."""
         act = ws["act"][:n]
         if il not in self.glu_layers:
             elementwise.launch_rows(elementwise.gated, n, ws["gate"][:n], ws["up"][:n], act,
                                     self.tr.ffn_act == "gelu", stream=stream)  # fmt: skip
-        f = ws["f"][:n]
-        self.mm(act, w, f"blk.{il}.ffn_down.weight", f, ws, stream)
-        self._post_ffn(ws, n, f, w, il, stream)
+        self.mm(act, w, f"blk.{il}.ffn_down.weight", ws["f"][:n], ws, stream)
 
     def _post_ffn(self, ws, n, f, w, il, stream) -> None:
         post = f"blk.{il}.post_ffw_norm.weight" if self.tr.post_norms else None
@@ -204,15 +212,18 @@ class DeviceMath:
         )
 
     def ffn_down_exps(self, ws, n, w, il, stream) -> None:
+        self.down_exps(ws, n, w, il, stream)
+        self._post_ffn(ws, n, ws["f"][:n], w, il, stream)
+
+    def down_exps(self, ws, n, w, il, stream) -> None:
+        """f = each token's chosen experts' down products, weighted by their gates and summed."""
         slots = n * self.hp.n_expert_used
         act = ws["act"][:slots]
         elementwise.launch_rows(elementwise.gated, slots, ws["gate"][:slots], ws["up"][:slots],
                                 act, self.tr.ffn_act == "gelu", stream=stream)  # fmt: skip
         down = ws["down"][:slots]
         self._experts(ws, n, w, f"blk.{il}.ffn_down_exps.weight", act, down, True, stream)
-        f = ws["f"][:n]
-        moe.combine[n, THREADS, stream](down, ws["gates"][:n], f)
-        self._post_ffn(ws, n, f, w, il, stream)
+        moe.combine[n, THREADS, stream](down, ws["gates"][:n], ws["f"][:n])
 
     def output(self, ws, n, w, il, stream) -> None:
         """The final norm (into h); the head runs per row (`head`)."""

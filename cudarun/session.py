@@ -76,7 +76,7 @@ def plan_for_run(
 
         require_gpu()
     if plan_path is not None:
-        return load_plan(plan_path)
+        return _told(load_plan(plan_path), say)
     prof = load_profile(profile_name)
     if engine in ("standin", "cuda") and budget:  # the stand-in's devices and the GPU's virtual
         prof = for_devices(prof, len(B.parse_budget(budget)))  # ones: the profile's GPU a budget
@@ -98,16 +98,27 @@ def plan_for_run(
     cached = cache_path(spec, fp_hash + (f".{strategy}" if strategy else ""))
     if cached.is_file():
         say(f"reusing the plan {cached}")
-        return load_plan(cached)
+        return _told(load_plan(cached), say)
     plan = solve_plan(spec, prof, w, budgets.tiers, budgets.bytes, strategy,
                       split_mode=None if split_mode == "layer" else split_mode)  # fmt: skip
     # written whole, then renamed: another process reading the cache never sees half a plan
     partial = cached.with_name(f"{cached.name}.{os.getpid()}.partial")
     partial.write_text(json.dumps(plan, indent=1) + "\n")
     partial.replace(cached)
-    say(
-        f"solved {plan['strategy']} for {budgets.bytes[0] / 2**20:.1f} MiB; plan cached at {cached}"
-    )
+    n = len(budgets.bytes)
+    split = f", split by {split_mode}s over {n} devices" if n > 1 else ""
+    mib = " + ".join(f"{b / 2**20:.1f}" for b in budgets.bytes)
+    say(f"solved {plan['strategy']} for {mib} MiB{split}; plan cached at {cached}")
+    return _told(plan, say)
+
+
+def _told(plan: dict, say) -> dict:
+    """The plan, once each device it leaves out is named in a line."""
+    from solver.budget import excluded_lines
+
+    for line in excluded_lines(plan.get("solver", {}).get("excluded", {}),
+                               bool(plan.get("shares"))):  # fmt: skip
+        say(line)
     return plan
 
 

@@ -51,3 +51,18 @@ def share_bytes(spec: ModelSpec, group: Group, shares: Shares, d: int, raw_of) -
         piece = cut_raw(raw_of(full.name), full, cut_of(spec, full.name, shares, d))
         out[p.offset : p.offset + p.info.nbytes] = np.ascontiguousarray(piece).reshape(-1)
     return out
+
+
+def shard_spec(spec: ModelSpec, shares: Shares, d: int) -> ModelSpec:
+    """The model as device d's kernels see it: each tensor cut to its share, and as many query
+    heads, KV heads (at least one, so the workspace's layout stays defined), hidden rows and
+    vocabulary rows as it holds."""
+    tensors = []
+    for t in spec.tensors:
+        cut = cut_of(spec, t.name, shares, d)
+        tensors.append(replace(t, shape=cut_shape(t, cut), nbytes=cut_nbytes(t, cut)))
+    span = lambda r: r[1] - r[0]  # noqa: E731
+    hp = replace(spec.hparams, n_head=span(shares.heads[d]),
+                 n_head_kv=max(span(shares.kv_heads(spec, d)), 1), n_ff=span(shares.ff[d]),
+                 n_ff_exp=span(shares.ff_exp[d]), n_vocab=span(shares.vocab[d]))  # fmt: skip
+    return replace(spec, hparams=hp, tensors=tuple(tensors))

@@ -87,6 +87,14 @@ def mib_text(nbytes: int) -> str:
     return f"{mib:.0f} MiB" if mib >= 10 else f"{mib:.2f} MiB"
 
 
+def excluded_lines(excluded: dict, tensor_split: bool) -> list[str]:
+    """A line per device a plan leaves out (`solver.excluded`: device -> bytes it lacks)."""
+    what = ("its workspace and a share of every layer" if tensor_split else
+            "one layer, its KV and a workspace")  # fmt: skip
+    return [f"GPU {d} excluded: {mib_text(lack)} short of {what}"
+            for d, lack in sorted(excluded.items(), key=lambda item: int(item[0]))]  # fmt: skip
+
+
 def device_budgets(
     budget: str | None,
     reserve: str,

@@ -15,7 +15,6 @@ from cudarun.standin import StandInDevice
 from cudarun.standin_engine import FAST_DELAYS, StandInEngine
 from refengine.agreement import agreement_along, reference_run
 from refengine.engine import NumpyEngine
-from refengine.errors import UserError
 from refengine.models import resolve_model
 from refengine.spec import load_spec
 from refengine.tokenizer import Tokenizer
@@ -136,16 +135,6 @@ def test_the_cuda_engine_runs_virtual_devices_as_numpy_does(tmp_path, arch, n_de
     for call, arg in [("prefill", [5, 9, 2]), ("decode", 7), ("prefill", [3, 1])]:
         got, want = getattr(engine, call)(arg), getattr(reference, call)(arg)
         assert normwise(got, want) < engine.tolerance, (call, places)
-
-
-def test_the_cuda_engine_refuses_a_tensor_split_in_one_line(small_models):
-    from cudarun.cuda_engine import CudaEngine
-
-    from .test_split_runtime import split_plan
-
-    spec = load_spec(str(small_models["llama"]))
-    with pytest.raises(UserError, match="--engine standin"):
-        CudaEngine(spec, split_plan(spec, (0.6, 0.6)))
 
 
 def random_placements(spec, n_devices: int, rng, tiers=(1, 8)) -> dict[int, TierPlacement]:

@@ -127,6 +127,24 @@ def test_tensor_split_agrees_with_numpy_on_the_stand_in(models, arch):
         assert engine.path == "fp32" and a.ok, a.summary()
 
 
+def test_diff_of_a_tensor_split_names_the_device_left_out(small_models):
+    """`refengine diff` over three budgets, the middle one too small: one line names it, and the
+    other two meet the fp32 path's bounds."""
+    from .conftest import refengine
+
+    spec = load_spec(str(small_models["llama"]))
+    floor, scaling = share_nbytes_line(spec, Workload(n_ctx=64, prompt_tokens=6, gen_tokens=3), 4)
+    mib = lambda nbytes: f"{nbytes / 2**20:.4f}MiB"  # noqa: E731
+    budgets = ",".join([mib(floor + scaling), mib(4096), mib(floor + 0.6 * scaling)])
+    r = refengine("diff", small_models["llama"], "--tokens", "5,9,2,7,3,1", "-n", "3", "-c", "64",
+                  "--tiers", "1,4", "--engine", "standin", "--budget", budgets, "--split-mode",
+                  "tensor")  # fmt: skip
+    assert r.returncode == 0, r.stdout + r.stderr
+    out = r.stdout + r.stderr
+    assert "split by tensors over 3 devices" in out and "meets its path's bounds" in out
+    assert "GPU 1 excluded:" in out and "short of its workspace and a share of every layer" in out
+
+
 @functools.lru_cache(maxsize=None)
 def smollm2_split(fractions):
     spec = load_spec(str(resolve_model("smollm2-135m")))
@@ -141,6 +159,68 @@ def test_smollm2_split_over_two_unequal_devices_agrees_with_numpy():
     prompt = Tokenizer.from_gguf(spec.path).encode("The engine splits every matrix over two GPUs.")
     a = agreement_along(engine, prompt, reference_run(reference, prompt, 6), engine.tolerance)
     assert a.ok, a.summary()
+
+
+# one layer, a query head a whole quantized block, so that the heads, the FFN rows, each expert's
+# rows and the vocabulary are all cut, at shapes the CUDA simulator runs in seconds
+CUDA_TINY = {
+    "gemma3": SyntheticConfig("gemma3", n_layer=1, n_embd=32, n_ff=64, n_head=2, n_head_kv=1,
+                              head_dim=32, n_vocab=260, qtype="Q8_0", n_swa=3),
+    "moe": SyntheticConfig("qwen3moe", n_layer=1, n_embd=32, n_ff=64, n_head=2, n_head_kv=2,
+                           head_dim=32, n_vocab=260, qtype="Q8_0", n_expert=4, n_expert_used=2,
+                           n_ff_exp=64),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("arch, fractions", [("gemma3", (0.6, 0, 0.6)), ("moe", (0.7, 0.5))])
+def test_the_cuda_engine_runs_a_tensor_split_as_numpy_does(tmp_path, arch, fractions):
+    """Under the simulator, virtual devices of one GPU (gemma3: three, the middle one left out,
+    its one KV head on both others; moe: each device routing the tokens itself): logits within
+    the plan's tolerance of the NumPy engine's across tier switches and a prompt longer than a
+    ubatch, a layer's output recorded; the host waits only for the partial outputs and the
+    logits' rows, and the devices' activations go through it only at the sums."""
+    from cudarun.cuda_engine import CudaEngine
+    from refengine.agreement import normwise
+
+    spec = load_spec(str(write_synthetic(tmp_path / "m.gguf", CUDA_TINY[arch])))
+    engine = CudaEngine(spec, split_plan(spec, fractions, tiers=(1, 4)))
+    reference = NumpyEngine(spec, n_ctx=N_CTX)
+    used = [d for d, f in enumerate(fractions) if f]
+    assert engine.shares.devices == used and len(engine.arenas) == len(fractions)
+    ranges = (engine.shares.heads, engine.shares.ff_exp if arch == "moe" else engine.shares.ff,
+              engine.shares.vocab)  # fmt: skip
+    assert all(r[d][1] > r[d][0] for r in ranges for d in used)  # every dimension is cut
+    for call, arg in [("prefill", [5, 9, 2]), ("decode", 7), ("prefill", [3, 1, 4, 1, 5, 9])]:
+        (got, acts), (want, ref_acts) = (getattr(e, call)(arg, record={"blk.0.out"})
+                                         for e in (engine, reference))  # fmt: skip
+        assert normwise(got, want) < engine.tolerance, (call, arg)
+        assert normwise(acts["blk.0.out"], ref_acts["blk.0.out"]) < engine.tolerance
+    for (t, n, _), (ubatches, counted) in engine.tally.rows.items():
+        schedule = engine.tiers[t].schedule
+        host_waits = sum(isinstance(op, Wait) and op.queue == "cpu" for op in schedule)
+        # and one to read the recorded layer output
+        assert counted.syncs == ubatches * (host_waits + 1), (t, n)
+        # each device: the embedding's rows and every sum up
+        ups = len(used) * (1 + ALL_REDUCES_PER_LAYER * spec.hparams.n_layer)
+        assert counted.uploads == ubatches * ups, (t, n)
+
+
+@pytest.mark.gpu
+def test_smollm2_tensor_split_on_virtual_devices_of_the_gpu():
+    """On a GPU: SmolLM2 over two unequal virtual devices, a prompt through the fp16 GEMM path
+    (tier 64) and the decode through the matvec kernels, as `diff` judges it."""
+    from cudarun.cuda_engine import CudaEngine
+
+    spec = load_spec(str(resolve_model("smollm2-135m")))
+    reference = NumpyEngine(spec, n_ctx=N_CTX)
+    engine = CudaEngine(spec, split_plan(spec, (0.7, 0.4), tiers=(1, 64)))
+    assert engine.shares.devices == [0, 1]
+    prompt = Tokenizer.from_gguf(spec.path).encode(
+        "The engine splits every matrix of every layer over two virtual devices of one GPU, and "
+        "the host sums what each device computed twice a layer."
+    )  # fmt: skip
+    a = agreement_along(engine, prompt, reference_run(reference, prompt, 6), engine.tolerance)
+    assert engine.path == "fp16" and a.ok, a.summary()
 
 
 def test_every_cross_queue_wait_of_a_tensor_split_is_needed_on_five_seeds(small_models):

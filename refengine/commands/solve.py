@@ -126,7 +126,7 @@ def solve(
     from rich.console import Console
     from rich.table import Table
 
-    from solver.budget import mib_text
+    from solver.budget import excluded_lines
     from solver.groups import tensor_groups
     from solver.plan import plan_json
     from solver.solve import load_profile, request_workload, solve_request, summarize
@@ -186,10 +186,8 @@ def solve(
             f"plan: tensor split (-sm tensor), every matrix and all KV split over "
             f"{len(budgets)} GPUs: {need / 2**30:.2f} GiB on each"
         )
-    for d, lack in sorted(facts.get("excluded", {}).items()):
-        what = "its workspace and a share of every layer" if chosen.shares else (
-            "one layer, its KV and a workspace")  # fmt: skip
-        con.print(f"GPU {d} excluded: {mib_text(lack)} short of {what}")
+    for line in excluded_lines(facts.get("excluded", {}), chosen.shares is not None):
+        con.print(line)
     if solved.budgets.dropped:
         con.print(
             f"not viable (their workspace alone exceeds the budget): tiers {solved.budgets.dropped}"
