@@ -155,12 +155,12 @@ class DeviceShards:
         self._take_in(tier, d, ws, n, st, self._weights(tier, f"blk.{last}.{self._down}", d),
                       f"blk.{last}.ffn_down.bias", f"blk.{last}.post_ffw_norm.weight",
                       f"blk.{last}.out", s)  # fmt: skip
-        if not _holds(self.shares.vocab[d]):
-            return
         w = self._weights(tier, "output", d)
         dm.output(ws, n, w, None, s)
         if d == self.devices[0]:
             e._record(st, "output_norm", ws["h"][:n], s)
+        if not _holds(self.shares.vocab[d]):
+            return
         rows, staged = ws["logits"].shape[0], self._pinned(tier, ("logits", d), "logits", d)
         lo, hi = self.shares.vocab[d]
         chunks = [(t + i, c + i, min(rows, count - i)) for t, c, count in host_runs(st.logit_rows)
