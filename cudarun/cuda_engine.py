@@ -123,6 +123,12 @@ class CudaEngine(PlanExecutor):
             return "fp16"
         return "fp32"
 
+    def warm_up_tokens(self, tier: int) -> int:
+        """Past MAX_DECODE_TOKENS a ubatch takes the prefill path (fp16 panels, cuBLAS, the
+        prefill attention): a tier that reaches it warms up on it, so the first prompt compiles
+        nothing inside its TTFT."""
+        return min(tier, MAX_DECODE_TOKENS + 1, self.n_ctx) if tier > MAX_DECODE_TOKENS else 1
+
     def memory_report(self) -> list[str]:
         out = super().memory_report()
         if not simulated():

@@ -352,12 +352,16 @@ class PlanExecutor(SequenceCalls):
         return []
 
     def warm_up(self) -> None:
-        """Compile every kernel and prepare every tier before the first token: one token through
+        """Compile every kernel and prepare every tier before the first token: a ubatch through
         each tier's schedule (largest first, so the smallest is current after), then reset."""
-        zero = np.zeros(1, np.int64)
         for size in reversed(self.tier_sizes):
-            self._run(self.tiers[size], one_sequence(zero, zero), False)
+            n = self.warm_up_tokens(size)
+            self._run(self.tiers[size], one_sequence(np.zeros(n, np.int64), np.arange(n)), False)
         self.reset()
+
+    def warm_up_tokens(self, tier: int) -> int:
+        """Tokens of a tier's warm-up ubatch: one, where every size of ubatch runs the same code."""
+        return 1
 
     # -- device-specific -----------------------------------------------------------------------
 

@@ -3,15 +3,16 @@
 # minutes, tables written to docs/measured/ (and to $OUT when the device tool provides it).
 #
 # On the lent GPU machine, from the repository root (its python3 has numba-cuda, cuda-bindings
-# and CuPy; carry a gguf wheel in wheels/, and an ortools wheel set for tests that solve):
+# and CuPy, but no gguf or ortools: carry Python 3.12 wheels of gguf, ortools, protobuf and
+# immutabledict in the ignored .whl/, fetched as the device README says, and name .whl in carry):
 #     bash scripts/gpu_check.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-if [ -d wheels ]; then
-    $PY -m pip install --quiet --no-index --find-links wheels gguf ortools 2>/dev/null \
-        || $PY -m pip install --quiet --no-index --find-links wheels gguf
+if ls .whl/*.whl >/dev/null 2>&1; then  # without their dependencies: one version of each
+    $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+        --target /tmp/site .whl/*.whl && export PYTHONPATH="$PYTHONPATH:/tmp/site"
 fi
 stamp="$(date -u +%Y-%m-%d)"
 device="$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1 | tr ' ' '-')"

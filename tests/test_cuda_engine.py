@@ -85,7 +85,8 @@ def test_the_cuda_engine_agrees_with_numpy_across_tier_switches(tiny):
 @pytest.mark.gpu
 def test_prefill_beyond_the_matvec_tokens_runs_the_fp16_gemm_path(tiny):
     """A 40-token prompt at tier 64: the products go through fp16 panels and cuBLAS, attention
-    through the prefill kernel (GPU only: the GEMM is CuPy's cuBLAS)."""
+    through the prefill kernel (GPU only: the GEMM is CuPy's cuBLAS); the warm-up compiled every
+    kernel the prompt and the decode run."""
     spec, _ = tiny
     w = Workload(n_ctx=64, prompt_tokens=40, gen_tokens=4, threads=2)
     tiers = {t: p for t, p in zip((1, 64), placements(spec).values())}
@@ -93,10 +94,27 @@ def test_prefill_beyond_the_matvec_tokens_runs_the_fp16_gemm_path(tiny):
     plan = plan_json(spec, w, prof.name, [3 * spec.weights_nbytes + (8 << 20)], tiers,
                      evaluate(tiers, spec, prof, w), "test", "refengine")  # fmt: skip
     engine, reference = CudaEngine(spec, plan), NumpyEngine(spec, n_ctx=64)
+    engine.warm_up()
+    compiled = compiled_kernels()
     ids = list(np.random.default_rng(2).integers(0, spec.hparams.n_vocab, 40))
     for call in (lambda e: e.prefill(ids), lambda e: e.decode(5)):
         ours, want = call(engine), call(reference)
         assert np.abs(ours - want).max() <= 5e-2 * np.abs(want).max()
+    assert compiled_kernels() == compiled
+
+
+def compiled_kernels() -> int:
+    """Specializations compiled so far by every kernel of cudarun.kernels."""
+    import importlib
+    import pkgutil
+
+    import cudarun.kernels
+
+    n = 0
+    for m in pkgutil.iter_modules(cudarun.kernels.__path__):
+        module = importlib.import_module(f"cudarun.kernels.{m.name}")
+        n += sum(len(getattr(k, "overloads", None) or {}) for k in vars(module).values())
+    return n
 
 
 def test_the_cuda_engine_runs_several_sequences_as_numpy_does(tiny):
