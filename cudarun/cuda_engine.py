@@ -99,6 +99,7 @@ class CudaEngine(PlanExecutor):
         self.counter: counts.Counter | None = None  # the ubatch being issued
         self.pending_logits: np.ndarray | None = None  # filled from staging after the last wait
         self.routed_held: dict[str, int] = {}  # routed stack -> experts its slot holds now
+        self.field_buffers: dict[tuple, np.ndarray] = {}  # (tier, key) -> pinned (`pinned_rows`)
         self.hops = DeviceHops(self)  # a layer split over several devices: their hand-offs
         self.shards = None  # a tensor split: its parts, and the file its shares are cut from
         if self.shares is not None:
@@ -305,6 +306,18 @@ class CudaEngine(PlanExecutor):
             offset += -(-sizes[n] // 256) * 256
         self.stagings[tier.tier] = out
         return out
+
+    def pinned_rows(self, tier: Tier, key: tuple, field: str, d: int | None = None) -> np.ndarray:
+        """A pinned host buffer of a workspace field's rows (device d's layout: under a tensor
+        split, its share's), one a tier and key: each kind of copy its own, so no later copy
+        overwrites one an earlier copy still reads."""
+        if (tier.tier, key) not in self.field_buffers:
+            spec = self.spec if d is None else self.device_spec(d)
+            sl = layout(spec, tier.tier, self._logit_rows(tier), self.n_ctx)[field]
+            nbytes = int(np.prod(sl.shape)) * np.dtype(sl.dtype).itemsize
+            buf = self.host_alloc(max(nbytes, 1))[:nbytes]
+            self.field_buffers[tier.tier, key] = buf.view(sl.dtype).reshape(sl.shape)
+        return self.field_buffers[tier.tier, key]
 
     def _logit_rows(self, tier: Tier) -> int:
         """Rows of logits the device head computes at once: one a sequence (what the memory

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import numpy as np
 
-from solver.workspace import layout
 
 from . import counts
 from .hostmath import Act
@@ -32,7 +31,6 @@ HOST = "host"
 class DeviceHops:
     def __init__(self, engine):
         self.e = engine
-        self.buffers: dict[tuple, np.ndarray] = {}  # (tier, key) -> a pinned buffer of its own
 
     def execute(self, tier, st: Act) -> None:
         e, n = self.e, st.tokens.size
@@ -130,7 +128,7 @@ class DeviceHops:
             if HOST in holders.get(f, {HOST}):  # current on the host (or never written)
                 continue
             src, rows = min(holders[f]), e._row_count(f, n)
-            buf = self._buffer(tier, ("down", f), f)
+            buf = e.pinned_rows(tier, ("down", f), f)
             stream = e.queues[queue_of("compute", src)]
             wss[src][f][:rows].copy_to_host(buf[:rows], stream=stream)
             if src not in waited:
@@ -148,30 +146,20 @@ class DeviceHops:
         to, count = e.queues[queue_of("compute", d)], e._row_count(f, n)
         dst = wss[d][f][:count]
         if HOST in holders[f]:
-            rows = self._buffer(tier, ("up", f, d), f)[:count]
+            rows = e.pinned_rows(tier, ("up", f, d), f)[:count]
             rows[...] = np.reshape(getattr(host, f), rows.shape)
             dst.copy_to_device(rows, stream=to)
             e.counter.uploads += 1
         else:
             src = min(holders[f])
             frm = e.queues[queue_of("compute", src)]
-            rows = self._buffer(tier, ("hop", f, src, d), f)[:count]
+            rows = e.pinned_rows(tier, ("hop", f, src, d), f)[:count]
             wss[src][f][:count].copy_to_host(rows, stream=frm)
             ev = e._event()
             ev.record(frm)
             ev.wait(to)
             dst.copy_to_device(rows, stream=to)
         holders[f].add(d)
-
-    def _buffer(self, tier, key: tuple, field: str) -> np.ndarray:
-        """A pinned host buffer of one field's rows, for one kind of copy of this tier: each hop
-        its own, so no later copy overwrites one an earlier upload still reads."""
-        if (tier.tier, key) not in self.buffers:
-            sl = layout(self.e.spec, tier.tier, self.e._logit_rows(tier), self.e.n_ctx)[field]
-            self.buffers[tier.tier, key] = self.e.host_alloc(
-                int(np.prod(sl.shape)) * np.dtype(sl.dtype).itemsize
-            ).view(sl.dtype).reshape(sl.shape)
-        return self.buffers[tier.tier, key]
 
 
 def _glu_layers(parts) -> frozenset[int]:

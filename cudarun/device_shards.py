@@ -20,7 +20,6 @@ from __future__ import annotations
 import numpy as np
 
 from solver.groups import FFN_ORDER
-from solver.workspace import layout
 
 from . import counts
 from .devicemath import device_tensors
@@ -37,7 +36,6 @@ class DeviceShards:
         self.e, self.shares = engine, engine.shares
         self.devices = self.shares.devices
         self.weight_views: dict[tuple, dict] = {}  # (tier, group, device) -> its tensors
-        self.buffers: dict[tuple, np.ndarray] = {}  # (tier, name) -> pinned host memory
         self.pending: dict[int, tuple[int, int]] = {}  # device -> its last logits chunk's rows
 
     def execute(self, tier, st) -> None:
@@ -72,30 +70,28 @@ class DeviceShards:
     def embed(self, tier, part, st, wss) -> None:
         e = self.e
         e.cpu_math.run("embed", None, st, e.host.tensors("token_embd"))
-        self._pinned(tier, "sum", "f")[: st.tokens.size] = st.x
+        self.e.pinned_rows(tier, ("sum",), "f")[: st.tokens.size] = st.x
         st.logits = np.empty((st.logit_rows.size, e.spec.hparams.n_vocab), np.float32)
 
     def attn_sum(self, tier, part, st, wss) -> None:
         self._sum(tier, st.tokens.size, self.shares.heads)
 
     def ffn_sum(self, tier, part, st, wss) -> None:
-        self._sum(tier, st.tokens.size, self.shares.ff_exp if self.e.spec.arch.moe else
-                  self.shares.ff)  # fmt: skip
+        self._sum(tier, st.tokens.size, self._ffn_rows)
 
     def _sum(self, tier, n: int, ranges) -> None:
         """The partial outputs of the devices holding a share of the dimension, in device
         order (the others added nothing)."""
-        total = self._pinned(tier, "sum", "f")[:n]
+        total = self.e.pinned_rows(tier, ("sum",), "f")[:n]
         adding = [d for d in self.devices if ranges[d][1] > ranges[d][0]]
-        np.copyto(total, self._pinned(tier, ("partial", adding[0]), "f")[:n])
+        np.copyto(total, self.e.pinned_rows(tier, ("partial", adding[0]), "f")[:n])
         for d in adding[1:]:
-            total += self._pinned(tier, ("partial", d), "f")[:n]
+            total += self.e.pinned_rows(tier, ("partial", d), "f")[:n]
 
     def logits(self, tier, part, st, wss) -> None:
         for d, (first, count) in self.pending.items():
             lo, hi = self.shares.vocab[d]
-            st.logits[first : first + count, lo:hi] = self._pinned(tier, ("logits", d),
-                                                                   "logits", d)[:count]  # fmt: skip
+            st.logits[first : first + count, lo:hi] = self._logit_rows(tier, d)[:count]
         self.pending = {}
 
     # -- each device's parts ---------------------------------------------------------------------
@@ -109,7 +105,7 @@ class DeviceShards:
                           f"blk.{il - 1}.ffn_down.bias", f"blk.{il - 1}.post_ffw_norm.weight",
                           f"blk.{il - 1}.out", s)  # fmt: skip
         else:
-            ws["x"][:n].copy_to_device(self._pinned(tier, "sum", "f")[:n], stream=s)
+            ws["x"][:n].copy_to_device(self.e.pinned_rows(tier, ("sum",), "f")[:n], stream=s)
             e.counter.uploads += 1
         if not _holds(self.shares.heads[d]):
             return
@@ -130,15 +126,14 @@ class DeviceShards:
         w_attn = self._weights(tier, f"blk.{il}.attn", d)  # its norms (and a MoE router)
         self._take_in(tier, d, ws, n, st, w_attn, f"blk.{il}.attn_output.bias",
                       f"blk.{il}.post_attention_norm.weight", None, s)  # fmt: skip
-        moe = e.spec.arch.moe
-        if not _holds((self.shares.ff_exp if moe else self.shares.ff)[d]):
+        if not _holds(self._ffn_rows[d]):
             return
         w = dict(w_attn)
         for kind in FFN_ORDER:
             if f"blk.{il}.{kind}" in e.groups:
                 w.update(self._weights(tier, f"blk.{il}.{kind}", d))
         dm.ffn_input(ws, n, w, il, s)
-        if moe:
+        if e.spec.arch.moe:
             dm.ffn_gate_exps(ws, n, w, il, s)
             dm.ffn_up_exps(ws, n, w, il, s)
             dm.down_exps(ws, n, w, il, s)
@@ -161,7 +156,7 @@ class DeviceShards:
             e._record(st, "output_norm", ws["h"][:n], s)
         if not _holds(self.shares.vocab[d]):
             return
-        rows, staged = ws["logits"].shape[0], self._pinned(tier, ("logits", d), "logits", d)
+        rows, staged = ws["logits"].shape[0], self._logit_rows(tier, d)
         lo, hi = self.shares.vocab[d]
         chunks = [(t + i, c + i, min(rows, count - i)) for t, c, count in host_runs(st.logit_rows)
                   for i in range(0, count, rows)]  # fmt: skip
@@ -181,7 +176,7 @@ class DeviceShards:
                  layer_out: str | None, s) -> None:  # fmt: skip
         """The host's sum into device d's residual: its bias, its post-norm, the residual add."""
         e, f = self.e, ws["f"][:n]
-        f.copy_to_device(self._pinned(tier, "sum", "f")[:n], stream=s)
+        f.copy_to_device(self.e.pinned_rows(tier, ("sum",), "f")[:n], stream=s)
         e.counter.uploads += 1
         if bias in w:
             glue.add_bias[n, THREADS, s](f, w[bias])
@@ -190,20 +185,12 @@ class DeviceShards:
             e._record(st, layer_out, ws["x"][:n], s)
 
     def _down_partial(self, tier, d: int, ws, n: int, s) -> None:
-        ws["f"][:n].copy_to_host(self._pinned(tier, ("partial", d), "f")[:n], stream=s)
+        ws["f"][:n].copy_to_host(self.e.pinned_rows(tier, ("partial", d), "f")[:n], stream=s)
         self.e.counter.downloads += 1
 
-    def _pinned(self, tier, key, field: str, d: int | None = None) -> np.ndarray:
-        """Pinned host rows of a workspace field (device d's: its logits' columns), one buffer a
-        key and tier."""
-        if (tier.tier, key) not in self.buffers:
-            e = self.e
-            spec = e.spec if d is None else e.device_spec(d)
-            sl = layout(spec, tier.tier, e._logit_rows(tier), e.n_ctx)[field]
-            nbytes = int(np.prod(sl.shape)) * np.dtype(sl.dtype).itemsize
-            buf = e.host_alloc(max(nbytes, 1))[:nbytes]
-            self.buffers[tier.tier, key] = buf.view(sl.dtype).reshape(sl.shape)
-        return self.buffers[tier.tier, key]
+    def _logit_rows(self, tier, d: int):
+        """Device d's logits' rows, down in pinned memory."""
+        return self.e.pinned_rows(tier, ("logits", d), "logits", d)
 
     def _weights(self, tier, group: str, d: int) -> dict:
         key = (tier.tier, group, d)
@@ -218,6 +205,11 @@ class DeviceShards:
     def _kv(self, tier, il: int, d: int, cells: int):
         return self.e._kv(self.e.region(tier, local_name(f"kv:{il}", d, True)), cells,
                           self.shares.kv_heads(self.e.spec, d))  # fmt: skip
+
+    @property
+    def _ffn_rows(self):
+        """Each device's FFN rows: each expert's under a MoE model."""
+        return self.shares.ff_exp if self.e.spec.arch.moe else self.shares.ff
 
     @property
     def _down(self) -> str:
