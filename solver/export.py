@@ -311,10 +311,47 @@ def apply_llamacpp_args(spec: ModelSpec, args: list[str]) -> dict[str, str]:
     return apply_rules(llamacpp_defaults(spec, ngl, ts), rules)
 
 
-def command_line(spec: ModelSpec, args: list[str]) -> str:
-    """`llama-server -m MODEL ...`; for a spec-only shape, which has no file, MODEL.gguf stands
-    in (`placeholder_note` says so)."""
-    return shlex.join(["llama-server", "-m", str(spec.path or MODEL_PLACEHOLDER), *args])
+# llama-server flags that take no value; every other flag of ours takes one
+_VALUELESS = {"-kvu", "--cpu-moe"}
+
+
+def llama_bench_args(args: list[str], n_layer: int) -> list[str]:
+    """Exported llama-server flags as llama-bench's, for the same placement. llama-bench has no
+    `-c` (a test's context is its own tokens) and no `-fit` (it fits only under `-fitt`), times one
+    sequence, takes list items apart with '/' (`-ts`, `-dev`) and `-ot` patterns with ';' (a ','
+    starts another test), and spells both MoE flags `-ncmoe N`, whose patterns it appends after
+    the `-ot` ones as llama-server does (tools/llama-bench)."""
+    out: list[str] = []
+    i = 0
+    while i < len(args):
+        flag = args[i]
+        value = None if flag in _VALUELESS else args[i + 1]
+        i += 1 if value is None else 2
+        if flag in ("-fit", "-c"):
+            continue
+        if flag in ("-np", "-kvu"):
+            raise UserError(
+                "llama-bench times one sequence: export a plan solved for several users "
+                "--format llamacpp and time it with llama-batched-bench"
+            )
+        if flag == "--cpu-moe":
+            flag, value = "-ncmoe", str(n_layer)
+        elif flag == "--n-cpu-moe":
+            flag = "-ncmoe"
+        elif flag in ("-ts", "-dev"):
+            value = value.replace(",", "/")
+        elif flag == "-ot":
+            value = value.replace(",", ";")
+        out += [flag] if value is None else [flag, value]
+    return out
+
+
+def command_line(spec: ModelSpec, args: list[str], program: str = "llama-server") -> str:
+    """`llama-server -m MODEL ...` (or `llama-bench`'s flags); for a spec-only shape, which has
+    no file, MODEL.gguf stands in (`placeholder_note` says so)."""
+    if program == "llama-bench":
+        args = llama_bench_args(args, spec.hparams.n_layer)
+    return shlex.join([program, "-m", str(spec.path or MODEL_PLACEHOLDER), *args])
 
 
 def placeholder_note(spec: ModelSpec) -> str | None:
@@ -325,17 +362,20 @@ def placeholder_note(spec: ModelSpec) -> str | None:
 
 def export_plan(d: dict, spec: ModelSpec, fmt: str) -> str:
     """A plan's JSON as `fmt`: `llamacpp`, the llama.cpp command line (a `llamacpp`-target or
-    tensor-split plan only), or `pshard-registry`, the registry's text (one-GPU plans only)."""
+    tensor-split plan only), `llama-bench`, the same placement as llama-bench's flags, or
+    `pshard-registry`, the registry's text (one-GPU plans only)."""
     from .plan import placements_from_json, plan_workload
     from .registry import registry_text
 
     w, fp = plan_workload(d), d["fingerprint"]
+    flags = fmt in ("llamacpp", "llama-bench")
+    program = "llama-bench" if fmt == "llama-bench" else "llama-server"
     if d.get("split_mode") == "tensor":
-        if fmt != "llamacpp":
+        if not flags:
             raise UserError("a tensor-split plan exports as llama.cpp flags only")
-        return command_line(spec, tensor_split_args(d, spec))
+        return command_line(spec, tensor_split_args(d, spec), program)
     tiers = placements_from_json(d, spec)
-    if fmt == "llamacpp":
+    if flags:
         if d["target"] != "llamacpp":
             raise UserError(
                 "this plan is for refengine's runtime (streamed, per tier); solve "
@@ -351,7 +391,7 @@ def export_plan(d: dict, spec: ModelSpec, fmt: str) -> str:
             n_devices=len(fp["budget_bytes"]),
             users=w.users,
         )
-        return command_line(spec, args)
+        return command_line(spec, args, program)
     per_tier = {
         t: (place, d["prediction"]["tps"], d["tiers"][str(t)]["memory"]["0"]["total"])
         for t, place in tiers.items()

@@ -152,6 +152,22 @@ def run_llamacpp(bin_dir: Path | None, model_path: str, args: list[str], timeout
     return text
 
 
+def run_llama_bench(bin_dir: Path | None, model_path: str, args: list[str], n_prompt: int,
+                    n_gen: int, repetitions: int = 1, timeout_s: float = 600) -> tuple[list, str]:
+    """llama-bench's JSON records (one per test: pp then tg) and its verbose load log for
+    llama-bench flags (`solver.export.llama_bench_args`)."""
+    import json
+
+    exe = llama_binary(bin_dir, "llama-bench")
+    cmd = [str(exe), "-m", model_path, *args, "-p", str(n_prompt), "-n", str(n_gen),
+           "-r", str(repetitions), "-o", "json", "-v"]  # fmt: skip
+    p = subprocess.run(cmd, capture_output=True, text=True, errors="replace", timeout=timeout_s)
+    if p.returncode != 0:
+        tail = " | ".join(line for line in p.stderr.strip().splitlines()[-3:])
+        raise UserError(f"llama-bench exited {p.returncode} on the plan's flags: {tail}")
+    return json.loads(p.stdout), p.stderr
+
+
 @dataclass
 class DeviceRow:
     device: str  # llama.cpp's name (CUDA0, RPC1)

@@ -9,7 +9,13 @@ import pytest
 from refengine.errors import UserError
 from refengine.synthetic import SyntheticConfig, spec_from_hparams
 from solver.cost import CPU, PINNED, STREAMED, Loc, TierPlacement, Workload, evaluate
-from solver.export import apply_llamacpp_args, layers_regex, llamacpp_args, tensor_devices
+from solver.export import (
+    apply_llamacpp_args,
+    layers_regex,
+    llama_bench_args,
+    llamacpp_args,
+    tensor_devices,
+)
 from solver.groups import tensor_groups
 from solver.optimize import agrees, optimize
 from solver.strategies import STRATEGIES, Problem
@@ -91,6 +97,9 @@ def test_two_gpu_llamacpp_plans_export_with_tensor_split_counts(model):
     ts = [int(x) for x in args[args.index("-ts") + 1].split(",")]
     assert sum(ts) == int(args[args.index("-ngl") + 1])
     assert apply_llamacpp_args(spec, args) == tensor_devices(spec, place)
+    bench = llama_bench_args(args, spec.hparams.n_layer)  # llama-bench's lists take '/'
+    assert bench[bench.index("-ts") + 1] == "/".join(map(str, ts))
+    assert bench[bench.index("-dev") + 1] == "CUDA0/CUDA1"
     for d, budget in enumerate(p.budgets):
         assert device_usage(spec, tensor_groups(spec), place, 512, w, "llamacpp", d).total <= budget
 
@@ -157,6 +166,7 @@ def test_routed_experts_of_the_first_layers_are_n_cpu_moe():
     # every layer's experts: --cpu-moe
     args = llamacpp_args(spec, _placement(spec, _experts(spec, range(24))), 4096, "f16", True)
     assert args[-1] == "--cpu-moe" and "-ot" not in args
+    assert llama_bench_args(args, 24)[-2:] == ["-ncmoe", "24"]  # llama-bench has no --cpu-moe
 
 
 def test_exceptions_to_n_cpu_moe_come_first():
@@ -184,6 +194,11 @@ def test_exceptions_to_n_cpu_moe_come_first():
         "blk\\.5\\.ffn_up_exps\\.weight=CPU",
     ]
     assert apply_llamacpp_args(spec, args) == tensor_devices(spec, place)
+    # llama-bench: no context or fit flags; one -ot test whose patterns ';' separates; its
+    # -ncmoe patterns also follow the -ot ones
+    bench = llama_bench_args(args, 24)
+    assert "-c" not in bench and "-fit" not in bench and bench[-2:] == ["-ncmoe", "4"]
+    assert bench[bench.index("-ot") + 1] == args[args.index("-ot") + 1].replace(",", ";")
     # experts on the CPU only where -ngl leaves the whole layer anyway: no flag
     kv = {il: Loc(CPU) if il < 6 else Loc(PINNED) for il in range(24)}
     front = {g.name for g in tensor_groups(spec) if g.layer is not None and g.layer < 6}
@@ -238,6 +253,8 @@ def test_several_users_share_one_cache_of_the_plans_cells():
     args = llamacpp_args(spec, place, 16384, "f16", True, users=4)
     assert args[2:8] == ["-c", "16384", "-np", "4", "-kvu", "-ngl"]
     assert "-np" not in llamacpp_args(spec, place, 16384, "f16", True)
+    with pytest.raises(UserError, match="llama-bench times one sequence"):
+        llama_bench_args(args, spec.hparams.n_layer)
 
 
 def test_a_quantized_v_cache_without_flash_attention_is_refused():
@@ -261,6 +278,9 @@ def test_a_spec_only_plan_exports_with_a_placeholder_model(tmp_path):
     assert r.stderr.strip() == (
         "llama3-8b is a spec-only shape: replace MODEL.gguf with a GGUF file of it"
     )
+    r = refengine("export", plan, "--format", "llama-bench")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.startswith("llama-bench -m MODEL.gguf -ngl ")
 
 
 # Real llama.cpp (built from the PyPI sdist; an RPC server on localhost is its GPU): the exported
@@ -272,16 +292,22 @@ DENSE_24 = SyntheticConfig(
 
 
 def _run_real(llama_bin, endpoint, path, spec, place, *extra):
-    from solver.llamacpp_check import on_rpc, parse_load_log, run_llamacpp
+    """The plan's flags in llama-server's form (run by llama-completion) and in llama-bench's:
+    each places every tensor where the plan does."""
+    from solver.llamacpp_check import on_rpc, parse_load_log, run_llama_bench, run_llamacpp
 
     args = llamacpp_args(spec, place, 1024, "f16", True)
-    log = run_llamacpp(llama_bin, str(path), on_rpc(args, [endpoint]))
     want = {
         name: "RPC0" if dev == "CUDA0" else dev
         for name, dev in tensor_devices(spec, place).items()
         if not name.endswith("@output")
     }
+    log = run_llamacpp(llama_bin, str(path), on_rpc(args, [endpoint]))
     assert parse_load_log(log, spec).tensors == want
+    bench = llama_bench_args(on_rpc(args, [endpoint]), spec.hparams.n_layer)
+    records, log = run_llama_bench(llama_bin, str(path), bench, 8, 2)
+    assert parse_load_log(log, spec).tensors == want
+    assert [(r["n_prompt"], r["n_gen"]) for r in records] == [(8, 0), (0, 2)]
     return args
 
 

@@ -255,7 +255,7 @@ def _print_shares(con, spec, w, shares, tier: int, budgets: list[int]) -> None:
 @click.option(
     "--format",
     "fmt",
-    type=click.Choice(["llamacpp", "pshard-registry"]),
+    type=click.Choice(["llamacpp", "llama-bench", "pshard-registry"]),
     default="llamacpp",
     show_default=True,
 )
@@ -266,14 +266,15 @@ def _print_shares(con, spec, w, shares, tier: int, budgets: list[int]) -> None:
     help="pshard-registry: where to write (default: next to the model).",
 )
 def export(plan_path: Path, fmt: str, output: Path | None) -> None:
-    """Print a plan as a llama.cpp command, or write it as a pshard registry."""
+    """Print a plan as a llama.cpp command (llama-server's, or llama-bench's flags for the same
+    placement), or write it as a pshard registry."""
     from solver.export import export_plan, placeholder_note
     from solver.plan import load_plan, plan_model
 
     d = load_plan(plan_path)
     spec = load_model_or_shape(plan_model(d))
     text = export_plan(d, spec, fmt)
-    if fmt == "llamacpp":
+    if fmt != "pshard-registry":
         click.echo(text)
         if note := placeholder_note(spec):
             click.echo(note, err=True)
