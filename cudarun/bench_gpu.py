@@ -282,33 +282,27 @@ def overheads(stream) -> list[Rate]:
 MATVEC_SHAPES = ((4096, 14336), (14336, 4096))
 
 
-def run_all(types, tokens=(1, 16), shapes=MATVEC_SHAPES, progress=lambda s: None) -> list[Rate]:
-    """Every GPU figure of the benchmark, in table order."""
+def run_all(types, tokens=(1, 16), shapes=MATVEC_SHAPES):
+    """Every GPU figure of the benchmark, in table order, each yielded as soon as it is measured
+    (a time-limited run keeps what it got)."""
     from refengine.quants import qtype as as_qtype
 
     driver.init()
     stream = driver.Stream()
     timer = Timer(stream)
-    progress("D2D copy ceiling")
     ceiling = d2d_ceiling(stream, timer)
-    progress("fp16 GEMM ceiling")
+    yield ceiling
     gemm = gemm_fp16(stream, timer)
-    rates = [ceiling, gemm]
+    yield gemm
     for name in types:
         for shape in shapes:
             for n in tokens:
-                progress(f"matvec {name} {shape} x{n}")
-                rates.append(matvec(stream, timer, as_qtype(name).ggml, shape, n, ceiling))
-    progress("prefill Q4_K")
-    rates.append(prefill(stream, timer, as_qtype("Q4_K").ggml, (4096, 14336), 512, gemm))
-    progress("dequantize Q4_K")
-    rates.append(dequantize(stream, timer, as_qtype("Q4_K").ggml, (4096, 14336), ceiling))
-    progress("decode attention")
-    rates.append(attention_decode(stream, timer, ceiling))
-    progress("prefill attention")
-    rates.append(attention_prefill(stream, timer))
-    progress("PCIe")
-    rates += pcie(stream, timer)
-    progress("launch and sync overheads")
-    rates += overheads(stream)
-    return rates
+                yield matvec(stream, timer, as_qtype(name).ggml, shape, n, ceiling)
+    q4k = as_qtype("Q4_K").ggml
+    yield prefill(stream, timer, q4k, (4096, 14336), 512, gemm)
+    yield dequantize(stream, timer, q4k, (4096, 14336), ceiling)
+    for ctx in (8192, 32768):
+        yield attention_decode(stream, timer, ceiling, ctx)
+    yield attention_prefill(stream, timer)
+    yield from pcie(stream, timer)
+    yield from overheads(stream)

@@ -32,42 +32,25 @@ def load_peer(path: Path | None) -> dict:
         ) from None
 
 
-def cpu_table(types, shapes, tokens, threads: int, peer: dict, quick: bool, progress) -> Table:
+CPU_COLUMNS = ("type", "path", "shape", "tokens", "ms", "GB/s", "of read", "llama.cpp GB/s",
+               "ratio")  # fmt: skip
+GPU_COLUMNS = ("what", "us", "value", "unit", "ceiling", "of ceiling")
+
+
+def cpu_rows(types, shapes, tokens, threads: int, peer: dict, quick: bool):
+    """The CPU table's rows, each yielded as soon as it is measured: the host read ceiling, then
+    each type, shape and token count."""
     runs = 2 if quick else 9
-    progress("host read ceiling")
     read_nbytes = 2 * bench_cpu.last_level_cache_nbytes() if quick else bench_cpu.GIB
     ceiling = bench_cpu.host_read_gbps(threads, read_nbytes, runs)
-    table = Table(title=f"CPU kernels, {threads or 'all'} threads")
-    for col in (
-        "type",
-        "path",
-        "shape",
-        "tokens",
-        "ms",
-        "GB/s",
-        "of read",
-        "llama.cpp GB/s",
-        "ratio",
-    ):
-        table.add_column(col, justify="left" if col in ("type", "path") else "right")
-    table.add_row(
-        "read",
-        "numba parallel",
-        f"{read_nbytes >> 20} MiB",
-        "",
-        "",
-        f"{ceiling:.1f}",
-        "1.00",
-        "",
-        "",
-    )
+    yield ("read", "numba parallel", f"{read_nbytes >> 20} MiB", "", "", f"{ceiling:.1f}", "1.00",
+           "", "")  # fmt: skip
     for name in types:
         for shape in shapes:
             for n in tokens:
-                progress(f"CPU {name} {shape[0]}x{shape[1]} x{n}")
                 r = bench_cpu.matmul_rate(name, shape, n, threads, runs)
                 theirs = peer.get(name) if n == 1 else None
-                table.add_row(
+                yield (
                     name,
                     r.path,
                     f"{shape[0]}x{shape[1]}",
@@ -78,18 +61,14 @@ def cpu_table(types, shapes, tokens, threads: int, peer: dict, quick: bool, prog
                     f"{theirs:.2f}" if theirs else "",
                     f"{r.gbps / theirs:.2f}" if theirs else "",
                 )
-    return table
 
 
-def gpu_table(types, tokens, progress) -> Table:
+def gpu_rows(types, tokens):
+    """The GPU table's rows, each yielded as soon as it is measured."""
     from . import bench_gpu
 
-    rates = bench_gpu.run_all(types, tokens, progress=progress)
-    table = Table(title="GPU kernels and transfers (median of 5 runs of 100 launches)")
-    for col in ("what", "us", "value", "unit", "ceiling", "of ceiling"):
-        table.add_column(col, justify="left" if col == "what" else "right")
-    for r in rates:
-        table.add_row(
+    for r in bench_gpu.run_all(types, tokens):
+        yield (
             r.what,
             f"{r.seconds * 1e6:.1f}",
             f"{r.value:.2f}",
@@ -97,7 +76,15 @@ def gpu_table(types, tokens, progress) -> Table:
             f"{r.ceiling:.1f}" if r.ceiling else "",
             f"{r.fraction:.2f}" if r.ceiling else "",
         )
-    return table
+
+
+def table(title: str, columns: tuple[str, ...], rows) -> Table:
+    t = Table(title=title)
+    for col in columns:
+        t.add_column(col, justify="left" if col in ("type", "path", "what") else "right")
+    for row in rows:
+        t.add_row(*row)
+    return t
 
 
 def render(table: Table) -> str:

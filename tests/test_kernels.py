@@ -410,8 +410,15 @@ def test_bench_kernels_prints_rates_beside_the_ceiling_and_the_peer(tmp_path):
 
     peer = tmp_path / "peer.json"
     peer.write_text(json.dumps({"types": {"Q4_K": {"weight_gbps": 10.0}}}))
-    r = refengine("bench-kernels", "--quick", "--types", "Q4_K", "--peer", peer, "--no-gpu")
+    out = tmp_path / "kernels.txt"
+    r = refengine("bench-kernels", "--quick", "--types", "Q4_K", "--peer", peer, "--no-gpu",
+                  "-o", out)  # fmt: skip
     assert r.returncode == 0, r.stderr
+    # each row as it was measured (stderr and the file, which a time limit would keep), then
+    # the table (stdout, and the file's end)
+    streamed = [line for line in r.stderr.splitlines() if line.startswith("Q4_K | q8 | 1024x4096")]
+    assert len(streamed) == 1 and out.read_text().startswith("CPU kernels, all threads: type |")
+    assert streamed[0] in out.read_text() and out.read_text().endswith(r.stdout)
     read = next(line for line in r.stdout.splitlines() if "numba parallel" in line)
     q4k = next(line for line in r.stdout.splitlines() if "Q4_K" in line)
     ceiling = float(read.split("│")[6])

@@ -37,9 +37,9 @@ def _names(text: str, known: tuple[str, ...]) -> tuple[str, ...]:
     "-o", "--output", type=click.Path(dir_okay=False, path_type=Path), help="Also write the tables."
 )
 def bench_kernels(cpu, gpu, types, tokens, threads, peer, quick, output) -> None:
-    """Kernel rates next to the ceilings measured in the same run (and llama.cpp's, --peer)."""
-    from rich.progress import Progress
-
+    """Kernel rates next to the ceilings measured in the same run (and llama.cpp's, --peer).
+    Each row is printed to stderr (and appended to -o) as soon as it is measured, the tables at
+    the end: a run cut short by a time limit keeps what it measured."""
     from cudarun import bench_report
     from cudarun.driver import gpu_present
 
@@ -51,25 +51,39 @@ def bench_kernels(cpu, gpu, types, tokens, threads, peer, quick, output) -> None
         raise UserError(
             "no NVIDIA GPU here to benchmark: leave out --gpu (the CPU table runs alone)"
         )
+    runs = []  # (title, columns, rows): the GPU's first, the figure a lent GPU is for
+    if gpu:
+        names = _names(types, bench_report.GPU_TYPES) if types else bench_report.GPU_TYPES
+        runs.append(("GPU kernels and transfers (median of 5 runs of 100 launches)",
+                     bench_report.GPU_COLUMNS, bench_report.gpu_rows(names, (1, 16))))  # fmt: skip
+    if cpu:
+        names = _names(types, bench_report.CPU_TYPES) if types else bench_report.CPU_TYPES
+        shapes = ((1024, 4096),) if quick else bench_report.SHAPES
+        counts_cpu = counts[:1] if quick else counts
+        runs.append((f"CPU kernels, {threads or 'all'} threads", bench_report.CPU_COLUMNS,
+                     bench_report.cpu_rows(names, shapes, counts_cpu, threads, peer_rates,
+                                           quick)))  # fmt: skip
+    log = open_for_writing(output) if output else None
     tables = []
-    with Progress(transient=True) as bar:
-        task = bar.add_task("benchmarking", total=None)
+    try:
+        for title, columns, rows in runs:
+            kept = []
+            _progress(log, f"{title}: {' | '.join(columns)}")
+            for row in rows:
+                kept.append(row)
+                _progress(log, " | ".join(row))
+            tables.append(bench_report.table(title, columns, kept))
+        text = "\n".join(bench_report.render(t) for t in tables)
+        click.echo(text)
+        if log:
+            log.write(("\n" + text + "\n").encode())
+    finally:
+        if log:
+            log.close()
 
-        def step(what: str) -> None:
-            bar.update(task, description=what)
 
-        if cpu:
-            names = _names(types, bench_report.CPU_TYPES) if types else bench_report.CPU_TYPES
-            shapes = ((1024, 4096),) if quick else bench_report.SHAPES
-            counts_cpu = counts[:1] if quick else counts
-            tables.append(
-                bench_report.cpu_table(names, shapes, counts_cpu, threads, peer_rates, quick, step)
-            )
-        if gpu:
-            names = _names(types, bench_report.GPU_TYPES) if types else bench_report.GPU_TYPES
-            tables.append(bench_report.gpu_table(names, (1, 16), step))
-    text = "\n".join(bench_report.render(t) for t in tables)
-    click.echo(text)
-    if output:
-        with open_for_writing(output) as out:
-            out.write(text.encode())
+def _progress(log, line: str) -> None:
+    click.echo(line, err=True)
+    if log:
+        log.write((line + "\n").encode())
+        log.flush()
