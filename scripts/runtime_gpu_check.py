@@ -10,7 +10,12 @@ scripts/gpu_check.sh. It writes its tables to docs/measured/ (and $OUT):
    all-pinned and half-streamed plans, tiers 1 and 512 at depths 0 and 4096, measured next to
    predicted; the half-streamed decode traced (Gantt PNG) with its copy/compute overlap.
 
-    python3 scripts/runtime_gpu_check.py [--quick]
+Each stage is one call of a few minutes on the device (`--stage`); every line is appended to
+docs/measured/<date>-runtime-gpu-check.txt (and to $OUT/ when set) as soon as it is printed, so a
+call cut short by its time limit keeps what it measured.
+
+    python3 scripts/runtime_gpu_check.py [--stage agreement|eight-b|per-test] [--quick]
+        [--profile P]
 """
 
 from __future__ import annotations
@@ -37,12 +42,26 @@ from refengine.spec import load_spec  # noqa: E402
 from refengine.synthetic import preset, write_synthetic  # noqa: E402
 from solver.cost import Workload  # noqa: E402
 from solver.profile import HardwareProfile  # noqa: E402
-from solver.solve import solve_plan  # noqa: E402
+from solver.solve import load_profile, solve_plan  # noqa: E402
 
 OUT_DIR = ROOT / "docs" / "measured"
 
 
-def say(lines: list[str], text: str) -> None:
+class Log(list):
+    """The lines printed, each also appended at once to the files named."""
+
+    def __init__(self, paths: list[Path]):
+        super().__init__()
+        self.paths = paths
+
+    def append(self, text: str) -> None:
+        super().append(text)
+        for path in self.paths:
+            with open(path, "a") as f:
+                f.write(text + "\n")
+
+
+def say(lines: Log, text: str) -> None:
     print(text, flush=True)
     lines.append(text)
 
@@ -55,7 +74,7 @@ def engine_for(spec, profile, fraction, strategy, n_ctx, prompt, gen, tiers):
     return engine, plan
 
 
-def agreement(lines, models: Path, profile) -> None:
+def agreement(lines, models: Path, profile, quick: bool) -> None:
     for name in ("smollm2-135m", "gemma3-270m"):
         path = write_synthetic(models / f"{name}.gguf", preset(name))
         spec = load_spec(str(path))
@@ -69,13 +88,11 @@ def agreement(lines, models: Path, profile) -> None:
             say(lines, f"{name} {label}: {'OK' if a.ok else 'FAILS'}: {a.summary()}")
             for line in engine.memory_report():
                 say(lines, "  " + line)
+            engine.close()
 
 
 def eight_b(lines, models: Path, profile, quick: bool) -> None:
-    path = models / "llama3-8b-q4k.gguf"
-    if not path.exists():
-        write_synthetic(path, preset("llama3-8b"))
-    spec = load_spec(str(path))
+    spec = eight_b_spec(models)
     prompt, gen = (512, 32) if quick else (4096, 200)
     n_ctx = prompt + gen + 8
     say(
@@ -97,7 +114,18 @@ def eight_b(lines, models: Path, profile, quick: bool) -> None:
             p = plan["prediction"]
             say(lines, f"{fraction:>5.0%}  {plan['strategy']:<8} {ttft:7.2f} {e2e:7.2f} "
                        f"{p['ttft_seconds']:14.2f} {p['e2e_seconds']:14.2f}")  # fmt: skip
-            del engine
+            engine.close()
+
+
+def eight_b_spec(models: Path):
+    path = models / "llama3-8b-q4k.gguf"
+    if not path.exists():
+        write_synthetic(path, preset("llama3-8b"))
+    return load_spec(str(path))
+
+
+def per_test(lines, models: Path, profile, quick: bool) -> None:
+    spec = eight_b_spec(models)
     say(lines, "\n8B-shaped: measured vs predicted per test (all pinned = 1.5x the weights)")
     for label, fraction in (("all-pinned", 1.5), ("half-streamed", 0.5)):
         engine, plan = engine_for(spec, profile, fraction, None, 4096 + 600, 512, 128, [1, 512])
@@ -119,29 +147,36 @@ def eight_b(lines, models: Path, profile, quick: bool) -> None:
                 lines,
                 f"  trace {png}: copies under compute {overlap_fraction(engine.trace_events):.0%}",
             )
-        del engine
+        engine.close()
+
+
+STAGES = {"agreement": "agreement", "eight-b": "eight_b", "per-test": "per_test"}
 
 
 def main() -> int:
     ap = argparse.ArgumentParser()
+    ap.add_argument("--stage", choices=sorted(STAGES), action="append",
+                    help="one part of the check (repeatable; default: all, in order)")
     ap.add_argument("--quick", action="store_true", help="a 512-token prompt instead of 4K")
-    ap.add_argument("--profile", help="a profile measured already (default: measure now)")
+    ap.add_argument("--profile", help="a profile file or shipped name (default: measure now)")
     args = ap.parse_args()
     OUT_DIR.mkdir(parents=True, exist_ok=True)
-    models = ROOT / "models"
-    models.mkdir(exist_ok=True)
-    prof_path = Path(args.profile) if args.profile else OUT_DIR / f"{date.today()}-profile.json"
-    if not args.profile:
+    models = Path(os.environ.get("REFENGINE_MODELS", ROOT / "models"))
+    models.mkdir(parents=True, exist_ok=True)
+    name = f"{date.today()}-runtime-gpu-check.txt"
+    paths = [OUT_DIR / name] + ([Path(os.environ["OUT"]) / name] if os.environ.get("OUT") else [])
+    lines = Log(paths)
+    if args.profile:
+        profile = load_profile(args.profile)
+    else:
+        prof_path = OUT_DIR / f"{date.today()}-profile.json"
         subprocess.run([sys.executable, "-m", "refengine", "profile", "-o", str(prof_path)],
                        check=True)  # fmt: skip
-    profile = HardwareProfile.load(prof_path)
-    lines: list[str] = [f"runtime GPU check, {date.today()}, profile {profile.name}"]
-    agreement(lines, models, profile)
-    eight_b(lines, models, profile, args.quick)
-    out = OUT_DIR / f"{date.today()}-runtime-gpu-check.txt"
-    out.write_text("\n".join(lines) + "\n")
-    if os.environ.get("OUT"):
-        (Path(os.environ["OUT"]) / out.name).write_text(out.read_text())
+        profile = HardwareProfile.load(prof_path)
+    say(lines, f"runtime GPU check, {date.today()}, profile {profile.name}, "
+               f"stages {', '.join(args.stage or STAGES)}")  # fmt: skip
+    for stage in args.stage or STAGES:
+        globals()[STAGES[stage]](lines, models, profile, args.quick)
     return 0
 
 

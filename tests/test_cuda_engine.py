@@ -80,6 +80,8 @@ def test_the_cuda_engine_agrees_with_numpy_across_tier_switches(tiny):
     lanes = {lane for lane, *_ in engine.trace_events}  # `--trace` on the CUDA engine
     assert lanes == {"copy", "compute", "cpu"}
     assert all(end >= start for *_, start, end in engine.trace_events)
+    engine.close()  # a benchmark's next engine, or llama.cpp, runs on what it held
+    assert engine.arenas is None and not engine.pinned
 
 
 @pytest.mark.gpu
@@ -101,6 +103,13 @@ def test_prefill_beyond_the_matvec_tokens_runs_the_fp16_gemm_path(tiny):
         ours, want = call(engine), call(reference)
         assert np.abs(ours - want).max() <= 5e-2 * np.abs(want).max()
     assert compiled_kernels() == compiled
+    # close gives every arena back at once (what stays is cuBLAS's and the kernels' code)
+    from cudarun import driver
+
+    used = engine.free_at_start - driver.mem_info()[0]
+    outside = used - sum(a.nbytes for a in engine.arenas)
+    engine.close()
+    assert engine.free_at_start - driver.mem_info()[0] <= outside + (1 << 20)
 
 
 def compiled_kernels() -> int:
