@@ -1,35 +1,24 @@
 #!/usr/bin/env bash
-# The standing GPU check (CONTRACTS.md): the `gpu` tests and both kernel benchmarks, in under 8
-# minutes, tables written to docs/measured/ (and to $OUT when the device tool provides it).
-#
-# On the lent GPU machine, from the repository root (its python3 has numba-cuda, cuda-bindings
-# and CuPy, but no gguf or ortools: carry Python 3.12 wheels of gguf, ortools, protobuf and
-# immutabledict in the ignored .whl/, fetched as the device README says, and name .whl in carry):
+# The standing GPU check (CONTRACTS.md): the `gpu` tests and the GPU kernel table, each under its
+# own time limit and written as it goes, to docs/measured/ and $OUT. The first thing any session
+# with a GPU runs (scripts/device_session.sh 1 runs it). Carry .whl (scripts/prepare_device.sh).
 #     bash scripts/gpu_check.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
-PY=${PYTHON:-python3}
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-if ls .whl/*.whl >/dev/null 2>&1; then  # without their dependencies: one version of each
-    $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-        --target /tmp/site .whl/*.whl && export PYTHONPATH="$PYTHONPATH:/tmp/site"
-fi
-stamp="$(date -u +%Y-%m-%d)"
-device="$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1 | tr ' ' '-')"
-dir="docs/measured"
-mkdir -p "$dir"
-base="$dir/$stamp-${device:-gpu}"
+source scripts/device_env.sh
 status=0
+out() { [ -n "${OUT:-}" ] && cp "$1" "$OUT"/; true; }
 
 echo "== gpu tests"
-timeout 240 $PY -m pytest -q -m gpu tests/ 2>&1 | tee "$base-gpu-tests.txt" | tail -20
+{ nvidia-smi -L; timeout "${GPU_TESTS_SECONDS:-150}" $PY -m pytest -q -m gpu -p no:cacheprovider \
+    tests/ 2>&1; } | tee "$base-gpu-tests.txt"
 [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
+out "$base-gpu-tests.txt"
 
-echo "== kernel benchmarks (GPU, then this host's CPU)"
-timeout 300 $PY -m refengine bench-kernels --gpu --cpu --tokens 1 -o "$base-kernels.txt" \
-    || status=1
-
-if [ -n "${OUT:-}" ]; then
-    cp "$base"-*.txt "$OUT"/
-fi
+echo "== GPU kernel table (rows as they are measured)"
+nvidia-smi -L >"$base-kernels.txt"
+timeout "${KERNELS_SECONDS:-100}" $PY -m refengine bench-kernels --gpu --no-cpu \
+    --types "${KERNEL_TYPES:-Q4_K,Q6_K,Q8_0}" -o "$base-kernels.part" || status=1
+cat "$base-kernels.part" >>"$base-kernels.txt" && rm -f "$base-kernels.part"
+out "$base-kernels.txt"
 exit $status

@@ -1,0 +1,15 @@
+# Sourced by the scripts that run on the lent GPU machine: the carried Python 3.12 wheels (.whl/,
+# from scripts/prepare_device.sh) installed without their dependencies into /tmp/site, the
+# repository and them on PYTHONPATH, unbuffered Python output, and where tables go: $base-<what>.txt
+# under docs/measured/ (date and device in the name), copied to $OUT when the device tool sets it.
+PY=${PYTHON:-python3}
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+if ls .whl/*.whl >/dev/null 2>&1 && [ ! -f /tmp/site/.installed ]; then
+    $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+        --target /tmp/site .whl/*.whl && touch /tmp/site/.installed
+fi
+[ -d /tmp/site ] && export PYTHONPATH="$PYTHONPATH:/tmp/site"
+stamp="$(date -u +%Y-%m-%d)"
+device="$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1 | tr ' ' '-')"
+mkdir -p docs/measured
+base="docs/measured/$stamp-${device:-gpu}"
