@@ -10,7 +10,7 @@ status=0
 out() { [ -n "${OUT:-}" ] && cp "$1" "$OUT"/; true; }
 
 echo "== gpu tests"
-{ nvidia-smi -L; timeout "${GPU_TESTS_SECONDS:-150}" $PY -m pytest -q -m gpu -p no:cacheprovider \
+{ nvidia-smi -L; timeout "${GPU_TESTS_SECONDS:-150}" $PY -m pytest -q -n 0 -m gpu -p no:cacheprovider \
     tests/ 2>&1; } | tee "$base-gpu-tests.txt"
 [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 out "$base-gpu-tests.txt"
