@@ -1,7 +1,7 @@
 """GPU kernel and transfer rates, each beside a ceiling measured in the same run (issue 9):
 
 - the device-to-device copy of at least 1 GiB, counting bytes read plus written (GPU_NOTES.md);
-- the library's fp16 GEMM (cuBLAS through CuPy) at the prefill shape;
+- the library's fp16 GEMM (cuBLAS, `cudarun.cublas`) at the prefill shape;
 - the kernels: matvec per type and token count, prefill (and its dequantization alone), decode
   and prefill attention;
 - PCIe: pinned H2D/D2H bandwidth, per-copy latency, H2D while the CPU computes;
@@ -80,13 +80,18 @@ def d2d_ceiling(stream, timer, nbytes: int = GIB) -> Rate:
 def gemm_fp16(stream, timer, m: int = 512, n: int = 14336, k: int = 4096) -> Rate:
     from numba import cuda
 
-    from .kernels.prefill import gemm_fp16 as gemm
+    from solver.workspace import cublas_nbytes
+
+    from .cublas import Blas
 
     rng = np.random.default_rng(0)
     x = cuda.to_device(rng.standard_normal((m, k)).astype(np.float16))
     w = cuda.to_device(rng.standard_normal((n, k)).astype(np.float16))
     out = cuda.device_array((m, n), np.float32)
-    s = timer.per_launch(lambda i: gemm(x, w, out, stream.ptr))
+    blas = Blas(stream.ptr)
+    blas.use_workspace(cuda.device_array(cublas_nbytes(m), np.uint8))  # as the runtime's
+    s = timer.per_launch(lambda i: blas.gemm_fp16(x, w, out))
+    blas.close()
     return Rate(f"cuBLAS fp16 GEMM {m}x{n}x{k}", s, 2 * m * n * k / s / 1e12, "TFLOP/s")
 
 
@@ -115,6 +120,9 @@ def matvec(stream, timer, qtype, shape, tokens: int, ceiling: Rate) -> Rate:
 def prefill(stream, timer, qtype, shape, tokens: int, gemm_ceiling: Rate) -> Rate:
     from numba import cuda
 
+    from solver.workspace import cublas_nbytes
+
+    from .cublas import Blas
     from .kernels.prefill import matmul_prefill
 
     rng = np.random.default_rng(2)
@@ -126,11 +134,14 @@ def prefill(stream, timer, qtype, shape, tokens: int, gemm_ceiling: Rate) -> Rat
     panel = cuda.device_array((min(shape[0], 4096), shape[1]), np.float16)
     x16 = cuda.device_array((tokens, shape[1]), np.float16)
     ns = stream.numba_stream()
+    blas = Blas(stream.ptr)
+    blas.use_workspace(cuda.device_array(cublas_nbytes(tokens), np.uint8))  # as the runtime's
 
     def launch(i):
-        matmul_prefill(weights[i % count], x, out, qtype, shape, panel, x16, ns, stream.ptr)
+        matmul_prefill(weights[i % count], x, out, qtype, shape, panel, x16, ns, blas)
 
     s = timer.per_launch(launch, launches=20)
+    blas.close()
     flops = 2 * tokens * shape[0] * shape[1]
     what = f"prefill {qtype.name} {tokens}x{shape[0]}x{shape[1]} (dequant fp16 + cuBLAS)"
     return Rate(what, s, flops / s / 1e12, "TFLOP/s", gemm_ceiling.value)

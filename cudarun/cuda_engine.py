@@ -179,7 +179,9 @@ class CudaEngine(PlanExecutor):
         self.current = tier
         for il, buf, heads in self._resident_kv(tier):
             self._upload_kv(il, buf, tier.kv_cells[il], None, heads)
-        self.synchronize()
+        # the moves and uploads above ran on the legacy default stream, which our non-blocking
+        # streams do not wait for: the whole context, before the tier's first kernel
+        self.cuda.synchronize()
 
     def _group_bytes(self, group: str, d: int) -> np.ndarray:
         """What device d holds of a group: the whole group, or its share under a tensor split."""
@@ -258,6 +260,13 @@ class CudaEngine(PlanExecutor):
         """Give the arenas, workspaces, graphs and pinned buffers back now, not at Numba's next
         deallocation sweep: a benchmark then runs the next engine, or llama.cpp, on the memory."""
         self.synchronize()
+        for dmath in self.dmaths.values():
+            if dmath.blas is not None:
+                dmath.blas.close()
+        for owner in self.pinned:  # the driver's pinned buffers have no finalizer
+            owner.free()
+        for graph in (self.graphs or {}).values():
+            graph.close()
         self.arenas = self.arena = self.workspaces = self.graphs = None
         self.pinned, self.stagings, self.field_buffers, self.swa_stages = [], {}, {}, {}
         self.pool = self.mirror = None
@@ -366,7 +375,7 @@ class CudaEngine(PlanExecutor):
                 self.graphs[key].launch(self.streams[0])
                 counter.launches += 1
                 st.logits = np.empty((1, self.spec.hparams.n_vocab), np.float32)
-                ws["logits"][:1].copy_to_host(stage["logits"], stream=self.compute)
+                ws["logits"][:1].copy_to_host(stage["logits"][:1], stream=self.compute)
                 self.pending_logits = st.logits
             else:
                 self._issue(tier, st, ws, stage, host, capturing=False)
@@ -421,14 +430,16 @@ class CudaEngine(PlanExecutor):
         from . import driver
 
         compute, copy = self.streams
-        compute.begin_capture()
-        fork, join = driver.Event(timing=False), driver.Event(timing=False)
-        fork.record(compute)
-        copy.wait(fork)  # the copy stream joins the capture
-        self._issue(tier, st, ws, None, None, capturing=True)
-        join.record(copy)
-        compute.wait(join)
-        graph = compute.end_capture()
+        # Numba frees what it holds pending in batches; a cuMemFree inside a capture invalidates it
+        with self.cuda.current_context().deallocations.disable():
+            compute.begin_capture()
+            fork, join = driver.Event(timing=False), driver.Event(timing=False)
+            fork.record(compute)
+            copy.wait(fork)  # the copy stream joins the capture
+            self._issue(tier, st, ws, None, None, capturing=True)
+            join.record(copy)
+            compute.wait(join)
+            graph = compute.end_capture()
         self.graph_nodes[(tier.tier, st.tokens.size)] = graph.node_count()
         return graph
 

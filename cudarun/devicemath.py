@@ -44,6 +44,7 @@ class DeviceMath:
     def __init__(self, spec: ModelSpec, stream_ptr: int = 0):
         self.spec, self.hp, self.tr = spec, spec.hparams, spec.arch
         self.stream_ptr = stream_ptr  # the raw stream cuBLAS runs on (prefill)
+        self.blas = None  # its cuBLAS handle (`cudarun.cublas`), at the first prefill product
         # layers whose gate product runs on the device before their up product, in the tier run
         # now: the up product gates in its epilogue (set by the engine at each tier)
         self.glu_layers: frozenset[int] = frozenset()
@@ -63,12 +64,21 @@ class DeviceMath:
             panel = ws["panel16"].reshape(-1)[: rows * n_in].reshape(rows, n_in)
             x16 = ws["x16"].reshape(-1)[: x.shape[0] * n_in].reshape(x.shape[0], n_in)
             prefill.matmul_prefill(w[name], x, out, t.qtype, t.shape, panel, x16, stream,
-                                   self.stream_ptr)  # fmt: skip
+                                   self.cublas(ws["cublas"]))  # fmt: skip
             if bias in w:
                 glue.add_bias[x.shape[0], THREADS, stream](out, w[bias])
             if gated is not None:
                 elementwise.launch_rows(elementwise.gated, x.shape[0], gated[0], out, gated[1],
                                         gated[2], stream=stream)  # fmt: skip
+
+    def cublas(self, workspace):
+        """The stream's cuBLAS handle, working in the tier's `cublas` workspace region."""
+        if self.blas is None:
+            from .cublas import Blas
+
+            self.blas = Blas(self.stream_ptr)
+        self.blas.use_workspace(workspace)
+        return self.blas
 
     def norm(self, x, weight, out, stream) -> None:
         eps = np.float32(self.hp.rms_eps)  # a Python float would compile an f64 kernel

@@ -70,7 +70,8 @@ def init(device: int = 0):
     except (RuntimeError, OSError, ImportError) as e:
         if isinstance(e, CudaError) and "NO_DEVICE" not in str(e):
             raise
-        raise UserError(NO_GPU) from None
+        why = (str(e).splitlines() or [""])[0]  # a driver too old for these bindings, say
+        raise UserError(f"{NO_GPU} ({type(e).__name__}: {why})") from None
     return _context
 
 
@@ -150,6 +151,12 @@ class Graph:
 
     def launch(self, stream: Stream) -> None:
         check(_driver().cuGraphLaunch(self.exec, stream.handle), "cuGraphLaunch")
+
+    def close(self) -> None:
+        if self.exec is not None:
+            check(_driver().cuGraphExecDestroy(self.exec), "cuGraphExecDestroy")
+            check(_driver().cuGraphDestroy(self.graph), "cuGraphDestroy")
+            self.exec = None
 
     def node_count(self) -> int:
         """The kernels and copies the graph replays (the launches one replay replaces)."""

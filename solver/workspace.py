@@ -16,6 +16,7 @@ from .memory import pad_cells
 
 ALIGN = 256
 PANEL_ROWS = 256  # rows of a weight dequantized to fp16 at a time for the prefill GEMM
+CUBLAS_SPLITS = 32  # the split-K partial outputs cuBLAS's workspace holds (`cublas_nbytes`)
 MAX_DECODE_TOKENS = 16  # the matvec kernels' most tokens (cudarun.kernels.matvec.MAX_TOKENS)
 SPLIT_BLOCKS_PER_SM, SMS = 4, 132  # split-KV decode attention's target (kernels.attention)
 GPU_TILE = 32  # keys per tile of decode attention on a GPU (a warp)
@@ -72,15 +73,23 @@ def layout(spec: ModelSpec, tokens: int, logit_rows: int, n_ctx: int) -> dict[st
     if t <= MAX_DECODE_TOKENS:  # split-KV decode attention's partial results
         splits = max_splits(hp.n_head_kv, t, n_ctx)
         want["partial"] = ((t, splits, hp.n_head, hp.head_dim_v + 2), "float32")
-    else:  # the prefill GEMM's fp16 panels
+    else:  # the prefill GEMM's fp16 panels, and cuBLAS's workspace
         widest = max(d, q_dim, v_dim, n_ff)
         want["panel16"] = ((PANEL_ROWS, widest), "float16")
         want["x16"] = ((t * max(used, 1), widest), "float16")
+        want["cublas"] = ((cublas_nbytes(t),), "uint8")
     out, offset = {}, 0
     for name, (shape, dtype) in want.items():
         out[name] = Slice(offset, shape, dtype)
         offset += -(-int(np.prod(shape)) * np.dtype(dtype).itemsize // ALIGN) * ALIGN
     return out
+
+
+def cublas_nbytes(tokens: int) -> int:
+    """cuBLAS's workspace for the prefill products (cudarun.cublas): room for the fp32 partial
+    outputs of a split-K product of up to 32 splits over one [tokens, PANEL_ROWS] panel, within
+    the 32 MiB cuBLAS's guide recommends on Hopper."""
+    return min(CUBLAS_SPLITS * tokens * PANEL_ROWS * 4, 32 << 20)
 
 
 def max_splits(n_kv_heads: int, tokens: int, n_ctx: int) -> int:

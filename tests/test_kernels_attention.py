@@ -194,8 +194,9 @@ def test_gpu_decode_attention_gemma_shapes(tokens):
 def test_cuda_engine_prefill_path_under_the_simulator(tmp_path, monkeypatch):
     """A 20-token prompt past the matvec tokens on a tiny gemma3 (sliding-window layers), every
     part on the device: the weights dequantized to fp16 panels, the activations rounded, the
-    tiled prefill attention over the fp16 ring, then a decode token. cuBLAS is CuPy's, so the
-    product itself is NumPy's here (fp16 inputs, fp32 accumulation, as GemmEx)."""
+    tiled prefill attention over the fp16 ring, then a decode token. cuBLAS needs a GPU, so the
+    product itself is NumPy's here (fp16 inputs, fp32 accumulation, as GemmEx); cuBLAS's
+    workspace is the tier's region of the arena, inside the budget."""
     from cudarun.cuda_engine import CudaEngine
     from cudarun.kernels import prefill
     from refengine.engine import NumpyEngine
@@ -206,9 +207,17 @@ def test_cuda_engine_prefill_path_under_the_simulator(tmp_path, monkeypatch):
     from solver.plan import plan_json
     from solver.solve import load_profile
 
-    def gemm(x16, w16, out, stream_ptr=0):
+    from solver.workspace import cublas_nbytes
+
+    def pointer(a):  # the simulator's device arrays wrap NumPy arrays
+        return a._ary.__array_interface__["data"][0]
+
+    workspaces = []
+
+    def gemm(x16, w16, out, blas):
         x, w = (a.copy_to_host().astype(np.float32) for a in (x16, w16))
         out[:, :] = x @ w.T
+        workspaces.append((pointer(blas.region), blas.region.nbytes))
 
     monkeypatch.setattr(prefill, "gemm_fp16", gemm)
     config = SyntheticConfig("gemma3", n_layer=1, n_embd=32, n_ff=64, n_head=2, n_head_kv=1,
@@ -225,3 +234,6 @@ def test_cuda_engine_prefill_path_under_the_simulator(tmp_path, monkeypatch):
     for call in (lambda e: e.prefill(ids), lambda e: e.decode(5)):
         ours, want = call(engine), call(reference)
         assert normwise(ours, want) <= 5e-2
+    arena = pointer(engine.arena)
+    assert workspaces and set(workspaces) == {(workspaces[0][0], cublas_nbytes(32))}
+    assert arena <= workspaces[0][0] < workspaces[0][0] + cublas_nbytes(32) <= arena + engine.arena.nbytes

@@ -3,7 +3,7 @@
 
 A Numba kernel dequantizes the weight's GGUF blocks into an fp16 panel, the activations are
 rounded to fp16, and cuBLAS multiplies them on the tensor cores with fp32 accumulation and an fp32
-output (`cublasGemmEx` through CuPy, on the caller's stream). Numba has no tensor-core
+output (`cublasGemmEx` through `cudarun.cublas`, on the caller's stream). Numba has no tensor-core
 instructions; at 512 tokens the product is compute-bound, and a library GEMM is the only way to
 the hardware's rate. The weight stays quantized in VRAM and on the bus; the panel is scratch that
 the runtime's memory map reserves.
@@ -30,7 +30,6 @@ from .bits import pack_halves  # noqa: E402
 from .dequant import QUADS  # noqa: E402
 
 BLOCK_THREADS = 8 * THREADS  # 256 on a GPU: eight warps, 1024 values per block
-NEEDS_CUPY = "the GPU prefill GEMM needs CuPy (pip install cupy-cuda12x or cupy-cuda13x)"
 
 
 @lru_cache(maxsize=None)
@@ -73,59 +72,20 @@ def dequantize(raw, out, qtype, first_row: int = 0, stream=0) -> None:
     )
 
 
-def gemm_fp16(x16, w16, out, stream_ptr: int = 0) -> None:
-    """out [T, N] fp32 = x16 [T, K] fp16 times w16 [N, K] fp16 transposed, by cuBLAS (fp32
-    accumulation) on the stream `stream_ptr`. Row-major out is column-major out^T = w16 x16^T;
-    out may be a column slice of a wider array (its row stride is cuBLAS's ldc)."""
-    try:
-        import cupy
-        from cupy_backends.cuda.libs import cublas
-    except ImportError:
-        from refengine.errors import UserError
-
-        raise UserError(NEEDS_CUPY) from None
-    n_tokens, k = x16.shape
-    n = w16.shape[0]
-    assert w16.shape[1] == k and out.shape == (n_tokens, n)
-    ldc = out.strides[0] // out.dtype.itemsize
-    one, zero = np.ones(1, np.float32), np.zeros(1, np.float32)
-    rt = cupy.cuda.runtime
-    with cupy.cuda.ExternalStream(stream_ptr):
-        handle = cupy.cuda.device.get_cublas_handle()
-        cublas.gemmEx(
-            handle,
-            cublas.CUBLAS_OP_T,
-            cublas.CUBLAS_OP_N,
-            n,
-            n_tokens,
-            k,
-            one.ctypes.data,
-            _pointer(w16),
-            rt.CUDA_R_16F,
-            k,
-            _pointer(x16),
-            rt.CUDA_R_16F,
-            k,
-            zero.ctypes.data,
-            _pointer(out),
-            rt.CUDA_R_32F,
-            ldc,
-            cublas.CUBLAS_COMPUTE_32F,
-            cublas.CUBLAS_GEMM_DEFAULT,
-        )
+def gemm_fp16(x16, w16, out, blas) -> None:
+    """out [T, N] fp32 = x16 [T, K] fp16 times w16 [N, K] fp16 transposed, by cuBLAS on `blas`'s
+    stream (`cudarun.cublas.Blas`): a module function, so the launch count sees each product."""
+    blas.gemm_fp16(x16, w16, out)
 
 
-def _pointer(array) -> int:
-    return int(array.__cuda_array_interface__["data"][0])
-
-
-def matmul_prefill(raw, x, out, qtype, shape, panel16, x16, stream=0, stream_ptr: int = 0) -> None:
+def matmul_prefill(raw, x, out, qtype, shape, panel16, x16, stream, blas) -> None:
     """out [T, n_rows] fp32 = x [T, n_cols] fp32 times the quantized weight, through fp16 panels of
-    panel16.shape[0] rows (`panel16`, `x16`: scratch device arrays from the memory map)."""
+    panel16.shape[0] rows (`panel16`, `x16`: scratch device arrays from the memory map; `blas`:
+    cuBLAS on `stream`)."""
     n_rows, n_cols = shape
     to_half.forall(x.size, stream=stream)(x, x16)
     rows_per_panel = panel16.shape[0]
     for first in range(0, n_rows, rows_per_panel):
         rows = min(rows_per_panel, n_rows - first)
         dequantize(raw, panel16[:rows], qtype, first, stream)
-        gemm_fp16(x16, panel16[:rows], out[:, first : first + rows], stream_ptr)
+        gemm_fp16(x16, panel16[:rows], out[:, first : first + rows], blas)
