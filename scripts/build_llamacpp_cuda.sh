@@ -38,7 +38,7 @@ fi
 # may have only libcuda.so.1, which find_library does not take); else no VMM pool
 driver=$(ls "$toolkit"/lib64/stubs/libcuda.so /usr/local/cuda/lib64/stubs/libcuda.so 2>/dev/null |
          head -1 || true)
-[ -n "$driver" ] || driver=$(ldconfig -p 2>/dev/null | awk '/libcuda\.so/ {print $NF; exit}')
+[ -n "$driver" ] || driver=$(ldconfig -p 2>/dev/null | awk '/libcuda\.so/ && !f {print $NF; f=1}')
 [ -n "$driver" ] || driver=$(ls /usr/local/nvidia/lib64/libcuda.so* 2>/dev/null | head -1 || true)
 if [ -n "$driver" ]; then
     cublas+=(-DCUDA_cuda_driver_LIBRARY="$driver")

@@ -1,7 +1,8 @@
 # Sourced by the scripts that run on the lent GPU machine: the carried Python 3.12 wheels (.whl/,
 # from scripts/prepare_device.sh) installed without their dependencies into /tmp/site, the
-# repository and them on PYTHONPATH, unbuffered Python output, and where tables go: $base-<what>.txt
-# under docs/measured/ (date and device in the name), copied to $OUT when the device tool sets it.
+# repository and them on PYTHONPATH, unbuffered Python output, and where tables go as they are
+# written: $base-<what>.txt (date and device in the name) in $OUT where the device tool sets it, else
+# in docs/measured/.
 PY=${PYTHON:-python3}
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 if ls .whl/*.whl >/dev/null 2>&1 && [ ! -f /tmp/site/.installed ]; then
@@ -11,5 +12,6 @@ fi
 [ -d /tmp/site ] && export PYTHONPATH="$PYTHONPATH:/tmp/site"
 stamp="$(date -u +%Y-%m-%d)"
 device="$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -1 | tr ' ' '-')"
-mkdir -p docs/measured
-base="docs/measured/$stamp-${device:-gpu}"
+dest=${OUT:-docs/measured}
+mkdir -p "$dest"
+base="$dest/$stamp-${device:-gpu}"

@@ -1,24 +1,21 @@
 #!/usr/bin/env bash
 # The standing GPU check (CONTRACTS.md): the `gpu` tests and the GPU kernel table, each under its
-# own time limit and written as it goes, to docs/measured/ and $OUT. The first thing any session
-# with a GPU runs (scripts/device_session.sh 1 runs it). Carry .whl (scripts/prepare_device.sh).
+# own time limit and written as it goes (to $OUT on the device machine, else docs/measured/). The
+# first thing any session with a GPU runs (scripts/device_session.sh 1 runs it). Carry .whl
+# (scripts/prepare_device.sh).
 #     bash scripts/gpu_check.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
 source scripts/device_env.sh
 status=0
-out() { [ -n "${OUT:-}" ] && cp "$1" "$OUT"/; true; }
 
 echo "== gpu tests"
 { nvidia-smi -L; timeout "${GPU_TESTS_SECONDS:-150}" $PY -m pytest -q -n 0 -m gpu -p no:cacheprovider \
     tests/ 2>&1; } | tee "$base-gpu-tests.txt"
 [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
-out "$base-gpu-tests.txt"
 
 echo "== GPU kernel table (rows as they are measured)"
-nvidia-smi -L >"$base-kernels.txt"
 timeout "${KERNELS_SECONDS:-100}" $PY -m refengine bench-kernels --gpu --no-cpu \
-    --types "${KERNEL_TYPES:-Q4_K,Q6_K,Q8_0}" -o "$base-kernels.part" || status=1
-cat "$base-kernels.part" >>"$base-kernels.txt" && rm -f "$base-kernels.part"
-out "$base-kernels.txt"
+    --types "${KERNEL_TYPES:-Q4_K,Q6_K,Q8_0}" -o "$base-kernels.txt" || status=1
+{ nvidia-smi -L; cat "$base-kernels.txt"; } >"$base-kernels.tmp" && mv "$base-kernels.tmp" "$base-kernels.txt"
 exit $status

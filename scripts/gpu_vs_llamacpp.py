@@ -36,14 +36,25 @@ from solver.solve import load_profile  # noqa: E402
 MIB = 1 << 20
 
 
-def free_device_mib(engine: str) -> int:
-    """Free memory of GPU 0 now, as llama.cpp's fit will see it (this process's context holds
-    its share)."""
+def free_mib(engine: str) -> int:
+    """GPU 0's free memory now, MiB (0 without one): nvidia-smi's, which needs no context."""
+    if engine != "cuda":
+        return 0
+    out = subprocess.run(["nvidia-smi", "--query-gpu=memory.free", "--format=csv,noheader,nounits"],
+                         capture_output=True, text=True, check=True)  # fmt: skip
+    return int(out.stdout.split()[0])
+
+
+def context_mib(engine: str) -> int:
+    """What creating a CUDA context takes of the GPU, MiB: this process's, measured as it starts
+    its own. llama.cpp's fit counts its context against the margin; our budget excludes ours."""
     if engine != "cuda":
         return 0
     from cudarun import driver
 
-    return driver.mem_info()[0] // MIB
+    before = free_mib(engine)
+    driver.init()
+    return max(before - driver.mem_info()[0] // MIB, 0)
 
 
 def ours(a, spec, budget_mib: int) -> tuple[float, float, str]:
@@ -51,11 +62,13 @@ def ours(a, spec, budget_mib: int) -> tuple[float, float, str]:
                      profile_name=a.profile, strategy=None, tiers=a.tiers, threads=0)  # fmt: skip
     n_ctx = a.p + a.n + 1
     engine, plan = plan_engine(a.engine, spec, n_ctx, a.p, a.n, **plan_args, say=lambda s: None)
-    profile = for_devices(load_profile(a.profile), 1)
-    rows = run_bench(engine, profile, a.p, a.n, [0], repetitions=a.r)
-    memory = [line for line in engine.memory_report() if "since the context" in line]
-    if hasattr(engine, "close"):  # llama.cpp runs next, on the memory the arena held
-        engine.close()
+    try:
+        profile = for_devices(load_profile(a.profile), 1)
+        rows = run_bench(engine, profile, a.p, a.n, [0], repetitions=a.r)
+        memory = [line for line in engine.memory_report() if "since the context" in line]
+    finally:
+        if hasattr(engine, "close"):  # llama.cpp runs next, on the memory the arena held
+            engine.close()
     return rows[0].tps, rows[1].tps, (memory or [""])[0]
 
 
@@ -103,6 +116,7 @@ def main() -> int:
     work = Path(os.environ.get("TMPDIR", "/tmp")) / "gpu_vs_llamacpp"
     work.mkdir(parents=True, exist_ok=True)
     rpc = ["--rpc", a.rpc, "-dev", "RPC0"] if a.rpc else []
+    ctx_mib = context_mib(a.engine)
 
     def say(line: str) -> None:
         print(line, flush=True)
@@ -124,10 +138,14 @@ def main() -> int:
         except Exception as e:  # noqa: BLE001 - a row says what failed and the table goes on
             cells += ["failed", ""]
             memory = f"refengine at {budget_mib} MiB: {type(e).__name__}: {e}"
-        margin = free_device_mib(a.engine) - budget_mib
-        for name, flags in (("fit", ["-fitt", str(max(margin, 0)), *rpc]), ("ours", None)):
+        for name in ("fit", "ours"):
             try:
-                if flags is None:
+                if name == "fit":  # llama.cpp's model, KV and compute within the budget: the
+                    # margin is what its fit sees free (its own context taken) less the budget;
+                    # 0 would turn the fit off
+                    margin = free_mib(a.engine) - ctx_mib - budget_mib
+                    flags = ["-fitt", str(max(margin, 1)), *rpc]
+                else:
                     flags = our_flags(a, a.model, spec, budget_mib, work)
                 pp, tg = llama(a, a.model, flags)
                 cells += [f"{pp:.1f}", f"{tg:.2f}"]

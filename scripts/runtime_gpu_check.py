@@ -166,6 +166,8 @@ def main() -> int:
     name = f"{date.today()}-runtime-gpu-check.txt"
     paths = [OUT_DIR / name] + ([Path(os.environ["OUT"]) / name] if os.environ.get("OUT") else [])
     lines = Log(paths)
+    smi = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, check=False)
+    say(lines, smi.stdout.strip() or "(no nvidia-smi)")
     if args.profile:
         profile = load_profile(args.profile)
     else:
