@@ -69,7 +69,12 @@ def ours(a, spec, budget_mib: int) -> tuple[float, float, str]:
     finally:
         if hasattr(engine, "close"):  # llama.cpp runs next, on the memory the arena held
             engine.close()
-    return rows[0].tps, rows[1].tps, (memory or [""])[0]
+    beside = "; ".join(f"{r.test}: measured {r.tps:.1f}, predicted "
+                       f"{r.tokens / r.predicted_seconds:.1f}, bound {r.tokens / r.bound_seconds:.1f} t/s"
+                       for r in rows)  # fmt: skip
+    return rows[0].tps, rows[1].tps, f"refengine {plan['strategy']} plan: {beside}; " + (
+        memory or [""]
+    )[0]
 
 
 def llama(a, model: str, args: list[str]) -> tuple[float, float]:

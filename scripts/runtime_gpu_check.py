@@ -39,7 +39,7 @@ from cudarun.trace import overlap_fraction, write_trace  # noqa: E402
 from refengine.agreement import agreement_along, reference_run  # noqa: E402
 from refengine.engine import NumpyEngine  # noqa: E402
 from refengine.spec import load_spec  # noqa: E402
-from refengine.synthetic import preset, write_synthetic  # noqa: E402
+from refengine.synthetic import SyntheticConfig, preset, write_synthetic  # noqa: E402
 from solver.cost import Workload  # noqa: E402
 from solver.profile import HardwareProfile  # noqa: E402
 from solver.solve import load_profile, solve_plan  # noqa: E402
@@ -74,9 +74,15 @@ def engine_for(spec, profile, fraction, strategy, n_ctx, prompt, gen, tiers):
     return engine, plan
 
 
-def agreement(lines, models: Path, profile, quick: bool) -> None:
-    for name in ("smollm2-135m", "gemma3-270m"):
-        path = write_synthetic(models / f"{name}.gguf", preset(name))
+# Qwen2-1.5B's shape (its config.json), beside the two presets: `--stage agreement-1.5b`
+QWEN2_1_5B = SyntheticConfig("qwen2", n_layer=28, n_embd=1536, n_ff=8960, n_head=12, n_head_kv=2,
+                             n_vocab=151936, qtype="Q4_K_M", name="qwen2-1.5b")  # fmt: skip
+
+
+def agreement(lines, models: Path, profile, quick: bool, names=("smollm2-135m", "gemma3-270m")):
+    for name in names:
+        config = QWEN2_1_5B if name == "qwen2-1.5b" else preset(name)
+        path = write_synthetic(models / f"{name}.gguf", config)
         spec = load_spec(str(path))
         reference = NumpyEngine(spec, n_ctx=1024)
         prompt = list(np.random.default_rng(0).integers(0, spec.hparams.n_vocab, 100))
@@ -150,7 +156,12 @@ def per_test(lines, models: Path, profile, quick: bool) -> None:
         engine.close()
 
 
-STAGES = {"agreement": "agreement", "eight-b": "eight_b", "per-test": "per_test"}
+def agreement_1_5b(lines, models: Path, profile, quick: bool) -> None:
+    agreement(lines, models, profile, quick, ("qwen2-1.5b",))
+
+
+STAGES = {"agreement": "agreement", "agreement-1.5b": "agreement_1_5b", "eight-b": "eight_b",
+          "per-test": "per_test"}  # fmt: skip
 
 
 def main() -> int:
