@@ -15,6 +15,7 @@ numba.cuda's streams, events and arrays, so the same code runs under the CUDA si
 
 from __future__ import annotations
 
+import gc
 import os
 import time
 from contextlib import contextmanager
@@ -142,8 +143,8 @@ class CudaEngine(PlanExecutor):
                        f"{budget / 2**20:.1f} MiB"
                        + (" (its virtual devices' together)" if len(self.budgets) > 1 else "")
                        + f": the arena{'s' if len(self.arenas) > 1 else ''} and "
-                       f"{outside / 2**20:.1f} MiB outside (cuBLAS's handle and workspace, the "
-                       "kernels' code)")  # fmt: skip
+                       f"{outside / 2**20:.1f} MiB outside (cuBLAS's handle, the kernels' code, "
+                       "CUDA graphs)")  # fmt: skip
         return out
 
     def launch_report(self, launch_seconds: float) -> list[str]:
@@ -270,8 +271,6 @@ class CudaEngine(PlanExecutor):
         self.arenas = self.arena = self.workspaces = self.graphs = None
         self.pinned, self.stagings, self.field_buffers, self.swa_stages = [], {}, {}, {}
         self.pool = self.mirror = None
-        import gc
-
         gc.collect()
         if not simulated():  # the simulator's arrays are NumPy's
             self.cuda.current_context().deallocations.clear()
