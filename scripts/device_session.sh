@@ -17,12 +17,7 @@ cd "$(dirname "$0")/.."
 source scripts/device_env.sh
 export OUT=${OUT:-/tmp/out} REFENGINE_MODELS=/tmp/models LLAMA_CUDA=/tmp/llama-cuda
 mkdir -p "$OUT" "$REFENGINE_MODELS" "$LLAMA_CUDA"
-deadline=${CALL_SECONDS:-330}
 model="$REFENGINE_MODELS/llama3-8b-q4km.gguf"
-left() {  # seconds left of the call for a step that wants at most $1, 10 kept for the copying
-    local s=$((deadline - SECONDS - 10))
-    echo $((s < $1 ? (s > 1 ? s : 1) : $1))
-}
 alive() { [ -f "$1" ] && kill -0 "$(cat "$1")" 2>/dev/null; }
 start_background() {  # once per machine: pid files say what runs, .complete and $model what is done
     if [ ! -f "$LLAMA_CUDA/bin/.complete" ] && ! alive "$LLAMA_CUDA/build.pid"; then
@@ -41,7 +36,7 @@ case "${1:-}" in
     start_background
     # the carried wheels in use (a regular `google` package of the image would hide protobuf 6)
     $PY -c 'import google.protobuf as p, ortools, gguf; print("protobuf", p.__version__, "ortools", ortools.__version__)'
-    GPU_TESTS_SECONDS=$(left 120) KERNELS_SECONDS=$(left 200) bash scripts/gpu_check.sh
+    GPU_TESTS_SECONDS=120 KERNELS_SECONDS=200 bash scripts/gpu_check.sh
     timeout "$(left 110)" $PY scripts/runtime_gpu_check.py --stage agreement --profile h100
     echo "== llama.cpp CUDA build: $(tail -1 "$LLAMA_CUDA/build.log" 2>/dev/null)"
     ;;

@@ -10,12 +10,14 @@ source scripts/device_env.sh
 status=0
 
 echo "== gpu tests"
-{ nvidia-smi -L; timeout "${GPU_TESTS_SECONDS:-150}" $PY -m pytest -q -n 0 -m gpu -p no:cacheprovider \
+{ nvidia-smi -L; timeout "$(left "${GPU_TESTS_SECONDS:-150}")" $PY -m pytest -q -n 0 -m gpu -p no:cacheprovider \
     tests/ 2>&1; } | tee "$base-gpu-tests.txt"
 [ "${PIPESTATUS[0]}" -eq 0 ] || status=1
 
 echo "== GPU kernel table (rows as they are measured)"
-timeout "${KERNELS_SECONDS:-100}" $PY -m refengine bench-kernels --gpu --no-cpu \
+timeout "$(left "${KERNELS_SECONDS:-100}")" $PY -m refengine bench-kernels --gpu --no-cpu \
     --types "${KERNEL_TYPES:-Q4_K,Q6_K,Q8_0}" -o "$base-kernels.txt" || status=1
-{ nvidia-smi -L; cat "$base-kernels.txt"; } >"$base-kernels.tmp" && mv "$base-kernels.tmp" "$base-kernels.txt"
+if [ -f "$base-kernels.txt" ]; then  # the machine's line at the top
+    { nvidia-smi -L; cat "$base-kernels.txt"; } >"$base-kernels.tmp" && mv "$base-kernels.tmp" "$base-kernels.txt"
+fi
 exit $status

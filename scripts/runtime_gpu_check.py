@@ -11,8 +11,8 @@ scripts/gpu_check.sh. It writes its tables to docs/measured/ (and $OUT):
    predicted; the half-streamed decode traced (Gantt PNG) with its copy/compute overlap.
 
 Each stage is one call of a few minutes on the device (`--stage`); every line is appended to
-docs/measured/<date>-runtime-gpu-check.txt (and to $OUT/ when set) as soon as it is printed, so a
-call cut short by its time limit keeps what it measured.
+<date>-runtime-gpu-check.txt in $OUT (the device tool's; else docs/measured/) as soon as it is
+printed, so a call cut short by its time limit keeps what it measured.
 
     python3 scripts/runtime_gpu_check.py [--stage agreement|eight-b|per-test] [--quick]
         [--profile P]
@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -175,10 +176,11 @@ def main() -> int:
     models = Path(os.environ.get("REFENGINE_MODELS", ROOT / "models"))
     models.mkdir(parents=True, exist_ok=True)
     name = f"{date.today()}-runtime-gpu-check.txt"
-    paths = [OUT_DIR / name] + ([Path(os.environ["OUT"]) / name] if os.environ.get("OUT") else [])
+    paths = [Path(os.environ["OUT"]) / name if os.environ.get("OUT") else OUT_DIR / name]
     lines = Log(paths)
-    smi = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, check=False)
-    say(lines, smi.stdout.strip() or "(no nvidia-smi)")
+    smi = shutil.which("nvidia-smi")
+    say(lines, subprocess.run([smi, "-L"], capture_output=True, text=True).stdout.strip()
+        if smi else "(no nvidia-smi here)")  # fmt: skip
     if args.profile:
         profile = load_profile(args.profile)
     else:
