@@ -1,5 +1,5 @@
 """The runtime's GPU acceptance (the engine issue), ready to run on the lent GPU machine after
-scripts/gpu_check.sh. It writes its tables to docs/measured/ (and $OUT):
+scripts/gpu_check.sh (scripts/device_session.sh runs its agreement stage):
 
 1. the machine's profile (`refengine profile`), used by every plan below;
 2. SmolLM2-135M- and Gemma-3-270M-shaped synthetic models under three plans each (everything
