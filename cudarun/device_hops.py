@@ -123,20 +123,24 @@ class DeviceHops:
             st.logits = host.logits
 
     def _bring_host(self, tier, names, host: Act, wss: dict, holders: dict, st: Act) -> None:
-        e, n, waited = self.e, st.tokens.size, set()
+        """The fields a CPU segment reads, down from the devices that hold them: every copy
+        issued, then one wait per source stream, then the reads (a field read before its own
+        copy landed would be stale on a GPU, though the simulator copies at once)."""
+        e, n, down, streams = self.e, st.tokens.size, [], {}
         for f in names:
             if HOST in holders.get(f, {HOST}):  # current on the host (or never written)
                 continue
             src, rows = min(holders[f]), e._row_count(f, n)
             buf = e.pinned_rows(tier, ("down", f), f)
-            stream = e.queues[queue_of("compute", src)]
-            wss[src][f][:rows].copy_to_host(buf[:rows], stream=stream)
-            if src not in waited:
-                e._sync(stream)
-                waited.add(src)
+            streams[src] = e.queues[queue_of("compute", src)]
+            wss[src][f][:rows].copy_to_host(buf[:rows], stream=streams[src])
+            down.append((f, buf))
+        for stream in streams.values():
+            e._sync(stream)
+        for f, buf in down:
             setattr(host, f, e._host_value(f, {f: buf}, n).copy())
             holders[f].add(HOST)
-        e.counter.downloads += bool(waited)
+        e.counter.downloads += bool(streams)
 
     def _bring(self, tier, f: str, d: int, host: Act, wss: dict, holders: dict, n: int) -> None:
         """Field f onto device d: from the host, or from another device through the host."""

@@ -22,6 +22,22 @@ if os.environ.get("NUMBA_ENABLE_CUDASIM") == "1":
     from .simulator_pace import pace
 
     pace()
+    # and its copies as asynchronous as a GPU's where the host can tell (read before waiting,
+    # rewritten while a copy still reads): those races pass the simulator and fail on a GPU
+    from . import simulator_async
+
+    simulator_async.install()
+
+
+@pytest.fixture(autouse=True)
+def no_copy_hazards():
+    """A test fails where a host-to-device copy's source changed before the host waited for it."""
+    from . import simulator_async
+
+    simulator_async.HAZARDS.clear()
+    yield
+    if simulator_async.HAZARDS:
+        pytest.fail("; ".join(dict.fromkeys(simulator_async.HAZARDS)))
 
 
 def pytest_collection_modifyitems(config, items):
