@@ -80,16 +80,13 @@ def d2d_ceiling(stream, timer, nbytes: int = GIB) -> Rate:
 def gemm_fp16(stream, timer, m: int = 512, n: int = 14336, k: int = 4096) -> Rate:
     from numba import cuda
 
-    from solver.workspace import cublas_nbytes
-
     from .cublas import Blas
 
     rng = np.random.default_rng(0)
     x = cuda.to_device(rng.standard_normal((m, k)).astype(np.float16))
     w = cuda.to_device(rng.standard_normal((n, k)).astype(np.float16))
     out = cuda.device_array((m, n), np.float32)
-    blas = Blas(stream.ptr)
-    blas.use_workspace(cuda.device_array(cublas_nbytes(m), np.uint8))  # as the runtime's
+    blas = Blas(stream.ptr).own_workspace(m)
     s = timer.per_launch(lambda i: blas.gemm_fp16(x, w, out))
     blas.close()
     return Rate(f"cuBLAS fp16 GEMM {m}x{n}x{k}", s, 2 * m * n * k / s / 1e12, "TFLOP/s")
@@ -120,8 +117,6 @@ def matvec(stream, timer, qtype, shape, tokens: int, ceiling: Rate) -> Rate:
 def prefill(stream, timer, qtype, shape, tokens: int, gemm_ceiling: Rate) -> Rate:
     from numba import cuda
 
-    from solver.workspace import cublas_nbytes
-
     from .cublas import Blas
     from .kernels.prefill import matmul_prefill
 
@@ -134,8 +129,7 @@ def prefill(stream, timer, qtype, shape, tokens: int, gemm_ceiling: Rate) -> Rat
     panel = cuda.device_array((min(shape[0], 4096), shape[1]), np.float16)
     x16 = cuda.device_array((tokens, shape[1]), np.float16)
     ns = stream.numba_stream()
-    blas = Blas(stream.ptr)
-    blas.use_workspace(cuda.device_array(cublas_nbytes(tokens), np.uint8))  # as the runtime's
+    blas = Blas(stream.ptr).own_workspace(tokens)
 
     def launch(i):
         matmul_prefill(weights[i % count], x, out, qtype, shape, panel, x16, ns, blas)

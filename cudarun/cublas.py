@@ -13,6 +13,8 @@ from __future__ import annotations
 import ctypes
 from functools import lru_cache
 
+import numpy as np
+
 from refengine.errors import UserError
 
 NEEDS_CUBLAS = ("the GPU prefill GEMM needs cuBLAS: pip install nvidia-cublas (CUDA 13) or "
@@ -76,6 +78,16 @@ class Blas:
         """Work in `region` (a device uint8 array) from the next product on; the stream orders
         it against the kernels that share that memory."""
         self.region = region
+
+    def own_workspace(self, tokens: int) -> "Blas":
+        """A workspace of its own, as large as the runtime's for ubatches of `tokens` (a
+        benchmark or test outside an engine's arena)."""
+        from numba import cuda
+
+        from solver.workspace import cublas_nbytes
+
+        self.use_workspace(cuda.device_array(cublas_nbytes(tokens), np.uint8))
+        return self
 
     def _ready(self):
         lib = library()

@@ -77,19 +77,19 @@ def ours(a, spec, budget_mib: int) -> tuple[float, float, str]:
     )[0]
 
 
-def llama(a, model: str, args: list[str]) -> tuple[float, float]:
-    records, _ = run_llama_bench(a.llama_bin, model, [*args, "-t", str(a.threads)], a.p, a.n,
+def llama(a, args: list[str]) -> tuple[float, float]:
+    records, _ = run_llama_bench(a.llama_bin, a.model, [*args, "-t", str(a.threads)], a.p, a.n,
                                  a.r)  # fmt: skip
     rate = {("pp" if r["n_prompt"] else "tg"): r["avg_ts"] for r in records}
     return rate["pp"], rate["tg"]
 
 
-def our_flags(a, model: str, spec, budget_mib: int, work: Path) -> list[str]:
+def our_flags(a, spec, budget_mib: int, work: Path) -> list[str]:
     """The llamacpp plan for the budget, exported as llama-bench's flags (GPU 0 as the RPC
     endpoint with --rpc)."""
     plan = work / f"llamacpp-{budget_mib}.plan.json"
     refengine = [sys.executable, "-m", "refengine"]
-    subprocess.run([*refengine, "solve", model, "--target", "llamacpp", "--budget",
+    subprocess.run([*refengine, "solve", a.model, "--target", "llamacpp", "--budget",
                     f"{budget_mib}MiB", "--profile", a.profile, "--ctx", str(a.p + a.n),
                     "--prompt-tokens", str(a.p), "--gen-tokens", str(a.n), "--time-limit", "5",
                     "-o", str(plan)], check=True,
@@ -151,8 +151,8 @@ def main() -> int:
                     margin = free_mib(a.engine) - ctx_mib - budget_mib
                     flags = ["-fitt", str(max(margin, 1)), *rpc]
                 else:
-                    flags = our_flags(a, a.model, spec, budget_mib, work)
-                pp, tg = llama(a, a.model, flags)
+                    flags = our_flags(a, spec, budget_mib, work)
+                pp, tg = llama(a, flags)
                 cells += [f"{pp:.1f}", f"{tg:.2f}"]
             except Exception as e:  # noqa: BLE001
                 cells += ["failed", ""]

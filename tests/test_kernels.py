@@ -321,7 +321,6 @@ def test_prefill_matmul_on_the_tensor_cores(qtype):
 
     from cudarun.cublas import Blas
     from cudarun.kernels.prefill import matmul_prefill
-    from solver.workspace import cublas_nbytes
 
     rng = np.random.default_rng(18)
     n_rows, n_cols, tokens = 1000, 1024, 512  # 1000 rows: 3 panels of 384, the last partial
@@ -330,8 +329,7 @@ def test_prefill_matmul_on_the_tensor_cores(qtype):
     out = poisoned((tokens, n_rows))
     panel = cuda.device_array((384, n_cols), np.float16)
     x16 = cuda.device_array((tokens, n_cols), np.float16)
-    blas = Blas(0)
-    blas.use_workspace(cuda.device_array(cublas_nbytes(tokens), np.uint8))
+    blas = Blas(0).own_workspace(tokens)
     matmul_prefill(cuda.to_device(raw), cuda.to_device(x), out, qtype, (n_rows, n_cols), panel, x16,
                    0, blas)  # fmt: skip
     cuda.synchronize()
