@@ -16,7 +16,9 @@ from __future__ import annotations
 import statistics
 import threading
 import time
+import traceback
 from dataclasses import dataclass
+from math import nan
 
 import numpy as np
 
@@ -39,7 +41,7 @@ class Rate:
 
     @property
     def fraction(self) -> float:
-        return self.value / self.ceiling if self.ceiling else 0.0
+        return self.value / self.ceiling if self.ceiling > 0 else 0.0
 
 
 class Timer:
@@ -287,27 +289,42 @@ def overheads(stream) -> list[Rate]:
 MATVEC_SHAPES = ((4096, 14336), (14336, 4096))
 
 
-def run_all(types, tokens=(1, 16), shapes=MATVEC_SHAPES):
-    """Every GPU figure of the benchmark, in table order, each yielded as soon as it is measured
-    (a time-limited run keeps what it got)."""
+def run_all(types, tokens=(1, 16), shapes=MATVEC_SHAPES, failed=None):
+    """Every GPU figure of the benchmark, the most wanted first, each yielded as soon as it is
+    measured (a time-limited run keeps what it got). A measurement that raises is a row that says
+    so, its traceback passed to `failed(what, text)`, and the table goes on."""
     from refengine.quants import qtype as as_qtype
 
     driver.init()
     stream = driver.Stream()
     timer = Timer(stream)
-    ceiling = d2d_ceiling(stream, timer)
+
+    def measured(what: str, measure) -> list[Rate]:
+        try:
+            got = measure()
+        except Exception as e:  # noqa: BLE001 - one failed row must not lose the later ones
+            if failed is not None:
+                failed(what, traceback.format_exc())
+            return [Rate(f"{what}: failed ({type(e).__name__}: {e})"[:200], nan, nan, "")]
+        return got if isinstance(got, list) else [got]
+
+    (ceiling,) = measured("D2D copy", lambda: d2d_ceiling(stream, timer))
     yield ceiling
-    gemm = gemm_fp16(stream, timer)
-    yield gemm
     for name in types:
         for shape in shapes:
             for n in tokens:
-                yield matvec(stream, timer, as_qtype(name).ggml, shape, n, ceiling)
-    q4k = as_qtype("Q4_K").ggml
-    yield prefill(stream, timer, q4k, (4096, 14336), 512, gemm)
-    yield dequantize(stream, timer, q4k, (4096, 14336), ceiling)
+                yield from measured(f"matvec {name} {shape} {n}", lambda: matvec(
+                    stream, timer, as_qtype(name).ggml, shape, n, ceiling))  # fmt: skip
     for ctx in (8192, 32768):
-        yield attention_decode(stream, timer, ceiling, ctx)
-    yield attention_prefill(stream, timer)
-    yield from pcie(stream, timer)
-    yield from overheads(stream)
+        yield from measured(f"decode attention {ctx}",
+                            lambda: attention_decode(stream, timer, ceiling, ctx))  # fmt: skip
+    (gemm,) = measured("cuBLAS fp16 GEMM", lambda: gemm_fp16(stream, timer))
+    yield gemm
+    q4k = as_qtype("Q4_K").ggml
+    yield from measured("prefill Q4_K",
+                        lambda: prefill(stream, timer, q4k, (4096, 14336), 512, gemm))  # fmt: skip
+    yield from measured("dequantize Q4_K",
+                        lambda: dequantize(stream, timer, q4k, (4096, 14336), ceiling))  # fmt: skip
+    yield from measured("prefill attention", lambda: attention_prefill(stream, timer))
+    yield from measured("PCIe", lambda: pcie(stream, timer))
+    yield from measured("overheads", lambda: overheads(stream))

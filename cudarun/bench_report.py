@@ -63,11 +63,11 @@ def cpu_rows(types, shapes, tokens, threads: int, peer: dict, quick: bool):
                 )
 
 
-def gpu_rows(types, tokens):
-    """The GPU table's rows, each yielded as soon as it is measured."""
+def gpu_rows(types, tokens, failed=None):
+    """The GPU table's rows, each yielded as soon as it is measured (`bench_gpu.run_all`)."""
     from . import bench_gpu
 
-    for r in bench_gpu.run_all(types, tokens):
+    for r in bench_gpu.run_all(types, tokens, failed=failed):
         yield (
             r.what,
             f"{r.seconds * 1e6:.1f}",

@@ -66,20 +66,21 @@ def ours(a, spec, budget_mib: int) -> tuple[float, float, str]:
         profile = for_devices(load_profile(a.profile), 1)
         rows = run_bench(engine, profile, a.p, a.n, [0], repetitions=a.r)
         memory = [line for line in engine.memory_report() if "since the context" in line]
+        if hasattr(engine, "launch_report"):  # launches per token: one graph a decode ubatch
+            memory += engine.launch_report(profile.gpus[0].launch_seconds.value)
     finally:
         if hasattr(engine, "close"):  # llama.cpp runs next, on the memory the arena held
             engine.close()
     beside = "; ".join(f"{r.test}: measured {r.tps:.1f}, predicted "
                        f"{r.tokens / r.predicted_seconds:.1f}, bound {r.tokens / r.bound_seconds:.1f} t/s"
                        for r in rows)  # fmt: skip
-    return rows[0].tps, rows[1].tps, f"refengine {plan['strategy']} plan: {beside}; " + (
-        memory or [""]
-    )[0]
+    return rows[0].tps, rows[1].tps, "; ".join([f"refengine {plan['strategy']} plan: {beside}",
+                                                 *memory])
 
 
-def llama(a, args: list[str]) -> tuple[float, float]:
+def llama(a, args: list[str], timeout_s: float) -> tuple[float, float]:
     records, _ = run_llama_bench(a.llama_bin, a.model, [*args, "-t", str(a.threads)], a.p, a.n,
-                                 a.r)  # fmt: skip
+                                 a.r, timeout_s)  # fmt: skip
     rate = {("pp" if r["n_prompt"] else "tg"): r["avg_ts"] for r in records}
     return rate["pp"], rate["tg"]
 
@@ -102,11 +103,11 @@ def our_flags(a, spec, budget_mib: int, work: Path) -> list[str]:
     return llama_bench_args(args, spec.hparams.n_layer)
 
 
-def main() -> int:
+def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("model")
     ap.add_argument("--llama-bin", type=Path, help="llama.cpp's bin (default: the CPU build's)")
-    ap.add_argument("--fractions", default="1,0.5,0.25", help="budgets, as fractions of the weights")
+    ap.add_argument("--fractions", default="1,0.25,0.5", help="budgets, as fractions of the weights")
     ap.add_argument("-p", type=int, default=512)
     ap.add_argument("-n", type=int, default=128)
     ap.add_argument("-r", type=int, default=2, help="timed runs of each test")
@@ -116,25 +117,38 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=os.cpu_count(), help="llama.cpp's -t")
     ap.add_argument("--rpc", help="an RPC server as llama.cpp's GPU 0 (no GPU here)")
     ap.add_argument("--out", type=Path, help="also append each line here")
-    a = ap.parse_args()
-    spec = load_model(a.model)
-    work = Path(os.environ.get("TMPDIR", "/tmp")) / "gpu_vs_llamacpp"
-    work.mkdir(parents=True, exist_ok=True)
-    rpc = ["--rpc", a.rpc, "-dev", "RPC0"] if a.rpc else []
-    ctx_mib = context_mib(a.engine)
+    return ap
 
-    def say(line: str) -> None:
-        print(line, flush=True)
-        if a.out:
-            with open(a.out, "a") as f:
+
+class Table:
+    """The table's header and rows, each printed and appended to `a.out` as it is measured."""
+
+    def __init__(self, a, say=None):
+        self.a = a
+        self.spec = load_model(a.model)
+        self.work = Path(os.environ.get("TMPDIR", "/tmp")) / "gpu_vs_llamacpp"
+        self.work.mkdir(parents=True, exist_ok=True)
+        self.rpc = ["--rpc", a.rpc, "-dev", "RPC0"] if a.rpc else []
+        self.ctx_mib = context_mib(a.engine)
+        self.print = say or print
+
+    def say(self, line: str) -> None:
+        self.print(line)
+        if self.a.out:
+            with open(self.a.out, "a") as f:
                 f.write(line + "\n")
 
-    say(f"{spec.name} ({spec.weights_nbytes / MIB:.0f} MiB of weights), pp{a.p} / tg{a.n} t/s, "
-        f"mean of {a.r} runs each; refengine engine {a.engine}, profile {a.profile}")  # fmt: skip
-    say("| budget MiB | refengine pp | refengine tg | llama.cpp --fit pp | llama.cpp --fit tg "
-        "| llama.cpp our flags pp | llama.cpp our flags tg |")
-    say("|---:|---:|---:|---:|---:|---:|---:|")
-    for fraction in (float(x) for x in a.fractions.split(",")):
+    def header(self) -> None:
+        a, spec = self.a, self.spec
+        self.say(f"{spec.name} ({spec.weights_nbytes / MIB:.0f} MiB of weights), pp{a.p} / tg{a.n} "
+                 f"t/s, mean of {a.r} runs each; refengine engine {a.engine}, profile {a.profile}")
+        self.say("| budget MiB | refengine pp | refengine tg | llama.cpp --fit pp "
+                 "| llama.cpp --fit tg | llama.cpp our flags pp | llama.cpp our flags tg |")
+        self.say("|---:|---:|---:|---:|---:|---:|---:|")
+
+    def row(self, fraction: float, timeout_s: float = 600) -> None:
+        """One budget's row; each of its three runs guarded (a failure is a cell and a note)."""
+        a, spec = self.a, self.spec
         budget_mib = int(fraction * spec.weights_nbytes / MIB)
         cells = []
         try:
@@ -148,18 +162,26 @@ def main() -> int:
                 if name == "fit":  # llama.cpp's model, KV and compute within the budget: the
                     # margin is what its fit sees free (its own context taken) less the budget;
                     # 0 would turn the fit off
-                    margin = free_mib(a.engine) - ctx_mib - budget_mib
-                    flags = ["-fitt", str(max(margin, 1)), *rpc]
+                    margin = free_mib(a.engine) - self.ctx_mib - budget_mib
+                    flags = ["-fitt", str(max(margin, 1)), *self.rpc]
                 else:
-                    flags = our_flags(a, spec, budget_mib, work)
-                pp, tg = llama(a, flags)
+                    flags = our_flags(a, spec, budget_mib, self.work)
+                pp, tg = llama(a, flags, timeout_s)
                 cells += [f"{pp:.1f}", f"{tg:.2f}"]
             except Exception as e:  # noqa: BLE001
                 cells += ["failed", ""]
                 memory += f"; llama.cpp {name}: {type(e).__name__}: {str(e)[:300]}"
-        say(f"| {budget_mib} | " + " | ".join(cells) + " |")
+        self.say(f"| {budget_mib} | " + " | ".join(cells) + " |")
         if memory:
-            say(f"  {memory}")
+            self.say(f"  {memory}")
+
+
+def main() -> int:
+    a = parser().parse_args()
+    table = Table(a)
+    table.header()
+    for fraction in (float(x) for x in a.fractions.split(",")):
+        table.row(fraction)
     return 0
 
 

@@ -184,6 +184,27 @@ class DeviceRow:
     def within_budget(self) -> bool:
         return self.measured.total_bytes <= self.budget_bytes
 
+    def worst_term(self) -> tuple[str, int, int]:
+        """(term, planned bytes, allocated bytes) of the buffer furthest off the plan."""
+        terms = [(t, getattr(self.planned, a), getattr(self.measured, a))
+                 for t, a in (("model", "model_bytes"), ("KV", "kv_bytes"),
+                              ("compute", "compute_bytes"))]  # fmt: skip
+        return max(terms, key=lambda x: abs(x[2] - x[1]))
+
+    def problem(self) -> str | None:
+        """One line when this device is over its budget or off the plan, naming the term."""
+        term, planned, got = self.worst_term()
+        where = (f"{self.device}: llama.cpp allocated {self.measured.total_bytes / MIB:.1f} MiB, "
+                 f"the plan {self.planned.total_bytes / MIB:.1f} MiB")  # fmt: skip
+        if not self.within_budget:
+            return f"{where}, over its budget of {self.budget_bytes / MIB:.0f} MiB"
+        if not self.within_tolerance:
+            return (f"{where}: off the plan by more than {REL_TOLERANCE:.0%} + "
+                    f"{ABS_TOLERANCE_BYTES / MIB:.0f} MiB, most in its {term} buffer "
+                    f"({got / MIB:.1f} MiB allocated, {planned / MIB:.1f} planned): the memory "
+                    "model is wrong there")  # fmt: skip
+        return None
+
 
 @dataclass
 class Verdict:
@@ -192,7 +213,9 @@ class Verdict:
 
     @property
     def ok(self) -> bool:
-        return not self.misplaced and all(r.within_budget for r in self.rows)
+        """Every tensor where the plan says, every device within its budget and within the
+        tolerance of the plan's memory."""
+        return not self.misplaced and not any(r.problem() for r in self.rows)
 
 
 def planned_memory(d: dict, spec: ModelSpec | None = None) -> dict[int, DeviceBuffers]:

@@ -170,6 +170,28 @@ def test_verify_fails_a_device_over_its_budget(shapes, llama_bin, rpc_servers, t
     assert r.returncode == 1 and "over budget" in r.stdout, r.stdout + r.stderr
 
 
+def test_verify_fails_a_device_off_its_plan(shapes, llama_bin, rpc_servers, tmp_path,
+                                          monkeypatch):  # fmt: skip
+    """A memory model deliberately wrong (each layer's KV priced twice over): within budget, but
+    off the plan by more than 3% + 4 MiB, so verify exits 1 and names the device and the term."""
+    from click.testing import CliRunner
+
+    import solver.usage
+    from refengine.commands import cli
+
+    plan = _solve(shapes["smollm2-135m"], tmp_path, "--profile", "h100", "--budget", "500MiB",
+                  "--ctx", "8192", "--tiers", "1,512")  # fmt: skip
+    args = ["verify", str(plan), "--llama-bin", str(llama_bin), "--rpc", rpc_servers[0]]
+    right = CliRunner().invoke(cli, args)
+    assert right.exit_code == 0, right.output
+    kv = solver.usage.kv_layer_nbytes
+    monkeypatch.setattr(solver.usage, "kv_layer_nbytes", lambda *a, **k: 2 * kv(*a, **k))
+    wrong = CliRunner().invoke(cli, args)
+    assert wrong.exit_code == 1, wrong.output
+    assert "RPC0: llama.cpp allocated" in wrong.output and "most in its KV buffer" in wrong.output
+    assert "off plan" in wrong.output and "over budget" not in wrong.output
+
+
 def test_verify_refuses_in_one_line(shapes, llama_bin, tmp_path):
     plan = _solve(shapes["smollm2-135m"], tmp_path, "--profile", "h100", "--budget", "500MiB")
     r = refengine("verify", plan, "--llama-bin", tmp_path)

@@ -23,7 +23,8 @@ MIB = 1 << 20
 def verify(plan_path: Path, llama_bin: Path | None, model_arg: str | None, rpc: str | None) -> None:
     """Run PLAN's exported flags in llama.cpp (one token, verbose) and check them: every tensor on
     the device the plan says, and each device's model, KV and compute buffers beside the plan's.
-    Exits 1 when a tensor sits elsewhere or a device goes above its budget."""
+    Exits 1 when a tensor sits elsewhere, or a device goes above its budget or off the plan by
+    more than 3% + 4 MiB."""
     from rich.console import Console
     from rich.table import Table
 
@@ -55,5 +56,8 @@ def verify(plan_path: Path, llama_bin: Path | None, model_arg: str | None, rpc: 
         click.echo(f"misplaced: {name} planned on {want}, llama.cpp put it on {got}")
     placed = len(spec.tensors) - len(verdict.misplaced)
     click.echo(f"tensors placed as planned: {placed}/{len(spec.tensors)}")
+    for r in verdict.rows:
+        if r.problem():
+            click.echo(f"error: {r.problem()}", err=True)
     if not verdict.ok:
         raise SystemExit(1)

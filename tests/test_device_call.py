@@ -1,0 +1,37 @@
+"""The GPU issue's one-call driver (scripts/device_call.py), here without a GPU: a case that raises
+is a line and a traceback, not a lost stage; a stage over its limit is stopped and the next runs."""
+
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+
+import device_call  # noqa: E402
+
+
+def test_a_failed_case_and_a_stage_over_its_limit_lose_nothing_else(tmp_path, monkeypatch):
+    def agreement(a, out, names=()):
+        with out.guard("agreement", "first case"):
+            raise RuntimeError("boom")
+        out.say("agreement", "second case: OK")
+        time.sleep(30)  # past the stage's limit
+        out.say("agreement", "never written")
+
+    monkeypatch.setenv("OUT", str(tmp_path))
+    monkeypatch.setitem(device_call.STAGE_SECONDS, "agreement", 1)
+    monkeypatch.setattr(device_call, "agreement", agreement)
+    monkeypatch.setattr(sys, "argv", ["device_call.py", "--engine", "standin", "--seconds", "60",
+                                      "--stages", "agreement,kernels", "--models", str(tmp_path)])
+    started = time.monotonic()
+    assert device_call.main() == 0
+    assert time.monotonic() - started < 10
+    (call,) = tmp_path.glob("*-call.txt")
+    text = call.read_text()
+    assert "first case: FAILED (RuntimeError: boom)" in text and "second case: OK" in text
+    assert "== agreement: stopped at its limit of 1 s" in text and "never written" not in text
+    assert "the kernel table needs a GPU: not run" in text
+    (errors,) = tmp_path.glob("*-errors.txt")
+    assert "RuntimeError: boom" in errors.read_text()
+    (stage,) = tmp_path.glob("*-agreement.txt")
+    assert stage.read_text() == "first case: FAILED (RuntimeError: boom)\nsecond case: OK\n"
