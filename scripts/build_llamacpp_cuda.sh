@@ -26,7 +26,8 @@ mkdir -p "$root"
 echo "building into $root (log: $root/build.log)"
 exec >"$root/build.log" 2>&1
 date -u +"start %FT%TZ"
-rm -rf "$root/llama.cpp" "$root/build" "$root/bin" "$root/stub"
+# the build folder stays: a second run compiles only what changed (tar keeps the sources' times)
+rm -rf "$root/llama.cpp" "$root/bin" "$root/stub" "$root/cublas"
 tar -xzf ".gpu-src/llama.cpp-$version-src.tar.gz" -C "$root"
 find_wheel_cublas='
 import glob, site, sysconfig
@@ -39,9 +40,13 @@ if [ ! -f "$toolkit/include/cublas_v2.h" ] && [ ! -f /usr/local/cuda/include/cub
     wheel=${CUBLAS_ROOT:-$(${PYTHON:-python3} -c "$find_wheel_cublas")}
     [ -n "$wheel" ] || { echo "no cuBLAS headers in the toolkit or a wheel: set CUBLAS_ROOT"; exit 1; }
     echo "cuBLAS from $wheel"
+    # its headers alone: the wheels' shared include folder also holds a newer CUDA runtime's
+    # headers (crt/host_runtime.h), which break nvcc 13.0's own stubs
+    mkdir -p "$root/cublas/include"
+    cp "$wheel"/include/cublas*.h "$root/cublas/include/"
     extra=(-DCUDA_cublas_LIBRARY="$(ls "$wheel"/lib/libcublas.so.* | head -1)"
            -DCUDA_cublasLt_LIBRARY="$(ls "$wheel"/lib/libcublasLt.so.* | head -1)"
-           -DCMAKE_CXX_FLAGS="-I$wheel/include" -DCMAKE_CUDA_FLAGS="-I$wheel/include")
+           -DCMAKE_CXX_FLAGS="-I$root/cublas/include" -DCMAKE_CUDA_FLAGS="-I$root/cublas/include")
 fi
 driver=$(ls "$toolkit"/lib64/stubs/libcuda.so /usr/local/cuda/lib64/stubs/libcuda.so 2>/dev/null |
          head -1 || true)

@@ -89,6 +89,13 @@ class Operations:
     all_reduces: int = 0  # sums of partial outputs over every device (tensor split)
     hops: int = 0  # activation copies: CPU <-> a device, or device -> host -> device (two)
 
+    def __add__(self, other: "Operations") -> "Operations":
+        return Operations(self.copies + other.copies, self.all_reduces + other.all_reduces,
+                          self.hops + other.hops)  # fmt: skip
+
+    def __mul__(self, n: int) -> "Operations":
+        return Operations(self.copies * n, self.all_reduces * n, self.hops * n)
+
 
 def hops_between(a: int, b: int) -> int:
     """Copies that move activations from device a to device b (Loc.where): none on the same

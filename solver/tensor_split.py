@@ -70,7 +70,7 @@ def ubatch_terms(cm: CostModel, fractions: list[dict[str, float]], tokens: int, 
                  sequences: int) -> Terms:  # fmt: skip
     """One ubatch; `fractions`: per device, its share of the heads, the FFN rows and the vocab
     (llama.cpp's: even)."""
-    spec, total = cm.spec, Terms()
+    spec, total, n_devices = cm.spec, Terms(), len(fractions)
     hop = cm.hop_seconds(tokens, spec.hparams.n_embd)
     for il in range(spec.hparams.n_layer):
         attn, ffn = [g for g in cm.by_layer[il] if g.kind == "attn"], [
@@ -83,7 +83,7 @@ def ubatch_terms(cm: CostModel, fractions: list[dict[str, float]], tokens: int, 
                   for g in ffn)
             for d, f in enumerate(fractions)
         ))  # fmt: skip
-        t.latency = ALL_REDUCES_PER_LAYER * 2 * hop + cm.launch_seconds(
+        t.latency = hops_seconds(layer_operations(n_devices), n_devices, hop) + cm.launch_seconds(
             ELEMENTWISE_KERNELS_PER_LAYER + len(cm.by_layer[il]), tokens
         )
         t.total = t.gpu + t.latency
@@ -91,7 +91,7 @@ def ubatch_terms(cm: CostModel, fractions: list[dict[str, float]], tokens: int, 
     embd, head = cm.by_layer[None]
     t = Terms(cpu=cm.cpu_seconds(embd, tokens))
     t.gpu = max(f[VOCAB] * cm.gpu_seconds(head, tokens, d) for d, f in enumerate(fractions))
-    t.latency = 2 * hop  # the embedding up, the logits gathered
+    t.latency = hops_seconds(edge_operations(n_devices), n_devices, hop)
     t.total = t.cpu + t.gpu + t.latency
     total.add(t)
     return total
@@ -121,12 +121,28 @@ def evaluate_tensor_split(
     return Prediction(ttft, decode, tps, ttft + decode, per_tier, 0.0)
 
 
+def layer_operations(n_devices: int) -> Operations:
+    """What a layer moves: two sums, each every device's partial output down and the sum back up
+    to every device."""
+    return Operations(all_reduces=ALL_REDUCES_PER_LAYER,
+                      hops=2 * n_devices * ALL_REDUCES_PER_LAYER)  # fmt: skip
+
+
+def edge_operations(n_devices: int) -> Operations:
+    """What a ubatch moves besides its layers: the embedding's rows up to every device, the
+    head's rows down from every device."""
+    return Operations(hops=2 * n_devices)
+
+
+def hops_seconds(ops: Operations, n_devices: int, hop_seconds: float) -> float:
+    """The devices make their hops at once: each of them pays for its own share, one hop's time
+    a hand-off."""
+    return ops.hops / n_devices * hop_seconds
+
+
 def split_operations(n_layer: int, n_devices: int) -> Operations:
-    """What a tensor split's ubatch moves: two sums a layer, and a hop per device each time the
-    activations change hands (the embedding's rows up; each sum, the partial outputs down and the
-    sum back up; the head's rows down), which the devices make at once (priced as one)."""
-    sums = ALL_REDUCES_PER_LAYER * n_layer
-    return Operations(all_reduces=sums, hops=2 * n_devices * (sums + 1))
+    """What a tensor split's ubatch moves, from the terms `ubatch_terms` prices."""
+    return layer_operations(n_devices) * n_layer + edge_operations(n_devices)
 
 
 # -- our runtime's tensor split ------------------------------------------------------------------

@@ -249,15 +249,28 @@ def test_every_cross_queue_wait_of_a_tensor_split_is_needed_on_five_seeds(small_
 
 
 def test_the_operations_of_a_tensor_split_are_the_cost_models(small_models):
-    """Two sums a layer, and a hop per device at each hand-off: scheduled and priced alike."""
+    """Two sums a layer, and a hop per device at each hand-off: what the schedule issues is what
+    the cost model prices (its latency is the counted hops at its hop price, the devices hopping
+    at once, plus its launches)."""
+    from solver.cost import ELEMENTWISE_KERNELS_PER_LAYER, CostModel
+    from solver.tensor_split import hops_seconds, share_fractions, ubatch_terms
+
     spec = load_spec(str(small_models["qwen2"]))
     engine = StandInEngine(spec, split_plan(spec, (0.6, 0.5, 0.5)))
-    want = split_operations(spec.hparams.n_layer, len(engine.shares.devices))
-    assert want.all_reduces == ALL_REDUCES_PER_LAYER * spec.hparams.n_layer
-    for tier in engine.tiers.values():
+    n_devices, n_layer = len(engine.shares.devices), spec.hparams.n_layer
+    assert split_operations(n_layer, n_devices).all_reduces == ALL_REDUCES_PER_LAYER * n_layer
+    cm = CostModel(spec, for_devices(load_profile("h100"), 3), W, "refengine")
+    for t, tier in engine.tiers.items():
         sums = [op for op in tier.schedule
                 if isinstance(op, Compute) and op.name.endswith(SUMS)]  # fmt: skip
-        assert len(sums) == want.all_reduces and tier.operations == want
+        assert len(sums) == tier.operations.all_reduces == ALL_REDUCES_PER_LAYER * n_layer
+        priced = ubatch_terms(cm, share_fractions(engine.shares), t, 0, 1)
+        launches = sum(cm.launch_seconds(ELEMENTWISE_KERNELS_PER_LAYER + len(cm.by_layer[il]), t)
+                       for il in range(n_layer))  # fmt: skip
+        hop = cm.hop_seconds(t, spec.hparams.n_embd)
+        assert priced.latency == pytest.approx(
+            hops_seconds(tier.operations, n_devices, hop) + launches
+        ), t
 
 
 def test_solve_weighs_our_tensor_split_against_the_layer_split(small_models):
