@@ -3,10 +3,11 @@ Tolerances): both are fed the reference's greedy tokens; before the first near-t
 must agree (so the greedy continuations are identical), from it on the comparison is
 teacher-forced: top-1 agreement and mean KL(reference || engine) per position.
 
-The bounds follow the path (`PATHS`): fp32 paths (tolerance 1e-3) keep top-1 >= 99% and mean KL <
-1e-3; the named fp16 path (tensor-core GEMMs) and int8 path (8-bit activations: llama.cpp's own CPU
-arithmetic) keep the bounds the reference keeps to llama.cpp, top-1 >= 98% and mean KL < 5e-3, with
-the logits tolerance 5e-2.
+The bounds follow the path (`PATHS`; CONTRACTS.md, Tolerances): an engine against the NumPy reference
+keeps top-1 >= 99% and mean KL < 1e-3, with the final logits within 1e-3 normwise on fp32 paths
+and 5e-2 on the named fp16 path (tensor-core GEMMs on fp16 panels); the int8 path (8-bit
+activations: llama.cpp's own CPU arithmetic) keeps the bounds the reference keeps to llama.cpp,
+top-1 >= 98% and mean KL < 5e-3, its normwise error printed, not bounded.
 
 `judge` is what `refengine diff` holds a plan to: teacher-forced top-1 (near-ties excused) and mean
 KL over every position, the normwise error printed beside but not judged — a plan that meets its
@@ -28,6 +29,7 @@ class PathBounds:
     top1: float  # least teacher-forced top-1 agreement
     kl: float  # mean KL(reference || engine) stays below this
     normwise: float  # the end-to-end logits tolerance; also sets the near-tie gap
+    normwise_bounded: bool = True  # the int8 path's is printed, not judged
 
     def describe(self) -> str:
         return (f"{self.path} path: top-1 >= {self.top1:.0%}, mean KL < {self.kl:g} "
@@ -36,8 +38,8 @@ class PathBounds:
 
 PATHS = {
     "fp32": PathBounds("fp32", 0.99, 1e-3, 1e-3),  # every matmul exact fp32
-    "fp16": PathBounds("fp16", 0.98, 5e-3, 5e-2),  # tensor-core GEMMs on fp16 panels
-    "int8": PathBounds("int8", 0.98, 5e-3, 5e-2),  # 8-bit activation dot products
+    "fp16": PathBounds("fp16", 0.99, 1e-3, 5e-2),  # tensor-core GEMMs on fp16 panels
+    "int8": PathBounds("int8", 0.98, 5e-3, 5e-2, False),  # 8-bit activation dot products
 }
 
 
@@ -56,6 +58,7 @@ def log_softmax(rows: np.ndarray) -> np.ndarray:
 @dataclass
 class Agreement:
     tolerance: float
+    path: str = "fp32"  # the engine's named path, whose bounds judge it (`PATHS`)
     tokens: list[int] = field(default_factory=list)  # the reference's greedy tokens
     top1_equal: list[bool] = field(default_factory=list)
     near_tie: list[bool] = field(default_factory=list)
@@ -87,19 +90,13 @@ class Agreement:
         return float(np.mean(self.kl))
 
     @property
-    def limits(self) -> tuple[float, float]:
-        """(least teacher-forced top-1 agreement, largest mean KL)."""
-        b = PATHS["fp32" if self.tolerance <= PATHS["fp32"].normwise else "int8"]
-        return b.top1, b.kl
-
-    @property
     def ok(self) -> bool:
-        top1, kl = self.limits
+        b = PATHS[self.path]
         return (
             self.greedy_identical
-            and self.forced_top1 >= top1
-            and self.mean_kl < kl
-            and self.errors[-1] <= self.tolerance
+            and self.forced_top1 >= b.top1
+            and self.mean_kl < b.kl
+            and (self.errors[-1] <= self.tolerance or not b.normwise_bounded)
         )
 
     def summary(self) -> str:
@@ -211,8 +208,9 @@ def reference_run(reference, prompt, n_predict: int) -> list[np.ndarray]:
 
 
 def agreement_along(engine, prompt, reference_rows, tolerance: float) -> Agreement:
-    """Feed the engine the prompt and the reference's greedy tokens; compare at every step."""
-    agreement = Agreement(tolerance)
+    """Feed the engine the prompt and the reference's greedy tokens; compare at every step, by
+    the bounds of the engine's named path."""
+    agreement = Agreement(tolerance, getattr(engine, "path", "fp32"))
     engine.reset()
     token = agreement.add(engine.prefill(prompt), reference_rows[0])
     for row in reference_rows[1:]:

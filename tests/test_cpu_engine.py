@@ -183,3 +183,20 @@ def test_decode_attention_over_chunks_equals_a_dense_softmax(window):
             want = (p / p.sum()) @ vc[keep, g].astype(np.float64)
             got = out[t, h * hd : (h + 1) * hd]
             assert np.allclose(got, want, atol=1e-5), (t, h)
+
+
+@pytest.mark.slow
+@pytest.mark.xdist_group("cpu-real")  # one worker: the kernels compile once for both models
+@pytest.mark.parametrize("name", ["smollm2-135m", "gemma3-270m"])
+def test_diff_of_the_real_models_meets_the_int8_path(name):
+    """`refengine diff MODEL --engine cpu` on the real files, as a user runs it: every position
+    within llama.cpp's own bounds for its CPU arithmetic (top-1 >= 98%, mean KL < 5e-3)."""
+    from click.testing import CliRunner
+
+    from refengine.commands import cli
+
+    prompt = "The engine streams the weights that do not fit into a ring of slots on the GPU."
+    r = CliRunner().invoke(cli, ["diff", name, "--engine", "cpu", "-p", prompt, "-n", "8", "-c",
+                                 "128"])  # fmt: skip
+    assert r.exit_code == 0, r.output
+    assert "verdict: meets its path's bounds" in r.output and "int8 path" in r.output

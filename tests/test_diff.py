@@ -78,9 +78,43 @@ def test_a_near_tie_is_excused_and_nan_logits_fail():
 
 
 def test_every_path_has_the_contract_bounds():
-    assert (PATHS["fp32"].top1, PATHS["fp32"].kl, PATHS["fp32"].normwise) == (0.99, 1e-3, 1e-3)
-    for path in ("fp16", "int8"):
-        assert (PATHS[path].top1, PATHS[path].kl, PATHS[path].normwise) == (0.98, 5e-3, 5e-2)
+    """Against the NumPy reference: 99% / 1e-3 on the fp32 and fp16 paths (logits within 1e-3
+    and 5e-2), llama.cpp's own 98% / 5e-3 on the int8 path, whose normwise error is not bounded."""
+    bounds = {p: (b.top1, b.kl, b.normwise, b.normwise_bounded) for p, b in PATHS.items()}
+    assert bounds == {"fp32": (0.99, 1e-3, 1e-3, True), "fp16": (0.99, 1e-3, 5e-2, True),
+                      "int8": (0.98, 5e-3, 5e-2, False)}  # fmt: skip
+
+
+def test_an_agreement_is_held_to_its_engines_path():
+    """The same logits, 0.08 normwise off at the end with every top-1 kept and a small KL: the
+    int8 path meets its bounds (normwise printed), the fp16 path does not (bounded at 5e-2); a KL
+    of 2e-3 meets the int8 path's 5e-3 and misses the fp16 path's 1e-3."""
+    from refengine.agreement import agreement_along
+
+    ref = rows(6, seed=5)
+
+    class Engine:
+        def __init__(self, path, rows):
+            self.path, self.rows = path, iter(rows)
+
+        def reset(self):
+            pass
+
+        def prefill(self, prompt):
+            return next(self.rows)
+
+        decode = prefill
+
+    shifted = ref.copy()
+    shifted[-1] += 0.08 * np.abs(ref[-1]).max() * (np.arange(N_VOCAB) == np.argmin(ref[-1]))
+    for path, ok in (("int8", True), ("fp16", False)):
+        a = agreement_along(Engine(path, shifted), [1], list(ref), PATHS[path].normwise)
+        assert a.errors[-1] > 5e-2 and a.forced_top1 == 1.0 and a.ok == ok, path
+    flat = ref * 0.965  # the same winners, a flatter distribution: KL between the two bounds
+    for path, ok in (("int8", True), ("fp16", False)):
+        a = agreement_along(Engine(path, flat), [1], list(ref), PATHS[path].normwise)
+        assert 1e-3 < a.mean_kl < 5e-3, a.mean_kl
+        assert a.ok == ok, (path, a.summary())
 
 
 def test_a_plans_path_is_named_from_its_parts(tmp_path):
