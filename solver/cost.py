@@ -252,6 +252,7 @@ class CostModel:
         tokens and more (op-offload); the embedding's row gather stays on the CPU."""
         if (
             self.target == "llamacpp"
+            and self.profile.gpus  # llama.cpp's CPU backend alone offloads nothing
             and loc.kind == CPU
             and g.kind != EMBD
             and tokens >= OP_OFFLOAD_MIN_TOKENS
@@ -407,7 +408,8 @@ class CostModel:
         tokens and more, whose scheduler puts a CPU-held layer's attention between its two
         op-offloaded matmuls, on the GPU, and copies the cached cells up (ggml-backend.c pass 2
         skips FLASH_ATTN_EXT in pass 1, then expands the GPU assignment over it)."""
-        if kv.on_gpu or self.target != "llamacpp" or tokens < OP_OFFLOAD_MIN_TOKENS:
+        if (kv.on_gpu or self.target != "llamacpp" or tokens < OP_OFFLOAD_MIN_TOKENS
+                or not self.profile.gpus):  # fmt: skip
             return kv
         return Loc(STREAMED, device)
 
@@ -479,9 +481,10 @@ class CostModel:
             t.latency += self.copy_seconds(down, kv.device, cpu_busy)
         seq = self.layer_sequence(il, place, tokens)
         hops = sum(hops_between(a, b) for a, b in zip(seq, seq[1:]))
-        t.latency += hops * self.hop_seconds(tokens, self.hop_width)
-        # the residual stream arrives from another device
-        t.latency += hops_between(prev, seq[0]) * self.hop_seconds(tokens, hp.n_embd)
+        if hops:
+            t.latency += hops * self.hop_seconds(tokens, self.hop_width)
+        if hops_between(prev, seq[0]):  # the residual stream arrives from another device
+            t.latency += hops_between(prev, seq[0]) * self.hop_seconds(tokens, hp.n_embd)
         if ids_read:  # the router's ids read back before the experts' copies: a sync
             t.latency += self.ids_readback_seconds(tokens, kv.device)
         if gpu_mats or kv.on_gpu:
@@ -525,7 +528,7 @@ class CostModel:
                 t.copy = self.copy_seconds(g.nbytes, loc.device, cpu_busy)
         else:
             t.cpu = self.cpu_seconds(g, tokens)
-        if g.kind == HEAD:  # from the last layer to the head
+        if g.kind == HEAD and hops_between(prev, loc.where):  # from the last layer to the head
             t.latency = hops_between(prev, loc.where) * self.hop_seconds(
                 tokens, self.spec.hparams.n_embd
             )

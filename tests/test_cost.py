@@ -345,3 +345,19 @@ def test_evaluate_a_request_end_to_end():
     assert p.switch_seconds == 0 and p.e2e_seconds == pytest.approx(
         p.ttft_seconds + p.decode_seconds
     )
+
+
+def test_llamacpp_on_the_cpu_alone_offloads_nothing():
+    """llama-bench without a GPU computes a 512-token prompt on the CPU; with one, llama.cpp
+    copies CPU-held weights up for ubatches of 32 tokens and more (op-offload)."""
+    from refengine.models import load_model
+    from solver.cpu_tests import all_on_cpu, cpu_cost_model
+    from solver.solve import load_profile
+
+    spec = load_model("smollm2-135m")
+    alone = cpu_cost_model(spec, load_profile("h100"), "llamacpp", 2, 1024)
+    t = alone.ubatch_terms(all_on_cpu(spec), 512, 0)
+    assert t.copy == 0 and t.gpu == 0 and t.cpu > 0 and t.total == pytest.approx(t.cpu)
+    with_gpu = CostModel(spec, load_profile("h100"), alone.w, "llamacpp")
+    t = with_gpu.ubatch_terms(all_on_cpu(spec), 512, 0)
+    assert t.copy > 0 and t.gpu > 0
