@@ -1,7 +1,9 @@
 """A llama.cpp RPC server (`ggml-rpc-server`) measured from here: the link's bandwidth both ways
-for large copies, the round trip of a small one, and the memory the server reports. llama.cpp
-treats such a server as a device (`--rpc HOST:PORT`), so `refengine profile --rpc` records it as
-one (`solver.profile.rpc_device`). No GPU is needed: this is a client of ggml's RPC protocol
+for large copies, the round trip of a small one, the memory the server reports, and what its
+device computes (`measure_rpc_compute`: matrix products of each weight type and the cost of one
+graph node, run by the server on its own device and threads). llama.cpp treats such a server as a
+device (`--rpc HOST:PORT`), so `refengine profile --rpc` records it as one
+(`solver.profile.rpc_device`). No GPU is needed: this is a client of ggml's RPC protocol
 written with `socket` and `struct`, after the protocol of the llama.cpp vendored in
 llama-cpp-python 0.3.36 (ggml/src/ggml-rpc/ggml-rpc.cpp, protocol 7.0.0).
 
@@ -15,8 +17,13 @@ frees whatever a client left allocated when it disconnects. A tensor travels as 
 (`TENSOR` below, 296 bytes); the server checks that it lies inside a buffer it allocated and
 drops the connection on any request it refuses.
 
-It leaves out graph computation, the hash cache (SET_TENSOR_HASH), RDMA (we offer no transport
-capabilities, so the link stays TCP) and writing the profile.
+A graph travels as GRAPH_COMPUTE: device u32 | n_nodes u32 | node ids u64[] | n_tensors u32 |
+`TENSOR`s (every tensor the nodes reach, sources first); the server builds it, computes it with
+its backend, keeps it, and GRAPH_RECOMPUTE (device u32) runs the kept graph again. Neither answers:
+the next command that does answers after the computation (as a copy's fence).
+
+It leaves out the hash cache (SET_TENSOR_HASH), RDMA (we offer no transport capabilities, so the
+link stays TCP) and writing the profile.
 """
 
 from __future__ import annotations
@@ -30,7 +37,7 @@ from datetime import date
 from enum import IntEnum
 
 from refengine.errors import UserError
-from solver.profile import Figure
+from solver.profile import ANY_TYPE, Figure, RateTable
 
 MIB = 1 << 20
 # ggml-rpc.h: RPC_PROTO_MAJOR_VERSION.MINOR; a server answers with its own, and a client accepts
@@ -56,14 +63,19 @@ class Cmd(IntEnum):
     GET_MAX_SIZE = 2
     BUFFER_GET_BASE = 3
     FREE_BUFFER = 4
+    BUFFER_CLEAR = 5
     SET_TENSOR = 6
     GET_TENSOR = 8
+    GRAPH_COMPUTE = 10
     GET_DEVICE_MEMORY = 11
     HELLO = 14
     DEVICE_COUNT = 15
+    GRAPH_RECOMPUTE = 16
 
 
-NO_REPLY = {Cmd.SET_TENSOR, Cmd.FREE_BUFFER}  # of the commands above, those that do not answer
+# of the commands above, those that do not answer
+NO_REPLY = {Cmd.SET_TENSOR, Cmd.FREE_BUFFER, Cmd.BUFFER_CLEAR, Cmd.GRAPH_COMPUTE,
+            Cmd.GRAPH_RECOMPUTE}  # fmt: skip
 CONN_CAPS = 24  # RPC_CONN_CAPS_SIZE: transport capabilities, all zero = TCP only
 HELLO_REPLY = struct.Struct(f"<BBBx{CONN_CAPS}s")  # major, minor, patch, pad, caps
 U32 = struct.Struct("<I")
@@ -77,6 +89,17 @@ assert TENSOR.size == 296
 SET_TENSOR_HEAD = struct.Struct(f"<{TENSOR.size}sBQ")  # tensor, cache flag, offset; then data
 GET_TENSOR_REQ = struct.Struct(f"<{TENSOR.size}sQQ")  # tensor, offset, size
 GGML_TYPE_I8 = 24  # one byte per element: a tensor of n elements is n bytes
+GGML_MAX_SRC = 10
+# enum ggml_op of this protocol's ggml (ggml-rpc.h asserts GGML_OP_COUNT == 101 for 7.0.0)
+GGML_OP_NONE, GGML_OP_ADD, GGML_OP_MUL_MAT = 0, 2, 29
+# ggml's CPU backend skips a node without this flag (ggml_graph_compute_thread); llama.cpp's
+# scheduler sets it on every node it sends
+GGML_TENSOR_FLAG_COMPUTE = 16
+# The weight types whose products a server is timed on: those the CPU profile measures
+# (cudarun.measure_cpu.MATVEC_TYPES, not imported: that module loads Numba), the first also
+# standing for any type not measured, as in the CPU profile.
+COMPUTE_TYPES = ("F16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q4_K", "Q6_K")
+MATMUL_TOKENS = (64, 512)  # as the CPU profile's matmul rows
 
 
 @dataclass(frozen=True)
@@ -291,6 +314,24 @@ class RpcClient:
         self._send(Cmd.GET_TENSOR, GET_TENSOR_REQ.pack(byte_tensor(buf), offset, len(into)))
         self._reply(Cmd.GET_TENSOR, into)
 
+    def clear(self, buf: RemoteBuffer, value: int = 0) -> None:
+        """Sets every byte of `buf` (no reply): the server's memset, which also makes it touch
+        every page before anything is timed on them."""
+        self._send(Cmd.BUFFER_CLEAR, struct.pack("<QB", buf.handle, value))
+
+    def graph_compute(self, device: int, nodes: list[int], tensors: list[bytes]) -> None:
+        """Has the server build and compute a graph of `nodes` (ids) over `tensors` (`TENSOR`s,
+        sources before the nodes that read them), and keep it (no reply)."""
+        payload = b"".join([U32.pack(device), U32.pack(len(nodes)),
+                            struct.pack(f"<{len(nodes)}Q", *nodes), U32.pack(len(tensors)),
+                            *tensors])  # fmt: skip
+        self._send(Cmd.GRAPH_COMPUTE, payload)
+
+    def graph_recompute(self, device: int) -> None:
+        """Runs the graph the server kept for `device` again (no reply), as llama.cpp does for a
+        decode step whose graph did not change."""
+        self._send(Cmd.GRAPH_RECOMPUTE, U32.pack(device))
+
 
 def byte_tensor(buf: RemoteBuffer) -> bytes:
     """The whole buffer as one 1-D int8 tensor, which is what SET/GET_TENSOR address."""
@@ -300,6 +341,30 @@ def byte_tensor(buf: RemoteBuffer) -> bytes:
     return TENSOR.pack(
         1, GGML_TYPE_I8, buf.handle, n, 1, 1, 1, 1, n, n, n, 0, *([0] * 16), 0,
         *([0] * 10), 0, 0, buf.base, b"refengine.measure_rpc", 0,
+    )  # fmt: skip
+
+
+def ggml_tensor(tensor_id: int, ggml_type: str, buf: RemoteBuffer, offset: int,
+                ne: tuple[int, ...], op: int = GGML_OP_NONE, src: tuple[int, ...] = (),
+                name: str = "") -> bytes:  # fmt: skip
+    """A contiguous tensor of `ggml_type` (a ggml type name) with shape `ne` (innermost first) at
+    `offset` in `buf`, as `TENSOR`; `op` and `src` (ids) for a node."""
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    qtype = GGMLQuantizationType[ggml_type]
+    block, block_nbytes = GGML_QUANT_SIZES[qtype]
+    ne4 = (tuple(ne) + (1, 1, 1))[:4]
+    if ne4[0] % block:
+        raise ValueError(f"a row of {ggml_type} holds whole blocks of {block}")
+    nb = [block_nbytes, block_nbytes * ne4[0] // block]
+    nb += [nb[1] * ne4[1], nb[1] * ne4[1] * ne4[2]]
+    if offset + nb[3] * ne4[3] > buf.nbytes or max(nb) >= 1 << 32:
+        raise ValueError("the tensor does not fit its buffer (or rpc_tensor's u32 strides)")
+    srcs = (tuple(src) + (0,) * GGML_MAX_SRC)[:GGML_MAX_SRC]
+    flags = GGML_TENSOR_FLAG_COMPUTE if op != GGML_OP_NONE else 0
+    return TENSOR.pack(
+        tensor_id, qtype.value, buf.handle, *ne4, *nb, op, *([0] * 16), flags, *srcs, 0, 0,
+        buf.base + offset, name.encode()[:63], 1,
     )  # fmt: skip
 
 
@@ -336,41 +401,47 @@ def measure_rpc(
             "(rpc_tensor's sizes are u32) and at least 1 repeat"
         )
     with RpcClient(endpoint, timeout_seconds) as rpc:
-        count = rpc.device_count()
-        if not 0 <= device < count:
-            raise UserError(f"the RPC server at {endpoint} has {count} device(s); no device {device}")
-        free, total = rpc.device_memory(device)
-        alignment, max_size = rpc.alignment(device), rpc.max_size(device)
-        if nbytes > min(free, max_size):
-            raise UserError(
-                f"an RPC copy of {nbytes / MIB:.0f} MiB is above what the server at {endpoint} "
-                f"can hold ({free / MIB:.0f} MiB free, buffers up to {max_size / MIB:.0f} MiB)"
-            )
-        buf = rpc.alloc(device, nbytes)
-        data = random_bytes(nbytes)
-        back = bytearray(nbytes)
-        h2d, d2h = [], []
-        for i in range(repeats + 1):  # pass 0 is the warm-up
-            t0 = time.perf_counter()
-            rpc.set(buf, 0, data)
-            rpc.alignment(device)  # fence: answered after the server has stored the bytes
-            t1 = time.perf_counter()
-            rpc.get(buf, 0, memoryview(back))
-            t2 = time.perf_counter()
-            if back != data:
-                raise RuntimeError(f"the RPC server at {endpoint} returned other bytes than sent")
-            if i:
-                h2d.append(t1 - t0)
-                d2h.append(t2 - t1)
-            back[:1] = bytes([back[0] ^ 0xFF])  # so an unread reply cannot pass as equal
-        small = memoryview(bytearray(LATENCY_BYTES))
-        rounds = []
-        for _ in range(LATENCY_ROUNDS):
-            t0 = time.perf_counter()
-            rpc.get(buf, 0, small)
-            rounds.append(time.perf_counter() - t0)
-        rpc.free(buf)
-        rpc.alignment(device)  # the free is done before we leave
+        return _measure_link(rpc, nbytes, repeats, device)
+
+
+def _measure_link(rpc: RpcClient, nbytes: int, repeats: int, device: int) -> RpcLink:
+    """`measure_rpc` on a connection the caller holds."""
+    endpoint = rpc.endpoint
+    count = rpc.device_count()
+    if not 0 <= device < count:
+        raise UserError(f"the RPC server at {endpoint} has {count} device(s); no device {device}")
+    free, total = rpc.device_memory(device)
+    alignment, max_size = rpc.alignment(device), rpc.max_size(device)
+    if nbytes > min(free, max_size):
+        raise UserError(
+            f"an RPC copy of {nbytes / MIB:.0f} MiB is above what the server at {endpoint} "
+            f"can hold ({free / MIB:.0f} MiB free, buffers up to {max_size / MIB:.0f} MiB)"
+        )
+    buf = rpc.alloc(device, nbytes)
+    data = random_bytes(nbytes)
+    back = bytearray(nbytes)
+    h2d, d2h = [], []
+    for i in range(repeats + 1):  # pass 0 is the warm-up
+        t0 = time.perf_counter()
+        rpc.set(buf, 0, data)
+        rpc.alignment(device)  # fence: answered after the server has stored the bytes
+        t1 = time.perf_counter()
+        rpc.get(buf, 0, memoryview(back))
+        t2 = time.perf_counter()
+        if back != data:
+            raise RuntimeError(f"the RPC server at {endpoint} returned other bytes than sent")
+        if i:
+            h2d.append(t1 - t0)
+            d2h.append(t2 - t1)
+        back[:1] = bytes([back[0] ^ 0xFF])  # so an unread reply cannot pass as equal
+    small = memoryview(bytearray(LATENCY_BYTES))
+    rounds = []
+    for _ in range(LATENCY_ROUNDS):
+        t0 = time.perf_counter()
+        rpc.get(buf, 0, small)
+        rounds.append(time.perf_counter() - t0)
+    rpc.free(buf)
+    rpc.alignment(device)  # the free is done before we leave
     return RpcLink(
         endpoint=endpoint,
         device=device,
@@ -389,7 +460,234 @@ def measure_rpc(
     )
 
 
+def parse_endpoints(text: str) -> list[str]:
+    """`HOST:PORT,...` as a list, each endpoint checked, none twice."""
+    endpoints = [e.strip() for e in text.split(",") if e.strip()]
+    if not endpoints:
+        raise UserError(f"--rpc {text!r} names no server; write HOST:PORT,... (e.g. 127.0.0.1:50052)")
+    for e in endpoints:
+        parse_endpoint(e)
+    if len(set(endpoints)) < len(endpoints):
+        raise UserError(f"--rpc {text!r} names a server twice; llama.cpp takes each server once")
+    return endpoints
+
+
+def measure_rpc_device(
+    endpoint: str,
+    quick: bool = False,
+    progress=lambda what: None,
+    timeout_seconds: float = DEFAULT_TIMEOUT_SECONDS,
+):
+    """The server at `endpoint` (its device 0) as a device of a hardware profile
+    (`solver.profile.rpc_device`), measured over one connection: the link, the memory it
+    reports, and what it computes. Returns (GPUProfile, RpcLink, RpcCompute)."""
+    from solver.profile import rpc_device
+
+    with RpcClient(endpoint, timeout_seconds) as rpc:
+        progress(f"{endpoint}: link")
+        link = _measure_link(rpc, DEFAULT_COPY_BYTES, 2 if quick else DEFAULT_REPEATS, 0)
+        compute = measure_rpc_compute(rpc, 0, quick, progress=progress)
+    # the rates are the server's own, measured: neither its host's CPU nor its threads needed
+    device = rpc_device(None, endpoint, link.total_bytes, 0, **link.figures(), **compute.tables())
+    return device, link, compute
+
+
 def random_bytes(nbytes: int, seed: int = 0) -> bytes:
     import numpy as np
 
     return np.random.default_rng(seed).bytes(nbytes)
+
+
+# What the server's device is timed on. A matvec graph reads weights of WEIGHT_NBYTES each, as
+# many as fill the region: twice a 32 MiB last-level cache when quick, so that the rate is the
+# memory's and not the cache's (a server's cache is not known from here); a matmul multiplies one
+# weight of MATMUL_SIDE x MATMUL_SIDE by MATMUL_TOKENS columns; a node chain is NODE_CHAIN
+# additions of NODE_WIDTH floats, whose time is the server's cost per graph node (its threads
+# meet once a node).
+WEIGHT_NBYTES = 8 * MIB
+MATVEC_K = 4096
+REGION_NBYTES = {True: 64 * MIB, False: 256 * MIB}
+MATMUL_SIDE = {True: 1024, False: 2048}
+NODE_CHAIN, NODE_WIDTH = 64, 1024
+GRAPH_REPEATS = {True: 3, False: 5}
+# Where each block keeps its fp16 scales (ggml-common.h: block_q8_0 {d, qs}, block_q4_1 {d, m,
+# qs}, block_q4_K {d, dmin, scales, qs}, block_q6_K {ql, qh, scales, d}, ...); the other bytes are
+# quants, any value of which is valid.
+SCALE_OFFSETS = {"Q8_0": (0,), "Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2),
+                 "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}  # fmt: skip
+
+
+def weight_bytes(ggml_type: str, noise) -> bytes:
+    """`noise` (a numpy array of random bytes) as valid weights of `ggml_type`: the quants left
+    random, each block's fp16 scales spread as a real model's are (over 2.5 binades; a minimum
+    negative), F16 values likewise. What the weights hold changes the rate: on the development
+    machine the server read Q4_1 at 12 GB/s from zeros, 10-11 with one scale for every block,
+    5-6.5 with the scales of gguf-quantized normals, and 4.7 with scales over 7 binades (ggml
+    turns each fp16 scale into fp32 through a 256 KiB table, so the wider the scales spread,
+    the more of it a matvec reads)."""
+    import numpy as np
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    # every fp16 value of 2.5 binades, of either sign (2560 each), drawn by the noise's own bits:
+    # SmolLM2-135M's Q4_1 scales span 2.5 binades (3470 distinct), its minimums 2.7 (903), its
+    # Q8_0 scales 2.5 (537), between their 1st and 99th percentiles
+    pool = np.exp2(np.linspace(-6, -3.5, 2560, endpoint=False)).astype(np.float16)
+    pool = np.concatenate([pool, -pool])
+    if ggml_type in ("F16", "F32"):
+        dtype = np.float16 if ggml_type == "F16" else np.float32
+        n = noise.nbytes // np.dtype(dtype).itemsize
+        return pool[noise[: 2 * n].view(np.uint16) % len(pool)].astype(dtype).tobytes()
+    _, block_nbytes = GGML_QUANT_SIZES[GGMLQuantizationType[ggml_type]]
+    blocks = noise[: noise.nbytes // block_nbytes * block_nbytes].reshape(-1, block_nbytes).copy()
+    half = len(pool) // 2
+    for k, at in enumerate(SCALE_OFFSETS[ggml_type]):  # the second scale is a minimum: negative
+        pick = blocks[:, at : at + 2].copy().view(np.uint16)[:, 0] % half + (half if k else 0)
+        blocks[:, at : at + 2] = pool[pick].view(np.uint8).reshape(-1, 2)
+    return blocks.tobytes()
+
+
+@dataclass(frozen=True)
+class RpcCompute:
+    """What device `device` of an RPC server computes, timed from here and less the round trip
+    that fences each run."""
+
+    endpoint: str
+    device: int
+    matvec_gbps: dict[str, float]  # weight bytes read per second by one-token products, by type
+    matmul_gflops: dict[str, dict[int, float]]  # by type and token count
+    node_seconds: float  # one graph node whose work is nothing (its dispatch and the threads' join)
+    region_nbytes: int  # the weights a matvec graph reads
+    matmul_side: int
+    repeats: int
+
+    def tables(self) -> dict:
+        """`solver.profile.rpc_device`'s compute figures (matvec_gbps, matmul_tflops,
+        node_seconds), each with where it came from; the first type also stands for the rest."""
+        src = (f"measured: refengine profile --rpc {date.today().isoformat()}, {self.endpoint}: "
+               "the server's own device and threads")  # fmt: skip
+        mv = f"{src}; MUL_MAT of 1 token over {self.region_nbytes >> 20} MiB of weights"
+        mm = f"{src}; MUL_MAT {self.matmul_side}x{self.matmul_side}"
+        matvec = {t: {1: Figure(v, f"{mv}, median of {self.repeats}")}
+                  for t, v in self.matvec_gbps.items()}  # fmt: skip
+        matmul = {t: {n: Figure(v / 1000, f"{mm} x {n} tokens, median of {self.repeats}")
+                      for n, v in row.items()} for t, row in self.matmul_gflops.items()}  # fmt: skip
+        first = next(iter(self.matvec_gbps))
+        matvec[ANY_TYPE], matmul[ANY_TYPE] = matvec[first], matmul[first]
+        return {
+            "matvec_gbps": RateTable("GB/s", matvec),
+            "matmul_tflops": RateTable("TFLOP/s", matmul),
+            "node_seconds": Figure(
+                self.node_seconds,
+                f"{src}; a chain of {NODE_CHAIN} ADD nodes of {NODE_WIDTH} floats, per node",
+            ),
+        }
+
+
+def _fence_seconds(rpc: RpcClient, device: int, rounds: int = 20) -> float:
+    """The round trip of a command that answers at once: what fencing a graph adds to it."""
+    times = []
+    for _ in range(rounds):
+        t0 = time.perf_counter()
+        rpc.alignment(device)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def _graph_seconds(rpc: RpcClient, device: int, nodes: list[int], tensors: list[bytes],
+                   repeats: int, fence_seconds: float) -> float:  # fmt: skip
+    """The median time the server takes to run a graph: built and run once untimed, then rerun
+    `repeats` times (GRAPH_RECOMPUTE, as llama.cpp reruns an unchanged graph), each fenced."""
+    rpc.graph_compute(device, nodes, tensors)
+    rpc.alignment(device)
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        rpc.graph_recompute(device)
+        rpc.alignment(device)
+        times.append(time.perf_counter() - t0)
+    # a graph faster than the fence's own jitter is still a positive time
+    return max(statistics.median(times) - fence_seconds, 1e-9)
+
+
+def measure_rpc_compute(
+    rpc: RpcClient,
+    device: int = 0,
+    quick: bool = False,
+    types: tuple[str, ...] = COMPUTE_TYPES,
+    progress=lambda what: None,
+) -> RpcCompute:
+    """Times the server's device at what llama.cpp sends it: products of each weight type with
+    one token (bytes read per second) and with MATMUL_TOKENS tokens (FLOP/s), over valid weights
+    (`weight_bytes`) and random activations, and a chain of trivial nodes (the cost of one
+    node)."""
+    import numpy as np
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    region = REGION_NBYTES[quick]
+    side = MATMUL_SIDE[quick]
+    repeats = GRAPH_REPEATS[quick]
+    free, _ = rpc.device_memory(device)
+    act_nbytes = 4 * (MATVEC_K * max(MATMUL_TOKENS) + side * max(MATMUL_TOKENS)
+                      + (region // WEIGHT_NBYTES + 1) * MATVEC_K + (NODE_CHAIN + 2) * NODE_WIDTH)
+    if region + act_nbytes > min(free, rpc.max_size(device)):
+        raise UserError(
+            f"the RPC server at {rpc.endpoint} cannot hold the {(region + act_nbytes) >> 20} MiB "
+            "its compute is timed on"
+        )
+    weights, act = rpc.alloc(device, region), rpc.alloc(device, act_nbytes)
+    rng = np.random.default_rng(0)
+    noise = rng.integers(0, 256, region, dtype=np.uint8)
+    rpc.clear(act)  # the outputs' pages touched; the inputs are set below
+    x_nbytes = 4 * max(MATVEC_K, side) * max(MATMUL_TOKENS)
+    rpc.set(act, 0, rng.normal(0.0, 1.0, x_nbytes // 4).astype(np.float32).tobytes())
+    fence = _fence_seconds(rpc, device)
+    ids = iter(range(1, 1 << 62))
+
+    def leaf(ggml_type: str, buf: RemoteBuffer, offset: int, ne: tuple[int, ...]):
+        tid = next(ids)
+        return tid, ggml_tensor(tid, ggml_type, buf, offset, ne)
+
+    matvec, matmul = {}, {}
+    for qtype in types:
+        progress(f"{rpc.endpoint}: weights of {qtype}")
+        rpc.set(weights, 0, weight_bytes(qtype, noise))
+        block, block_nbytes = GGML_QUANT_SIZES[GGMLQuantizationType[qtype]]
+        row_nbytes = MATVEC_K // block * block_nbytes
+        rows = WEIGHT_NBYTES // row_nbytes
+        progress(f"{rpc.endpoint}: matvec {qtype}")
+        x_id, x = leaf("F32", act, 0, (MATVEC_K, 1))
+        tensors, nodes, out_at = [x], [], x_nbytes
+        for k in range(region // (rows * row_nbytes)):
+            w_id, w = leaf(qtype, weights, k * rows * row_nbytes, (MATVEC_K, rows))
+            out_id = next(ids)
+            tensors += [w, ggml_tensor(out_id, "F32", act, out_at, (rows, 1), GGML_OP_MUL_MAT,
+                                       (w_id, x_id))]  # fmt: skip
+            nodes.append(out_id)
+            out_at += 4 * rows
+        seconds = _graph_seconds(rpc, device, nodes, tensors, repeats, fence)
+        matvec[qtype] = len(nodes) * rows * row_nbytes / seconds / 1e9
+        matmul[qtype] = {}
+        for tokens in MATMUL_TOKENS:
+            progress(f"{rpc.endpoint}: matmul {qtype}, {tokens} tokens")
+            w_id, w = leaf(qtype, weights, 0, (side, side))
+            x_id, x = leaf("F32", act, 0, (side, tokens))
+            out_id = next(ids)
+            out = ggml_tensor(out_id, "F32", act, x_nbytes, (side, tokens), GGML_OP_MUL_MAT,
+                              (w_id, x_id))  # fmt: skip
+            seconds = _graph_seconds(rpc, device, [out_id], [w, x, out], repeats, fence)
+            matmul[qtype][tokens] = 2.0 * side * side * tokens / seconds / 1e9
+    progress(f"{rpc.endpoint}: graph nodes")
+    b_id, b = leaf("F32", act, 0, (NODE_WIDTH,))
+    prev_id, prev = leaf("F32", act, x_nbytes, (NODE_WIDTH,))
+    tensors, nodes = [b, prev], []
+    for k in range(NODE_CHAIN):
+        node_id = next(ids)
+        tensors.append(ggml_tensor(node_id, "F32", act, x_nbytes + 4 * NODE_WIDTH * (k + 1),
+                                   (NODE_WIDTH,), GGML_OP_ADD, (prev_id, b_id)))  # fmt: skip
+        nodes.append(node_id)
+        prev_id = node_id
+    node_seconds = _graph_seconds(rpc, device, nodes, tensors, repeats, fence) / NODE_CHAIN
+    rpc.free(weights)
+    rpc.free(act)
+    rpc.alignment(device)
+    return RpcCompute(rpc.endpoint, device, matvec, matmul, node_seconds, region, side, repeats)

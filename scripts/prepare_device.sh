@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Run here, before a session's first call to the lent GPU machine (which reaches no network):
-# fills the ignored folders that the call carries (scripts/device_session.sh says how to call).
+# fills the ignored folders that the calls carry (scripts/device_session.sh says how to call).
 #   .whl/  Python 3.12 wheels the GPU image lacks (gguf, ortools, protobuf, immutabledict),
 #          fetched as the device README says; scripts/device_env.sh installs them there.
 #   .gpu/  llama.cpp's CUDA build for sm_90 (llama-bench, llama-completion, llama-batched-bench and
@@ -58,4 +58,7 @@ if [ ! -f .gpu/llama-cuda-sm90.tar.xz ] || [ -n "${REBUILD:-}" ]; then
     PYTHON=$py bash scripts/build_llamacpp_cuda.sh
 fi
 du -sh .whl .gpu
-echo "the call carries $(du -scm .whl .gpu $(git ls-files) | tail -1 | cut -f1) MiB of 64"
+tree=$(git ls-files -z | du -cb --files0-from=- | tail -1 | cut -f1)
+for carried in .gpu .whl; do  # one call each (device_session.sh): each under 64 MiB with the tree
+    echo "the call carrying $carried: $(( ($(du -sb $carried | cut -f1) + tree) >> 20 )) MiB of 64"
+done

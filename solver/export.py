@@ -35,6 +35,55 @@ def gpu_buft(device: int) -> str:
     return f"CUDA{device}"
 
 
+def rpc_buffer(endpoint: str) -> str:
+    """llama.cpp's buffer-type name of a one-device RPC server: `RPC0[host:port]` (the index is
+    the device's on that server, so every single-device server is RPC0)."""
+    return f"RPC0[{endpoint}]"
+
+
+def on_rpc_servers(args: list[str], endpoints: list[str], first: int = 0) -> list[str]:
+    """Flags whose devices CUDA<first>, CUDA<first + 1>, ... are the RPC servers at `endpoints`,
+    in order: each as device RPC<j>, its `-ot` destinations as its buffer type `RPC0[host:port]`,
+    and `--rpc` before everything (llama.cpp registers a server's device when it reads `--rpc`,
+    and refuses `-dev RPC0` before). Servers the flags already name (`--rpc`, RPC<j>) stay
+    after the new ones: with `first` 0, servers standing in for a plan's local GPUs
+    (`refengine verify --rpc`) come before the plan's own."""
+    out = list(args)
+    known: list[str] = []
+    if "--rpc" in out:
+        k = out.index("--rpc")
+        known = out[k + 1].split(",")
+        del out[k : k + 2]
+    dev = out.index("-dev")
+    names = out[dev + 1].split(",")
+    local = [int(n.removeprefix("CUDA")) for n in names if n.startswith("CUDA")]
+    served = [i for i in local if i >= first]
+    n_new = max(served) - first + 1 if served else 0
+    if n_new > len(endpoints):
+        raise UserError(
+            f"the plan has {len(local)} local GPU(s) and --rpc names {len(endpoints)} "
+            "server(s) to stand in for them; give one each"
+        )
+
+    def name(n: str) -> str:
+        if n.startswith("RPC"):
+            return f"RPC{n_new + int(n.removeprefix('RPC'))}"
+        i = int(n.removeprefix("CUDA"))
+        return f"RPC{i - first}" if i >= first else n
+
+    out[dev + 1] = ",".join(name(n) for n in names)
+    if "-ot" in out:
+        k = out.index("-ot") + 1
+        out[k] = re.sub(
+            r"=CUDA(\d+)(?=,|$)",
+            lambda m: "=" + (rpc_buffer(endpoints[int(m.group(1)) - first])
+                             if int(m.group(1)) >= first else m.group(0)[1:]),
+            out[k],
+        )  # fmt: skip
+    servers = endpoints[:n_new] + known
+    return ["--rpc", ",".join(servers), *out] if servers else out
+
+
 def tensor_devices(spec: ModelSpec, place: TierPlacement) -> dict[str, str]:
     """GGUF tensor -> CUDA<i> or CPU under a placement (a tied head is
     `token_embd.weight@output`)."""
@@ -370,10 +419,17 @@ def export_plan(d: dict, spec: ModelSpec, fmt: str) -> str:
     w, fp = plan_workload(d), d["fingerprint"]
     flags = fmt in ("llamacpp", "llama-bench")
     program = "llama-bench" if fmt == "llama-bench" else "llama-server"
+    # the plan's RPC servers are its last devices (`solver.plan.plan_devices`)
+    rpc = fp.get("rpc", [])
+    first_rpc = len(fp["budget_bytes"]) - len(rpc)
+
+    def devices_named(args: list[str]) -> list[str]:
+        return on_rpc_servers(args, rpc, first_rpc) if rpc else args
+
     if d.get("split_mode") == "tensor":
         if not flags:
             raise UserError("a tensor-split plan exports as llama.cpp flags only")
-        return command_line(spec, tensor_split_args(d, spec), program)
+        return command_line(spec, devices_named(tensor_split_args(d, spec)), program)
     tiers = placements_from_json(d, spec)
     if flags:
         if d["target"] != "llamacpp":
@@ -391,7 +447,7 @@ def export_plan(d: dict, spec: ModelSpec, fmt: str) -> str:
             n_devices=len(fp["budget_bytes"]),
             users=w.users,
         )
-        return command_line(spec, args, program)
+        return command_line(spec, devices_named(args), program)
     per_tier = {
         t: (place, d["prediction"]["tps"], d["tiers"][str(t)]["memory"]["0"]["total"])
         for t, place in tiers.items()

@@ -4,7 +4,8 @@ assignments and the `-ot` overrides it logs) and each device's model, KV and com
 set beside the plan's prediction (`refengine verify`).
 
 On a machine without the plan's GPUs, llama.cpp RPC servers stand in for them: GPU i of the plan is
-the i-th `--rpc` endpoint, `CUDA<i>` in the flags becomes that server's device and buffer names.
+the i-th `--rpc` endpoint, `CUDA<i>` in the flags becomes that server's device and buffer names. A
+plan whose devices are RPC servers (`solve --rpc`) names them itself: its flags carry `--rpc`.
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ from pathlib import Path
 
 from refengine.errors import UserError
 from refengine.spec import ModelSpec
+
+from .export import on_rpc_servers, rpc_buffer
 
 LLAMACPP_VERSION = "0.3.36"  # the llama-cpp-python sdist scripts/build_llamacpp.sh builds
 MIB = 1 << 20
@@ -49,31 +52,11 @@ def exported_args(command: str) -> tuple[str, list[str]]:
     return words[i + 1], words[1:i] + words[i + 2 :]
 
 
-def rpc_buffer(endpoint: str) -> str:
-    """llama.cpp's buffer-type name of a one-device RPC server: `RPC0[host:port]` (the index is
-    the device's on that server, so every single-device server is RPC0)."""
-    return f"RPC0[{endpoint}]"
-
-
 def on_rpc(args: list[str], endpoints: list[str]) -> list[str]:
-    """Flags with the plan's GPU i served by RPC endpoint i: `--rpc` before `-dev` (llama.cpp
+    """Flags with the plan's local GPU i served by RPC endpoint i: `--rpc` before `-dev` (llama.cpp
     refuses `-dev RPC0` otherwise), CUDA<i> as device RPC<i>, and `-ot` destinations as RPC
-    buffer names."""
-    out = list(args)
-    dev = out.index("-dev")
-    gpus = [int(name.removeprefix("CUDA")) for name in out[dev + 1].split(",")]
-    if len(endpoints) <= max(gpus):
-        raise UserError(
-            f"the plan has {max(gpus) + 1} GPUs and --rpc names {len(endpoints)} servers; "
-            "give one each"
-        )
-    out[dev + 1] = ",".join(f"RPC{g}" for g in gpus)
-    if "-ot" in out:
-        k = out.index("-ot") + 1
-        out[k] = re.sub(
-            r"=CUDA(\d+)", lambda m: "=" + rpc_buffer(endpoints[int(m.group(1))]), out[k]
-        )
-    return ["--rpc", ",".join(endpoints[: max(gpus) + 1]), *out]
+    buffer names; the plan's own RPC servers, if any, after them."""
+    return on_rpc_servers(args, endpoints, 0)
 
 
 @dataclass
@@ -263,21 +246,29 @@ def verify_plan(d: dict, spec: ModelSpec, model_path: str, bin_dir: Path | None,
     """Run a llamacpp plan's flags in llama.cpp and judge placement and memory; also returns
     the flags run."""
     from .export import export_plan, tensor_devices
-    from .plan import placements_from_json
+    from .plan import placements_from_json, plan_devices
 
     if d.get("target") != "llamacpp":
         raise UserError("verify checks llamacpp plans: solve with --target llamacpp")
     if d.get("split_mode") == "tensor":
         raise UserError("verify reads layer-split placements; this plan splits every tensor")
+    own = [e for _, e in plan_devices(d) if e]
+    if rpc and len(own) == len(d["fingerprint"]["budget_bytes"]):
+        raise UserError(
+            f"the plan's devices are the RPC servers at {','.join(own)}, which it names: --rpc "
+            "stands in for a plan's local GPUs and this one has none; leave --rpc out"
+        )
     _, args = exported_args(export_plan(d, spec, "llamacpp"))
     if rpc:
         args = on_rpc(args, rpc)
     log = parse_load_log(run_llamacpp(bin_dir, model_path, args), spec)
-    names = [f"RPC{g}" if rpc else f"CUDA{g}" for g in range(len(d["fingerprint"]["budget_bytes"]))]
+    names = args[args.index("-dev") + 1].split(",")  # llama.cpp's name of each plan device
     tiers = placements_from_json(d, spec)
     planned = {
         t: dev if dev == HOST else names[int(dev.removeprefix("CUDA"))]
         for t, dev in tensor_devices(spec, tiers[min(tiers)]).items()
     }
-    # RPC servers do no op-offload: the plan's memory as llama.cpp allocates it on them
-    return compare(d, planned, log, names, planned_memory(d, spec) if rpc else None), args
+    # an RPC server does no op-offload: where the first device is one, nothing does, and the
+    # plan's memory is as llama.cpp allocates it then (a GPU first offloads as the plan says)
+    first_rpc = names[0].startswith("RPC")
+    return compare(d, planned, log, names, planned_memory(d, spec) if first_rpc else None), args

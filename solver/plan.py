@@ -94,8 +94,11 @@ def memory_map(
 
 def fingerprint(
     spec: ModelSpec, w: Workload, profile_name: str, budgets: list[int], tiers: list[int],
-    split_mode: str = "layer",
+    split_mode: str = "layer", rpc: list[str] | None = None,
 ) -> dict:  # fmt: skip
+    """`rpc`: the endpoints of the llama.cpp RPC servers that are the last len(rpc) devices (after
+    the local GPUs, as llama.cpp numbers them): a plan for other servers is another plan, and
+    export names them (`--rpc`)."""
     return {
         "model": spec.name,
         "model_nbytes": spec.file_nbytes,
@@ -110,7 +113,7 @@ def fingerprint(
         "tiers": tiers,
     } | ({"routing": w.routing.digest} if w.routing else {}) | (
         {"split_mode": split_mode} if split_mode != "layer" else {}
-    )
+    ) | ({"rpc": list(rpc)} if rpc else {})
 
 
 def fingerprint_hash(fp: dict) -> str:
@@ -130,9 +133,12 @@ def plan_json(
     not_needed: bool = False,
     split_mode: str = "layer",
     shares: Shares | None = None,
+    rpc: list[str] | None = None,
 ) -> dict:
+    """`rpc`: the endpoints of the RPC servers among the devices, the last ones
+    (`solver.profile.rpc_endpoints`)."""
     groups = tensor_groups(spec)
-    fp = fingerprint(spec, w, profile_name, budgets, sorted(tiers), split_mode)
+    fp = fingerprint(spec, w, profile_name, budgets, sorted(tiers), split_mode, rpc)
     out_tiers = {}
     if shares is not None:  # our runtime's tensor split: each device's shares, laid out
         devices = range(len(budgets))
@@ -248,6 +254,16 @@ def placements_from_json(d: dict, spec: ModelSpec) -> dict[int, TierPlacement]:
             locs[g.name] = Loc.parse(tier["tensors"][g.tensors[0]])
         out[int(t)] = TierPlacement(locs, {int(il): Loc.parse(v) for il, v in tier["kv"].items()})
     return out
+
+
+def plan_devices(d: dict) -> list[tuple[str, str | None]]:
+    """Each device of a plan as llama.cpp names it, with its RPC endpoint (None for a local GPU):
+    the local GPUs CUDA0, CUDA1, ..., then the RPC servers RPC0, RPC1, ... of the fingerprint."""
+    rpc = d["fingerprint"].get("rpc", [])
+    n_local = len(d["fingerprint"]["budget_bytes"]) - len(rpc)
+    return [(f"CUDA{i}", None) for i in range(n_local)] + [
+        (f"RPC{j}", e) for j, e in enumerate(rpc)
+    ]
 
 
 def plan_model(d: dict) -> str:

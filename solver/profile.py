@@ -205,43 +205,99 @@ def _build(cls, d: dict, where: str):
 
 
 def rpc_device(
-    cpu: CPUProfile,
+    cpu: CPUProfile | None,
     endpoint: str,
     memory_bytes: int,
     server_threads: int,
     h2d_gbps: Figure,
     d2h_gbps: Figure,
     latency_seconds: Figure,
+    matvec_gbps: RateTable | None = None,
+    matmul_tflops: RateTable | None = None,
+    node_seconds: Figure | None = None,
 ) -> GPUProfile:
-    """A llama.cpp RPC server as a device: its host's CPU figures (`cpu`, at the server's
-    thread count) as its rates, the link's bandwidth and round trip as its copies. llama.cpp
-    sends a device one command per graph split, so a kernel costs nothing beyond the round trip
-    of its split (the copy latency)."""
-    at = f"derived: the RPC host's CPU ({cpu.name}) at {server_threads} threads"
-    # below the fewest threads measured, a matvec's rate scales with the threads
-    matvec = {t: {1: Figure(cpu.matvec_gbps.at(t, server_threads)
-                            * min(1.0, server_threads / min(row)), at)}
-              for t, row in cpu.matvec_gbps.rows.items()}  # fmt: skip
-    matmul = RateTable("TFLOP/s", {
-        t: {k: Figure(f.value * server_threads / cpu.threads / 1000, at) for k, f in row.items()}
-        for t, row in cpu.matmul_gflops.rows.items()
-    })  # fmt: skip
-    per_split = Figure(0.0, "derived: an RPC device runs a graph split as one command")
+    """A llama.cpp RPC server as a device: the link's bandwidth and round trip as its copies, and
+    as its rates what the server computed on its own device and threads where they were measured
+    (`matvec_gbps`, `matmul_tflops`, `node_seconds`: `refengine profile --rpc`, through
+    `cudarun.measure_rpc.measure_rpc_compute`), else its host's CPU figures (`cpu`) at the
+    server's thread count. llama.cpp sends a device one command per graph split and the server
+    runs the split's nodes one after another: a node costs what the server takes per node
+    (launches and graph kernels alike; nothing where not measured), and a split's round trip is
+    the copy latency of the activations fetched from it."""
+    if matvec_gbps is None or matmul_tflops is None:
+        if cpu is None:
+            raise ValueError("an RPC device needs its measured rates or its host's CPU figures")
+        at = f"derived: the RPC host's CPU ({cpu.name}) at {server_threads} threads"
+        # below the fewest threads measured, a matvec's rate scales with the threads
+        matvec_gbps = RateTable("GB/s", {
+            t: {1: Figure(cpu.matvec_gbps.at(t, server_threads)
+                          * min(1.0, server_threads / min(row)), at)}
+            for t, row in cpu.matvec_gbps.rows.items()})  # fmt: skip
+        matmul_tflops = RateTable("TFLOP/s", {
+            t: {k: Figure(f.value * server_threads / cpu.threads / 1000, at)
+                for k, f in row.items()}
+            for t, row in cpu.matmul_gflops.rows.items()})  # fmt: skip
+        hbm = Figure(cpu.memory_gbps.value * min(1.0, server_threads / cpu.threads), at)
+    else:
+        best = max(f.value for row in matvec_gbps.rows.values() for f in row.values())
+        hbm = Figure(best, "derived: the fastest weight read of the server's matvecs")
+    per_node = node_seconds or Figure(0.0, "derived: an RPC device runs a graph split as one "
+                                           "command")  # fmt: skip
     return GPUProfile(
         name=f"RPC {endpoint}",
         memory_bytes=Figure(float(memory_bytes), f"measured: reported by the server at {endpoint}"),
-        hbm_gbps=Figure(cpu.memory_gbps.value * min(1.0, server_threads / cpu.threads), at),
-        matvec_gbps=RateTable("GB/s", matvec),
-        matmul_tflops=matmul,
+        hbm_gbps=hbm,
+        matvec_gbps=matvec_gbps,
+        matmul_tflops=matmul_tflops,
         h2d_gbps=h2d_gbps,
         d2h_gbps=d2h_gbps,
         copy_latency_seconds=latency_seconds,
+        # the server's host memory is not the client's: its copies do not slow when we compute
         h2d_gbps_while_cpu_computes=h2d_gbps,
-        launch_seconds=per_split,
-        graph_kernel_seconds=per_split,
+        launch_seconds=per_node,
+        graph_kernel_seconds=per_node,
         backend="rpc",
         endpoint=endpoint,
     )
+
+
+def local_gpus(profile: HardwareProfile) -> tuple[GPUProfile, ...]:
+    return tuple(g for g in profile.gpus if not g.is_rpc)
+
+
+def with_rpc_devices(profile: HardwareProfile, devices: tuple[GPUProfile, ...]) -> HardwareProfile:
+    """The profile's local GPUs, then `devices` (RPC servers): llama.cpp's order when the flags
+    name them (`-dev CUDA0,...,RPC0,...`)."""
+    return replace(profile, gpus=local_gpus(profile) + tuple(devices))
+
+
+def on_rpc(profile: HardwareProfile, endpoints: list[str]) -> HardwareProfile:
+    """The profile over its local GPUs and the RPC servers at `endpoints`, in that order; each
+    endpoint must be one the profile measured (`refengine profile --rpc`)."""
+    known = {g.endpoint: g for g in profile.gpus if g.is_rpc}
+    missing = [e for e in endpoints if e not in known]
+    if missing:
+        raise UserError(
+            f"profile {profile.name} has no RPC device at {', '.join(missing)}"
+            + (f" (it has {', '.join(known)})" if known else "")
+            + ": measure it with `refengine profile --rpc ...`"
+        )
+    if len(set(endpoints)) < len(endpoints):
+        raise UserError("--rpc names a server twice; llama.cpp takes each server once")
+    return with_rpc_devices(profile, tuple(known[e] for e in endpoints))
+
+
+def rpc_endpoints(profile: HardwareProfile, n_devices: int) -> list[str]:
+    """The endpoints of the RPC devices among the profile's first `n_devices`, which must follow
+    its local GPUs (llama.cpp numbers a plan's devices so; `with_rpc_devices` orders them so)."""
+    devices = profile.gpus[:n_devices]
+    kinds = [g.is_rpc for g in devices]
+    if kinds != sorted(kinds):
+        raise UserError(
+            f"profile {profile.name} lists an RPC device before a local GPU; the plan's devices "
+            "are its local GPUs first: measure it again with `refengine profile --rpc ...`"
+        )
+    return [g.endpoint for g in devices if g.is_rpc]
 
 
 def for_devices(profile: HardwareProfile, n: int) -> HardwareProfile:

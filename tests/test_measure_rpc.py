@@ -182,3 +182,82 @@ def test_a_peer_that_is_not_an_rpc_server_is_one_line():
         RpcClient(ep)
     t.join(5)
     assert f"{ep} did not complete an RPC handshake" in one_line(e)
+
+
+def test_a_graph_the_server_computes_is_numpys_product(rpc_servers):
+    """GRAPH_COMPUTE of one MUL_MAT over the weights `weight_bytes` makes, as the compute
+    measurement sends it: the server's product is the one numpy takes of the same blocks
+    dequantized by gguf (up to ggml quantizing the activations to 8 bits)."""
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, quants
+
+    from cudarun.measure_rpc import GGML_OP_MUL_MAT, ggml_tensor, weight_bytes
+
+    rng = np.random.default_rng(3)
+    k, n, m = 512, 48, 3  # rows of two K-quant blocks; three tokens
+    x = rng.normal(0.0, 1.0, (m, k)).astype(np.float32)
+    with RpcClient(rpc_servers[1]) as rpc:
+        for qtype in ("F16", "Q8_0", "Q4_1", "Q4_K", "Q6_K"):
+            t = GGMLQuantizationType[qtype]
+            block, block_nbytes = GGML_QUANT_SIZES[t]
+            nbytes = n * k // block * block_nbytes
+            raw = weight_bytes(qtype, rng.integers(0, 256, nbytes, dtype=np.uint8))
+            blocks = np.frombuffer(raw, np.uint8)
+            w = quants.dequantize(blocks.view(np.float16) if qtype == "F16"
+                                  else blocks.reshape(-1, block_nbytes), t).reshape(n, k)  # fmt: skip
+            buf = rpc.alloc(0, 4 * MIB)
+            rpc.set(buf, 0, raw)
+            rpc.set(buf, MIB, x.tobytes())
+            tensors = [ggml_tensor(1, qtype, buf, 0, (k, n)), ggml_tensor(2, "F32", buf, MIB, (k, m)),
+                       ggml_tensor(3, "F32", buf, 2 * MIB, (n, m), GGML_OP_MUL_MAT, (1, 2))]  # fmt: skip
+            rpc.graph_compute(0, [3], tensors)
+            out = bytearray(4 * n * m)
+            rpc.get(buf, 2 * MIB, memoryview(out))  # answered after the graph ran
+            got = np.frombuffer(out, np.float32).reshape(m, n)
+            want = x @ w.T
+            assert np.isfinite(want).all() and np.abs(want).max() > 0
+            assert np.linalg.norm(got - want) < 0.02 * np.linalg.norm(want), qtype
+            rpc.free(buf)
+
+
+def test_weights_are_timed_on_scales_spread_like_a_models():
+    """The server reads weights faster the fewer distinct fp16 scales they hold (ggml converts
+    each through a table): the timed weights are valid blocks whose scales spread over 2.5
+    binades as SmolLM2-135M's do, a minimum below zero."""
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, quants
+
+    from cudarun.measure_rpc import COMPUTE_TYPES, SCALE_OFFSETS, weight_bytes
+
+    noise = np.random.default_rng(0).integers(0, 256, 4 * MIB, dtype=np.uint8)
+    for qtype in COMPUTE_TYPES:
+        t = GGMLQuantizationType[qtype]
+        raw = np.frombuffer(weight_bytes(qtype, noise), np.uint8)
+        if qtype == "F16":
+            assert np.isfinite(raw.view(np.float16)).all()
+            assert len(np.unique(raw.view(np.uint16))) > 4000
+            continue
+        blocks = raw.reshape(-1, GGML_QUANT_SIZES[t][1])
+        assert np.isfinite(quants.dequantize(blocks[:4096], t)).all(), qtype
+        for i, at in enumerate(SCALE_OFFSETS[qtype]):
+            scales = blocks[:, at : at + 2].copy().view(np.float16).ravel().astype(np.float64)
+            spread = np.log2(np.abs(scales))
+            assert len(np.unique(scales)) > 2000 and 2 < spread.max() - spread.min() < 3, qtype
+            assert (scales < 0).all() if i else (scales > 0).all(), qtype
+
+
+def test_the_servers_compute_is_measured_on_its_own_threads(rpc_servers):
+    from cudarun.measure_rpc import measure_rpc_compute
+    from solver.profile import rpc_device
+
+    with RpcClient(rpc_servers[2]) as rpc:
+        c = measure_rpc_compute(rpc, quick=True, types=("Q4_1", "Q8_0"))
+    # GB/s of weights and GFLOP/s: a one-thread server reads GB/s, not bytes or TB/s
+    assert all(0.1 < v < 500 for v in c.matvec_gbps.values())
+    assert all(1 < v < 1e5 for row in c.matmul_gflops.values() for v in row.values())
+    assert 1e-8 < c.node_seconds < 1e-3  # a node costs nanoseconds to microseconds
+    link = measure_rpc(rpc_servers[2], nbytes=4 * MIB, repeats=1)
+    dev = rpc_device(None, link.endpoint, link.total_bytes, 0, **link.figures(), **c.tables())
+    assert dev.matvec_gbps.at("Q4_1", 1) == c.matvec_gbps["Q4_1"]
+    assert dev.matvec_gbps.at("Q6_K", 1) == c.matvec_gbps["Q4_1"]  # the first type stands in
+    assert dev.matmul_tflops.at("Q8_0", 512) == pytest.approx(c.matmul_gflops["Q8_0"][512] / 1e3)
+    assert dev.graph_kernel_seconds.value == c.node_seconds and dev.is_rpc
+    assert rpc_servers[2] in dev.matvec_gbps.rows["Q4_1"][1].source

@@ -93,6 +93,12 @@ from . import THREADS_CHECK, USERS_CHECK, cli, open_for_writing
     type=click.Path(exists=True, dir_okay=False, path_type=Path),
     help="MoE: the routing measured by `refengine profile-routing` (default: uniform routing).",
 )
+@click.option(
+    "--rpc",
+    metavar="HOST:PORT,...",
+    help="--target llamacpp: plan over these llama.cpp RPC servers, measured into the profile by "
+    "`refengine profile --rpc`: the profile's local GPUs first, then these, one budget each.",
+)
 @click.option("-o", "--output", type=click.Path(dir_okay=False, path_type=Path))
 def solve(
     model,
@@ -118,6 +124,7 @@ def solve(
     time_limit,
     expert_cache,
     routing,
+    rpc,
     output,
 ) -> None:
     """Place every tensor of MODEL (a GGUF, a known name, or a spec-only shape such as
@@ -135,6 +142,8 @@ def solve(
 
     spec = load_model_or_shape(shape_argument(model, arch, params, qtype))
     prof = load_profile(profile_name)
+    if rpc is not None:
+        prof, split_mode = _on_rpc(prof, rpc, target, split_mode, budget)
     w = request_workload(prof, n_ctx, users, prompt_tokens, gen_tokens, kv_type, fa == "on",
                          threads, kv_unified)  # fmt: skip
     if routing is not None:
@@ -144,6 +153,14 @@ def solve(
     solved = solve_request(spec, prof, w, tiers, budget, reserve, objective, strategy, time_limit,
                            target, split_mode, expert_cache)  # fmt: skip
     budgets, chosen, facts = solved.budgets.bytes, solved.chosen, solved.facts
+    from solver.profile import rpc_endpoints
+
+    endpoints = rpc_endpoints(prof, len(budgets))
+    if endpoints and target != "llamacpp":
+        raise UserError(
+            "the plan's devices include llama.cpp RPC servers, which only llama.cpp drives: "
+            "solve with --target llamacpp (or budget the local GPUs only)"
+        )
     con = Console()
     con.print(
         f"[bold]{spec.name}[/] on {prof.name}: budget "
@@ -225,11 +242,35 @@ def solve(
             facts.get("not_needed", False),
             chosen.split_mode,
             chosen.shares,
+            endpoints,
         )
         out = open_for_writing(output)
         with out:
             out.write((json.dumps(doc, indent=1) + "\n").encode())
         con.print(f"wrote {output}")
+
+
+def _on_rpc(prof, rpc: str, target: str, split_mode: str | None, budget: str | None):
+    """(the profile over its local GPUs and the RPC servers `rpc` names, in llama.cpp's order;
+    the split mode) for `solve --rpc`, or one line saying what the user got wrong."""
+    from cudarun.measure_rpc import parse_endpoints
+    from solver.budget import parse_budget
+    from solver.profile import local_gpus, on_rpc
+
+    endpoints = parse_endpoints(rpc)
+    if target != "llamacpp":
+        raise UserError("--rpc plans for llama.cpp's RPC devices: add --target llamacpp")
+    if split_mode == "tensor":
+        raise UserError("--rpc plans split by layers (llama.cpp's -sm layer over RPC servers)")
+    prof = on_rpc(prof, endpoints)
+    n_local = len(local_gpus(prof))
+    if budget is not None and len(parse_budget(budget)) != len(prof.gpus):
+        raise UserError(
+            f"--budget gives {len(parse_budget(budget))} budget(s) for {len(prof.gpus)} "
+            f"device(s): one each, the profile's {n_local} local GPU(s) first, then the "
+            f"{len(endpoints)} RPC server(s) in --rpc's order"
+        )
+    return prof, "layer"
 
 
 def _print_shares(con, spec, w, shares, tier: int, budgets: list[int]) -> None:

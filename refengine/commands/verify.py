@@ -18,8 +18,8 @@ MIB = 1 << 20
 @click.option("--llama-bin", type=click.Path(file_okay=False, path_type=Path),
               help="llama.cpp's bin directory (default: scripts/build_llamacpp.sh's, in the cache).")
 @click.option("--model", "model_arg", help="The GGUF to load (default: the plan's).")
-@click.option("--rpc", help="host:port,... llama.cpp RPC servers standing in for the plan's GPUs, "
-              "in order.")  # fmt: skip
+@click.option("--rpc", help="host:port,... llama.cpp RPC servers standing in for the plan's local "
+              "GPUs, in order (the RPC servers a plan was solved for it names itself).")  # fmt: skip
 def verify(plan_path: Path, llama_bin: Path | None, model_arg: str | None, rpc: str | None) -> None:
     """Run PLAN's exported flags in llama.cpp (one token, verbose) and check them: every tensor on
     the device the plan says, and each device's model, KV and compute buffers beside the plan's.
@@ -35,7 +35,9 @@ def verify(plan_path: Path, llama_bin: Path | None, model_arg: str | None, rpc: 
     model = model_arg or plan_model(d)
     spec = load_model_or_shape(model)
     path = str(resolve_model(model))
-    endpoints = [e.strip() for e in rpc.split(",") if e.strip()] if rpc else None
+    from cudarun.measure_rpc import parse_endpoints
+
+    endpoints = parse_endpoints(rpc) if rpc is not None else None
     verdict, args = verify_plan(d, spec, path, llama_bin, endpoints)
     click.echo("llama.cpp flags: " + " ".join(args))
     table = Table(title="device memory, MiB")
