@@ -130,7 +130,7 @@ def main() -> None:
     claims = [line for line in lines[2:] if "RPC" in line and "no claim" not in line]
     worst = max((abs(float(line.split()[7])) for line in claims), default=0.0)
     lines.append(f"{len(claims)} device rows hold something (the claims); worst off the plan "
-                 f"{worst:.1f}%; rows off the plan: "
+                 f"{worst:.1f}%; rows over budget or off the plan: "
                  f"{sum('off plan' in line or 'over budget' in line for line in claims)}")
     text = "\n".join(lines) + "\n"
     print(text)
