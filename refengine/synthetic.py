@@ -56,6 +56,20 @@ class SyntheticConfig:
     # runs test the forward pass rather than noise. This is the successor's logit for a final
     # hidden state that is all current-token embedding; in practice it is a fraction of that.
     bigram_logit: float = 40.0
+    # Planted routing skew (MoE; 0: off, and the file's bytes are those of the config without
+    # it). The token ids split into this many contiguous ranges ("domains", `domain_tokens`),
+    # each with a unit direction u_d in embedding space: `domain_embed` * u_d is added to the
+    # embedding rows of its tokens and `domain_router` * u_d to the router rows of its share of
+    # the experts (`domain_experts`) in every layer. The residual stream carries u_d to every
+    # router (the blocks' output matrices write nothing along the u_d), so text of one domain
+    # prefers that domain's experts, as a trained router's topics do — what an expert cache
+    # priced by one prompt set must carry over to another. The head adds `domain_logit` to a
+    # domain's tokens along u_d and each token's bigram successor is in its own domain, so a
+    # greedy continuation stays in its prompt's domain. The other tensors keep their bytes.
+    routing_domains: int = 0
+    domain_embed: float = 2.5
+    domain_router: float = 2.5
+    domain_logit: float = 60.0
     seed: int = 0
     name: str = ""
 
@@ -256,6 +270,26 @@ def _tensor_bytes(
     return quantize(rng.normal(0.0, std, size=shape).astype(np.float32), t), t
 
 
+def domain_tokens(cfg: SyntheticConfig, d: int) -> range:
+    """The token ids of planted domain d (contiguous ranges covering the vocabulary)."""
+    n, v = cfg.routing_domains, cfg.n_vocab
+    return range(d * v // n, (d + 1) * v // n)
+
+
+def domain_experts(cfg: SyntheticConfig, d: int) -> range:
+    """The experts planted domain d prefers, in every layer (contiguous, E / domains of them)."""
+    n, e = cfg.routing_domains, cfg.n_expert
+    return range(d * e // n, (d + 1) * e // n)
+
+
+def _domain_directions(cfg: SyntheticConfig, n_embd: int) -> np.ndarray:
+    """[domains, n_embd] orthonormal directions, from their own generator so that the weights
+    drawn from the file's generator stay those of the same config without domains."""
+    rng = np.random.default_rng([cfg.seed, 1 + cfg.routing_domains])
+    q, _ = np.linalg.qr(rng.normal(size=(n_embd, cfg.routing_domains)))
+    return q.T
+
+
 # Embedding spread: small enough that the blocks' output, not the token's own embedding, dominates.
 EMBED_STD = 0.5
 # The router's logits spread like a trained router's: a random router's near-tied experts flip
@@ -304,6 +338,11 @@ def write_synthetic(path: str | Path, cfg: SyntheticConfig) -> Path:
     w.add_add_bos_token(True)
 
     embd = None
+    domains = cfg.routing_domains
+    if domains and not (traits.moe and 0 < domains <= min(hp.n_expert, hp.n_embd, hp.n_vocab)):
+        raise UserError(f"routing_domains={domains} needs a MoE architecture and at most "
+                        "min(experts, embd, vocab) domains")  # fmt: skip
+    u = _domain_directions(cfg, hp.n_embd) if domains else None
     for slot in tensor_layout(traits, hp, cfg.tied_output):
         n_in = slot.shape[-1]
         std = 1.0 / np.sqrt(n_in)
@@ -321,20 +360,52 @@ def write_synthetic(path: str | Path, cfg: SyntheticConfig) -> Path:
                 ),
                 Q.F32,
             )
+            if domains:
+                rows = dequantize(data, tt, slot.shape).copy()
+                for d in range(domains):
+                    rows[domain_experts(cfg, d)] += cfg.domain_router * u[d]
+                data = quantize(rows.astype(np.float32), Q.F32)
         elif slot.name == "token_embd.weight":
             # scaled by sqrt(n_embd) in the forward pass where the architecture does (gemma3)
             e_std = EMBED_STD / np.sqrt(hp.n_embd) if traits.embed_scale else EMBED_STD
             data, tt = _tensor_bytes(rng, slot.shape, slot.kind, t, e_std)
             embd = dequantize(data, tt, slot.shape)
+            if domains:
+                # the head's bigram term below keeps the embedding without u_d: with it, every
+                # row of a domain would share a bias and one domain would take every argmax
+                planted = embd.copy()
+                for d in range(domains):
+                    planted[domain_tokens(cfg, d)] += cfg.domain_embed * u[d]
+                # gguf-py cannot quantize given values to a K-quant (as the head below)
+                tt = matrix_type(Q.Q8_0 if tt in _KQUANT_FIELDS else tt, n_in)
+                data = quantize(planted.astype(np.float32), tt)
         elif slot.name == "output.weight":
             successor = rng.permutation(slot.shape[0])
+            if domains:  # each token's successor in its own domain: a domain's text stays in it
+                drng = np.random.default_rng([cfg.seed, 2 + domains])
+                successor = np.concatenate([drng.permutation(domain_tokens(cfg, d))
+                                            for d in range(domains)])  # fmt: skip
             unit = embd[successor] / np.linalg.norm(embd[successor], axis=1, keepdims=True)
             values = rng.normal(0.0, 3.0 * std, size=slot.shape) + cfg.bigram_logit * std * unit
+            if domains:
+                # the rows without their u parts, so that u_d in the final state raises its
+                # domain's tokens alike (a domain's text continues in it) and picks no favourite
+                # among them: which one follows stays the bigram's and the context's choice
+                values -= (values @ u.T) @ u
+                for d in range(domains):
+                    values[domain_tokens(cfg, d)] += cfg.domain_logit * std * u[d]
             # gguf-py cannot quantize given values to a K-quant: such heads are written as Q8_0
             tt = matrix_type(Q.Q8_0 if t in _KQUANT_FIELDS else t, n_in)
             data = quantize(values.astype(np.float32), tt)
         else:
             data, tt = _tensor_bytes(rng, slot.shape, slot.kind, t, std)
+            if domains and slot.name.endswith(("attn_output.weight", "ffn_down_exps.weight")):
+                # the blocks write nothing along the u_d: the residual's u part stays its
+                # token's own domain at every depth instead of drifting into another's
+                values = dequantize(data, tt, slot.shape)
+                values = values - u.T @ (u @ values)
+                tt = matrix_type(Q.Q8_0 if tt in _KQUANT_FIELDS else tt, n_in)
+                data = quantize(values.astype(np.float32), tt)
         w.add_tensor(slot.name, data, raw_dtype=tt)
     w.write_header_to_file()
     w.write_kv_data_to_file()

@@ -1,9 +1,12 @@
 """The expert cache (issue 21, items 3 and 4): a routed layer's experts kept resident across
 ubatches, filled with the misses its router chose or, with prefetch, with what the router is
 predicted to choose from the layer's input — greedy identical to the NumPy engine on the
-stand-in and (under the simulator) in the CUDA engine, the bytes copied per decode token equal to
-what the cost model predicts from `profile-routing`'s replay, every new wait needed, and the
-planner sizing the cache from the budget."""
+stand-in and (under the simulator) in the CUDA engine, `profile-routing`'s replay copying what the
+engine copies, every new wait needed, and the planner sizing the cache from the budget.
+
+Out of sample (issue 33): on a model with planted routing skew, the bytes a decode token copies
+predicted by the cost model from one prompt set's profile, held against the bytes the engine
+counts on other prompts of the same domain (scripts/expert_cache_oos.py prints the full table)."""
 
 import collections
 import dataclasses
@@ -21,7 +24,7 @@ from refengine.agreement import normwise
 from refengine.engine import NumpyEngine
 from cudarun.routing_profile import profile_routing
 from refengine.spec import load_spec
-from refengine.synthetic import write_synthetic
+from refengine.synthetic import domain_experts, domain_tokens, write_synthetic
 from solver.cost import PINNED, ROUTED, STREAMED, CostModel, Loc, TierPlacement, Workload, evaluate
 from solver.groups import EXPERTS, tensor_groups
 from solver.plan import plan_json
@@ -99,13 +102,15 @@ CACHES = [(0, False), (K, False), (2 * K, False), (MOE.n_expert // 2, False), (2
 
 
 @pytest.mark.parametrize("slots,prefetch", CACHES, ids=[f"{c}{'p' * p}" for c, p in CACHES])
-def test_a_cached_plan_decodes_as_numpy_does_and_copies_what_the_cost_model_predicts(
+def test_a_cached_plan_decodes_as_numpy_does_and_copies_what_the_replay_copies(
     moe, prompt, routing, slots, prefetch
 ):
     """E = 64, k = 8: greedy identical with the NumPy engine's weights checked in every expert
-    product; the expert bytes a decode token copies, counted by the engine, within 5% of the cost
-    model's (priced from the replay of this very prompt: equal but for the prefetch's prediction,
-    which the stand-in computes in fp32 without the NumPy engine's rounding)."""
+    product. On the profiled prompt itself the bytes the engine counts equal the cost model's
+    price of the replay (within 1%: the stand-in computes the prefetch's prediction in fp32
+    without the NumPy engine's rounding) — a check that the replay is the runtime's cache, not
+    of the prediction, which is equal here by construction: `test_a_profile_prices_the_cache_
+    on_other_prompts_of_its_domain` holds the prediction against prompts it never saw."""
     reference = NumpyEngine(moe, n_ctx=N_CTX)
     plan, predicted = cache_plan(moe, slots, prefetch, routing)
     engine = StandInEngine(moe, plan, seed=slots, reference=reference.w)
@@ -117,7 +122,7 @@ def test_a_cached_plan_decodes_as_numpy_does_and_copies_what_the_cost_model_pred
         ours, want = engine.decode(token), reference.decode(token)
         assert normwise(ours, want) <= engine.tolerance
     counted = (engine.expert_copied_nbytes - before) / DECODE
-    assert abs(counted / predicted - 1) <= 0.05, (counted, predicted)
+    assert abs(counted / predicted - 1) <= 0.01, (counted, predicted)
     hits = engine.expert_lookups
     assert hits["chosen"] == (DECODE * K * moe.hparams.n_layer if slots else 0)
     assert (hits["resident"] > 0) == (slots > 0) and (hits["predicted"] > 0) == prefetch
@@ -235,3 +240,108 @@ def test_profile_routing_writes_what_solve_reads(moe, tmp_path):
     ):
         r = refengine(*solve, *args)
         assert r.returncode == 2 and says in r.stderr and len(r.stderr.splitlines()) == 1, r.stderr
+
+
+# -- out of sample (issue 33): a profile of one prompt set pricing the cache on another ----------
+
+# E = 64, k = 8, 2 layers, with planted routing skew: 4 domains of 75 token ids, each preferring
+# its own 16 experts in every layer (refengine/synthetic.py, routing_domains)
+PLANTED = dataclasses.replace(MOE, routing_domains=4)
+N_PROMPTS = 3  # prompts a set: A (profiled), A' (same domain, other prompts), B (another domain)
+OOS_CACHES = [(0, False), (8, False), (16, False), (32, False), (8, True), (16, True),
+              (32, True)]  # 0, E/8, E/4, E/2 slots, with and without prefetch  # fmt: skip
+
+
+def domain_prompts(cfg, domain: int, n: int, seed: int) -> list[list[int]]:
+    """n prompts of PROMPT token ids drawn from planted `domain`'s range (the control tokens
+    aside: a BOS or EOS mid-prompt is no text)."""
+    ids, rng = domain_tokens(cfg, domain), np.random.default_rng(seed)
+    return [[int(t) for t in rng.integers(max(2, ids.start), ids.stop, PROMPT)] for _ in range(n)]
+
+
+def counted_nbytes(spec, prompts, slots: int, prefetch: bool, routing) -> float:
+    """Expert bytes a decode token copies, counted by the stand-in engine over DECODE greedy
+    tokens after each prompt (the caches empty at each prompt's first decode token, as at the
+    runtime's tier switch and in `profile-routing`'s replay)."""
+    engine = StandInEngine(spec, cache_plan(spec, slots, prefetch, routing)[0], seed=slots)
+    copied_nbytes = 0
+    for prompt in prompts:
+        engine.reset()
+        logits = engine.prefill(prompt)
+        before = engine.expert_copied_nbytes
+        for _ in range(DECODE):
+            logits = engine.decode(int(np.argmax(logits)))
+        copied_nbytes += engine.expert_copied_nbytes - before
+    return copied_nbytes / (DECODE * len(prompts))
+
+
+@pytest.fixture(scope="module")
+def planted(tmp_path_factory):
+    return load_spec(str(write_synthetic(tmp_path_factory.mktemp("planted") / "m.gguf", PLANTED)))
+
+
+@pytest.fixture(scope="module")
+def prompt_sets():
+    """A and A' (other prompts, same domain 0) and B (domain 1), N_PROMPTS each."""
+    a, a2 = domain_prompts(PLANTED, 0, N_PROMPTS, seed=1), domain_prompts(PLANTED, 0, N_PROMPTS, 2)
+    assert not {tuple(p) for p in a} & {tuple(p) for p in a2}
+    return {"A": a, "A'": a2, "B": domain_prompts(PLANTED, 1, N_PROMPTS, seed=3)}
+
+
+@pytest.fixture(scope="module")
+def profile_a(planted, prompt_sets):
+    """What `refengine profile-routing` measures on A (the function it calls)."""
+    return profile_routing(planted, prompt_sets["A"], DECODE)
+
+
+# The worst |predicted / counted - 1| measured over OOS_CACHES on A' was 0.234 (16 slots: A's
+# profile 9.0 KiB a token, A' counted 11.8 KiB), with 0.193 at 16 with prefetch, 0.169 at 8; 20%
+# margin on it. Other prompt sets of the same size stray as far (seeds 4/5: worst 0.104, 6/7:
+# 0.130): three prompts of 40 tokens carry ~20% sampling error. Priced from B's profile instead,
+# 16 with prefetch is 0.575 off; under uniform routing 8 slots is 1.4 off, 16 is 5.5 off.
+OOS_BOUND = 0.28
+
+
+@pytest.mark.parametrize("slots,prefetch", OOS_CACHES[1:],
+                         ids=[f"{c}{'p' * p}" for c, p in OOS_CACHES[1:]])  # fmt: skip
+def test_a_profile_prices_the_cache_on_other_prompts_of_its_domain(planted, prompt_sets, profile_a,
+                                                                   slots, prefetch):  # fmt: skip
+    """The cost model's bytes a decode token copies, priced from A's routing profile exactly as
+    `solve --routing` prices it, within OOS_BOUND of what the stand-in engine counts on A' — the
+    same domain's routing, prompts the profile never saw. (0 slots copies k experts whatever
+    the routing: left out.)"""
+    predicted = cache_plan(planted, slots, prefetch, profile_a)[1]
+    counted = counted_nbytes(planted, prompt_sets["A'"], slots, prefetch, profile_a)
+    assert abs(predicted / counted - 1) <= OOS_BOUND, (predicted, counted)
+
+
+def test_the_planted_skew_routes_each_domain_to_its_experts(planted, prompt_sets, profile_a):
+    """Each layer's router sends a domain's tokens mostly to that domain's 16 of 64 experts
+    (measured: A on domain 0's 93% and 82% in layers 0 and 1, B on domain 1's 84% and 68%;
+    without the skew 25%), the generation stays in its domain, and the logits are finite and
+    not degenerate (measured: 7-24 distinct greedy tokens in 40 per prompt of A' and B). The planted
+    file keeps the other tensors of the file without skew, byte for byte."""
+    from gguf import GGUFReader
+
+    profile_b = profile_routing(planted, prompt_sets["B"], DECODE)
+    for domain, stats in ((0, profile_a), (1, profile_b)):
+        share = np.array(stats.frequency)[:, domain_experts(PLANTED, domain)].sum(axis=1)
+        assert (share >= 0.5).all(), (domain, share)
+    reference = NumpyEngine(planted, n_ctx=N_CTX)
+    for domain in (0, 1):
+        ids = domain_tokens(PLANTED, domain)
+        for prompt in prompt_sets["A'" if domain == 0 else "B"]:
+            reference.reset()
+            logits, tokens = reference.prefill(prompt), []
+            for _ in range(DECODE):
+                assert np.isfinite(logits).all() and np.ptp(logits) > 1.0
+                tokens.append(int(np.argmax(logits)))
+                logits = reference.decode(tokens[-1])
+            assert np.mean([t in ids for t in tokens]) >= 0.9, tokens
+            assert len(set(tokens)) >= 5, tokens
+    plain = GGUFReader(write_synthetic(planted.path.with_name("plain.gguf"), MOE)).tensors
+    skewed = {t.name: t for t in GGUFReader(planted.path).tensors}
+    changed = {t.name for t in plain if not np.array_equal(t.data, skewed[t.name].data)}
+    touched = ("token_embd.weight", "output.weight", "ffn_gate_inp.weight", "attn_output.weight",
+               "ffn_down_exps.weight")  # fmt: skip
+    assert changed and all(n.endswith(touched) for n in changed), changed
