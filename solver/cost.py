@@ -288,10 +288,11 @@ class CostModel:
     def cpu_seconds(self, g: Group, tokens: int) -> float:
         cpu = self.profile.cpu
         nbytes, flops = self.work(g, tokens)
-        return max(
-            nbytes / (cpu.matvec_gbps.at(g.qtype, self.threads) * 1e9),
-            flops / (cpu.matmul_gflops.at(g.qtype, tokens) * 1e9),
-        )
+        read = nbytes / (cpu.matvec_gbps.at(g.qtype, self.threads) * 1e9)
+        if tokens == 1:  # the matvec's measured rate covers its arithmetic; the matmul rate,
+            # measured from 64 tokens on and held below them, priced a decode token 3-6x slow
+            return read
+        return max(read, flops / (cpu.matmul_gflops.at(g.qtype, tokens) * 1e9))
 
     def copy_seconds(self, nbytes: float, device: int, cpu_busy: bool) -> float:
         gpu = self.profile.gpus[device]

@@ -76,6 +76,11 @@ def test_group_roofline_on_gpu_and_cpu():
     # CPU: 8 MiB / 10 GB/s = 839 us at 1 token; 2 * 4194304 * 512 / 100e9 = 42.9 ms at 512
     assert cm.cpu_seconds(up, 1) == pytest.approx(8388608 / 10e9)
     assert cm.cpu_seconds(up, 512) == pytest.approx(2 * 4194304 * 512 / 100e9)
+    # a decode token on the CPU is its matvec, whatever the (prefill) matmul rate: the one
+    # measured at 64 tokens and held below them made it compute-bound, 3-6x slow on real runs
+    slow = replace(toy_profile(), cpu=replace(toy_profile().cpu, matmul_gflops=RateTable(
+        "GFLOP/s", {ANY_TYPE: {64: Figure(1.0, "toy")}})))  # fmt: skip
+    assert CostModel(DENSE, slow, W).cpu_seconds(up, 1) == pytest.approx(8388608 / 10e9)
 
 
 def test_prefill_can_stream_cpu_resident_weights_instead_of_computing_them_on_the_cpu():
