@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import os
 import shutil
 import signal
@@ -63,8 +64,10 @@ QWEN2_1_5B = SyntheticConfig("qwen2", n_layer=28, n_embd=1536, n_ff=8960, n_head
                              n_vocab=151936, qtype="Q4_K_M", name="qwen2-1.5b")  # fmt: skip
 
 
-class StageTimeout(BaseException):
-    """A stage's time is up (not an Exception: the per-case guards let it through)."""
+class StageTimeout(KeyboardInterrupt):
+    """A stage's time is up. Not an Exception, so the per-case guards let it through; an
+    interrupt, so pytest ends its session on it (it records any other BaseException as one failed
+    test and goes on, past the stage's limit)."""
 
 
 @contextlib.contextmanager
@@ -162,8 +165,9 @@ def agreement(a, out: Out, names=("smollm2-135m", "gemma3-270m")) -> None:
                     plan = solve_plan(spec, profile, w, [1, 512], [budget], strategy,
                                       time_limit_seconds=a.solver_seconds)  # fmt: skip
                     solved = time.monotonic() - started
-                    engine = new_engine(a.engine, spec, plan)
+                    engine = None
                     try:
+                        engine = new_engine(a.engine, spec, plan)
                         engine.warm_up()
                         got = agreement_along(engine, prompt, rows, engine.tolerance)
                         out.say("agreement", f"{name} {label} ({plan['strategy']}, "
@@ -173,7 +177,7 @@ def agreement(a, out: Out, names=("smollm2-135m", "gemma3-270m")) -> None:
                                              f"{time.monotonic() - started - solved:.1f} s]")
                         for line in engine.memory_report():
                             out.say("agreement", "  " + line)
-                    finally:
+                    finally:  # the next plan's budget needs what this one held
                         if hasattr(engine, "close"):
                             engine.close()
 
@@ -235,8 +239,9 @@ def vs_llamacpp(a, out: Out, deadline: float) -> None:
     table = gpu_vs_llamacpp.Table(args, say=lambda line: out.say("call", line))
     table.say(smi_line())
     table.header()
-    for fraction in (1.0, 0.25, 0.5):
-        table.row(fraction, timeout_s=max(deadline - time.monotonic(), 1))
+    fractions = (1.0, 0.25, 0.5)
+    for i, fraction in enumerate(fractions):  # a hung llama-bench costs its row, not the rest
+        table.row(fraction, timeout_s=max((deadline - time.monotonic()) / (len(fractions) - i), 1))
 
 
 def gpu_tests(a, out: Out) -> None:
@@ -270,7 +275,11 @@ def eight_b_engine(a, fraction: float, strategy, prompt: int, gen: int, n_ctx: i
     w = Workload(n_ctx=n_ctx, prompt_tokens=prompt, gen_tokens=gen, threads=profile.cpu.threads)
     plan = solve_plan(spec, profile, w, tiers, [int(fraction * spec.weights_nbytes)], strategy)
     engine = CudaEngine(spec, plan)
-    engine.warm_up()
+    try:
+        engine.warm_up()
+    except BaseException:  # the next case's larger budget needs what this one holds
+        engine.close()
+        raise
     return engine, plan, profile
 
 
@@ -382,6 +391,7 @@ def main() -> int:
                 run[stage]()
         except StageTimeout:
             out.say("call", f"== {stage}: stopped at its limit of {limit:.0f} s")
+        gc.collect()  # what a stopped case left unreferenced goes back before the next stage
         out.say("call", f"== {stage}: {time.monotonic() - started:.1f} s")
     if a.writer is not None and a.writer.poll() is None:
         os.killpg(a.writer.pid, signal.SIGTERM)

@@ -13,6 +13,7 @@
 # A third call, if device time is left, only adds rows (the 8B-shaped model stays in /tmp/models
 # while the machine is warm; a fresh machine writes it again):
 #     CALL_SECONDS=<left - 30> STAGES=agreement-1.5b,eight-b,per-test bash scripts/device_session.sh
+#     (carry [".whl"] again: a fresh machine has none of the first calls' files)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 started=$(date +%s)
@@ -35,7 +36,8 @@ if ls .whl/*.whl >/dev/null 2>&1 && [ ! -f /tmp/site/.installed ]; then
 fi
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}:/tmp/site"
 # the carried wheels in use (a regular `google` package of the image would hide protobuf 6)
-$PY -c 'import google.protobuf as p, ortools, gguf; print("protobuf", p.__version__, "ortools", ortools.__version__)'
+$PY -c 'import google.protobuf as p, ortools, gguf; print("protobuf", p.__version__, "ortools", ortools.__version__)' ||
+    { echo "error: ortools or gguf missing: this call must carry .whl (scripts/prepare_device.sh fills it)"; exit 2; }
 cublas=$($PY -c 'import glob, site; print(":".join(sorted({p.rsplit("/", 1)[0] for r in site.getsitepackages() for p in glob.glob(f"{r}/nvidia/*/lib/libcublas.so.*")})))')
 # libcudart.so.13 and libcublas.so.13: the image's cu13 wheels, else its toolkit
 export LD_LIBRARY_PATH="$llama/bin${cublas:+:$cublas}:/usr/local/cuda/lib64${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
