@@ -13,7 +13,7 @@ from datetime import date
 from pathlib import Path
 from typing import Callable
 
-from solver.profile import ANY_TYPE, CPUProfile, Figure, RateTable
+from solver.profile import ANY_TYPE, PANEL_TYPE, CPUProfile, Figure, RateTable
 
 from .bench_cpu import GIB, host_read_gbps, last_level_cache_nbytes, matmul_rate
 
@@ -60,6 +60,14 @@ def measure_cpu(
             r = matmul_rate(name, shape, tokens, threads, runs, rotate_nbytes=1)
             row[tokens] = Figure(r.gflops, f"{src}; {r.path} path, {tokens} tokens")
         matmul[name] = row
+    # the runtime's host prefill multiplies fp32 panels it dequantized once and keeps
+    # (`hostmath.HostMath`): BLAS on fp32, whatever the file's type
+    progress("matmul on cached fp32 panels")
+    matmul[PANEL_TYPE] = {
+        tokens: Figure(r.gflops, f"{src}; {r.path} path on fp32 weights, {tokens} tokens")
+        for tokens in MATMUL_TOKENS
+        for r in [matmul_rate(PANEL_TYPE, shape, tokens, threads, runs, rotate_nbytes=1)]
+    }
     matvec[ANY_TYPE] = matvec[types[0]]
     matmul[ANY_TYPE] = matmul[types[0]]
     return CPUProfile(

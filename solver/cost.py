@@ -59,13 +59,16 @@ from refengine.spec import ModelSpec
 from .groups import ATTN_SIDE, EMBD, EXPERTS, FFN_ORDER, HEAD, Group, expert_nbytes, routed_nbytes
 from .groups import tensor_groups
 from .memory import expected_distinct_experts, kv_cell_nbytes
-from .profile import HardwareProfile
+from .profile import PANEL_TYPE, HardwareProfile
 from .routing import RoutingStats, miss_ratio, prefetch_ratios
 
 PINNED, STREAMED, CPU = "pinned", "streamed", "cpu"
 # an expert stack streamed in part: once the router has run, only the experts it chose are copied
 ROUTED = "routed"
 OP_OFFLOAD_MIN_TOKENS = 32  # llama.cpp's GGML_OP_OFFLOAD_MIN_BATCH
+# from this many tokens on our host matmul is BLAS on cached fp32 panels (cudarun.kernels.cpu's
+# BLAS_TOKENS; below it the q8 row kernels)
+HOST_PANEL_TOKENS = 8
 # Calibrated, each on one cell of seed 000 (Qwen3-32B-Q4 at 256K on the RTX 5080 machine), which
 # examples/compare_seeds.py then leaves out of its medians:
 # - flash attention on a GPU reaches this fraction of the profile's matmul rate (its softmax runs
@@ -292,7 +295,11 @@ class CostModel:
         if tokens == 1:  # the matvec's measured rate covers its arithmetic; the matmul rate,
             # measured from 64 tokens on and held below them, priced a decode token 3-6x slow
             return read
-        return max(read, flops / (cpu.matmul_gflops.at(g.qtype, tokens) * 1e9))
+        qtype = g.qtype
+        if (self.target != "llamacpp" and tokens >= HOST_PANEL_TOKENS
+                and PANEL_TYPE in cpu.matmul_gflops.rows):  # fmt: skip
+            qtype = PANEL_TYPE  # our host multiplies the fp32 panels it keeps, at BLAS's rate
+        return max(read, flops / (cpu.matmul_gflops.at(qtype, tokens) * 1e9))
 
     def copy_seconds(self, nbytes: float, device: int, cpu_busy: bool) -> float:
         gpu = self.profile.gpus[device]

@@ -27,6 +27,8 @@ from refengine.errors import UserError
 SCHEMA = "refengine.hardware-profile"
 VERSION = 1
 ANY_TYPE = "*"
+# the CPU matmul row of fp32 weights: our runtime's host prefill multiplies cached fp32 panels
+PANEL_TYPE = "F32"
 
 
 @dataclass(frozen=True)

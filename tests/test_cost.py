@@ -83,6 +83,23 @@ def test_group_roofline_on_gpu_and_cpu():
     assert CostModel(DENSE, slow, W).cpu_seconds(up, 1) == pytest.approx(8388608 / 10e9)
 
 
+def test_our_host_prefill_runs_at_the_fp32_panels_rate():
+    """Our runtime multiplies the fp32 panels it keeps (BLAS on fp32, whatever the file's type):
+    where the profile measured that row, a prompt's CPU matmul is priced by it; llama.cpp's CPU
+    backend keeps the type's own rate, and so does a profile without the row."""
+    from solver.profile import PANEL_TYPE
+
+    base = toy_profile()
+    rows = dict(base.cpu.matmul_gflops.rows) | {PANEL_TYPE: {64: Figure(400.0, "toy")}}
+    panels = replace(base, cpu=replace(base.cpu, matmul_gflops=RateTable("GFLOP/s", rows)))
+    up = next(g for g in CostModel(DENSE, base, W).groups if g.name == "blk.0.ffn_up")
+    flops = 2 * 4194304 * 512
+    assert CostModel(DENSE, panels, W).cpu_seconds(up, 512) == pytest.approx(flops / 400e9)
+    assert CostModel(DENSE, panels, W, "llamacpp").cpu_seconds(up, 512) == pytest.approx(
+        flops / 100e9)
+    assert CostModel(DENSE, base, W).cpu_seconds(up, 512) == pytest.approx(flops / 100e9)
+
+
 def test_prefill_can_stream_cpu_resident_weights_instead_of_computing_them_on_the_cpu():
     streamed = place(DENSE, lambda g: Loc(STREAMED) if g.layer is not None else Loc(PINNED))
     on_cpu = place(DENSE, lambda g: Loc(CPU) if g.layer is not None else Loc(PINNED))
