@@ -62,6 +62,7 @@ class CudaEngine(PlanExecutor):
         if not simulated():
             driver.init()  # one line, "no NVIDIA GPU ...", where there is none
             self.free_at_start = driver.mem_info()[0]
+        self.free_marks: list[tuple[str, int]] = []  # (after what, free device bytes)
         from numba import cuda
 
         self.cuda = cuda
@@ -105,6 +106,17 @@ class CudaEngine(PlanExecutor):
         self.shards = None  # a tensor split: its parts, and the file its shares are cut from
         if self.shares is not None:
             self.shards, self.weights_file = DeviceShards(self), GGUFWeights(spec)
+        self._mark("construction (arenas, streams)")
+
+    def _mark(self, after: str) -> None:
+        if not simulated():
+            from . import driver
+
+            self.free_marks.append((after, driver.mem_info()[0]))
+
+    def warm_up(self) -> None:
+        super().warm_up()
+        self._mark("warm-up (kernels loaded, cuBLAS's handle, workspaces)")
 
     def device_spec(self, d: int) -> ModelSpec:
         """The model as device d's kernels see it: under a tensor split, its shares'."""
@@ -145,6 +157,9 @@ class CudaEngine(PlanExecutor):
                        + f": the arena{'s' if len(self.arenas) > 1 else ''} and "
                        f"{outside / 2**20:.1f} MiB outside (cuBLAS's handle, the kernels' code, "
                        "CUDA graphs)")  # fmt: skip
+            before = self.free_at_start - sum(a.nbytes for a in self.arenas)
+            for after, free in self.free_marks:  # where the memory outside the arenas came from
+                out.append(f"  outside the arenas after {after}: {(before - free) / 2**20:.1f} MiB")
         return out
 
     def launch_report(self, launch_seconds: float) -> list[str]:

@@ -16,7 +16,10 @@ under one deadline, the most valuable first, every line written to $OUT as it is
 (d) the `gpu` tests, in this process, with what time is left.
 
 A case or row that raises is a line that says so, its traceback in <base>-errors.txt, and the
-stage goes on; a stage that outlives its limit is stopped there and the next one starts. A second
+stage goes on; a stage that outlives its limit is stopped there and the next one starts. An error
+that poisons the CUDA context (a misaligned or illegal address in a kernel: every later call
+returns it) ends this process: it execs itself, a fresh context, for what is left of the call, the
+cases it has done skipped (their kernels compile again). A second
 call (--stages agreement-1.5b,eight-b,...) only adds rows.
 
     python3 scripts/device_call.py --seconds 540 --llama-bin /tmp/llama-cuda/bin
@@ -64,6 +67,17 @@ QWEN2_1_5B = SyntheticConfig("qwen2", n_layer=28, n_embd=1536, n_ff=8960, n_head
                              n_vocab=151936, qtype="Q4_K_M", name="qwen2-1.5b")  # fmt: skip
 
 
+# the driver's sticky errors: the context is unusable after them, a fresh process is not
+STICKY = ("CUDA_ERROR_MISALIGNED_ADDRESS", "CUDA_ERROR_ILLEGAL_ADDRESS",
+          "CUDA_ERROR_ILLEGAL_INSTRUCTION", "CUDA_ERROR_LAUNCH_FAILED", "CUDA_ERROR_INVALID_PC",
+          "CUDA_ERROR_HARDWARE_STACK_ERROR", "CUDA_ERROR_ASSERT")  # fmt: skip
+DONE_ENV, WRITER_ENV = "DEVICE_CALL_DONE", "DEVICE_CALL_WRITER"
+
+
+class ContextLost(BaseException):
+    """A sticky CUDA error: not an Exception, so no guard goes on in this process."""
+
+
 class StageTimeout(KeyboardInterrupt):
     """A stage's time is up. Not an Exception, so the per-case guards let it through; an
     interrupt, so pytest ends its session on it (it records any other BaseException as one failed
@@ -93,6 +107,8 @@ class Out:
         dest.mkdir(parents=True, exist_ok=True)
         self.base = dest / f"{date.today()}-{device}"
         self.started = time.monotonic()
+        # the cases an earlier process of this call finished or lost its context on
+        self.done = set(filter(None, os.environ.get(DONE_ENV, "").split("\n")))
 
     def path(self, name: str) -> Path:
         return Path(f"{self.base}-{name}.txt")
@@ -108,10 +124,14 @@ class Out:
         """A case that raises: one line in `name`'s file, its traceback in the errors file."""
         try:
             yield
+            self.done.add(what)
         except Exception as e:  # noqa: BLE001 - one case must not lose the stage
             self.say(name, f"{what}: FAILED ({type(e).__name__}: {str(e)[:300]})")
             with open(self.path("errors"), "a") as f:
                 f.write(f"== {what}\n{traceback.format_exc()}\n")
+            self.done.add(what)
+            if any(code in str(e) for code in STICKY):
+                raise ContextLost(what) from e
 
 
 def smi_line() -> str:
@@ -159,6 +179,8 @@ def agreement(a, out: Out, names=("smollm2-135m", "gemma3-270m")) -> None:
             out.say("agreement", f"{name}: NumPy reference, {prompt_n} + {gen} tokens, "
                                  f"{time.monotonic() - started:.1f} s")  # fmt: skip
             for label, fraction, strategy in AGREEMENT_PLANS:
+                if f"{name} {label}" in out.done:
+                    continue
                 with out.guard("agreement", f"{name} {label}"):
                     started = time.monotonic()
                     budget = int(fraction * spec.weights_nbytes)
@@ -212,6 +234,30 @@ def start_writer(a) -> subprocess.Popen | None:
                             cwd=ROOT, start_new_session=True)  # fmt: skip
 
 
+class Adopted:
+    """The writer an earlier process of this call started: still this process's child (exec
+    keeps children), waited for by its pid."""
+
+    def __init__(self, pid: int):
+        self.pid, self.returncode = pid, None
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            with contextlib.suppress(ChildProcessError):
+                pid, status = os.waitpid(self.pid, os.WNOHANG)
+                if pid:
+                    self.returncode = os.waitstatus_to_exitcode(status)
+        return self.returncode
+
+    def wait(self) -> int:
+        if self.returncode is None:
+            try:
+                self.returncode = os.waitstatus_to_exitcode(os.waitpid(self.pid, 0)[1])
+            except ChildProcessError:  # reaped already
+                self.returncode = 0
+        return self.returncode
+
+
 def model_written(a, out: Out, stage: str) -> bool:
     """Waits for the background writer of the 8B-shaped model, if it runs."""
     if a.writer is None or a.writer.returncode == 0:
@@ -259,6 +305,9 @@ def gpu_tests(a, out: Out) -> None:
 
         def flush(self):
             sys.__stdout__.flush()
+
+        def isatty(self):
+            return False
 
     out.say("gpu-tests", smi_line())
     with contextlib.redirect_stdout(Tee()):
@@ -344,6 +393,26 @@ def per_test(a, out: Out) -> None:
                 engine.close()
 
 
+def fresh_process(a, out: Out, stages: list[str], deadline: float) -> None:
+    """This script again, in this process's place, for `stages`, with what is left of the call."""
+    os.environ[DONE_ENV] = "\n".join(sorted(out.done))
+    if a.writer is not None:
+        os.environ[WRITER_ENV] = str(a.writer.pid)
+    argv, skip = [], False
+    for arg in sys.argv[1:]:  # the same options, less the stages and the time
+        if skip or arg.startswith(("--stages=", "--seconds=")):
+            skip = False
+            continue
+        if arg in ("--stages", "--seconds"):
+            skip = True
+            continue
+        argv.append(arg)
+    seconds = deadline + 5 - time.monotonic()
+    sys.stdout.flush()
+    os.execv(sys.executable, [sys.executable, str(Path(__file__).resolve()), *argv,
+                              "--stages", ",".join(stages), "--seconds", f"{seconds:.0f}"])
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--seconds", type=float, default=540, help="the whole call's time")
@@ -371,13 +440,16 @@ def main() -> int:
     out.say("call", f"{smi_line()}\ndevice call {date.today()}: stages {', '.join(stages)}, "
                     f"{a.seconds:.0f} s, engine {a.engine}, profile {a.profile}")  # fmt: skip
     eight_b_stages = {"vs-llamacpp", "eight-b", "per-test"}
-    a.writer = start_writer(a) if eight_b_stages & set(stages) else None
+    if os.environ.get(WRITER_ENV):
+        a.writer = Adopted(int(os.environ[WRITER_ENV]))
+    else:
+        a.writer = start_writer(a) if eight_b_stages & set(stages) else None
     run = {"agreement": lambda: agreement(a, out), "kernels": lambda: kernels(a, out),
            "vs-llamacpp": lambda: vs_llamacpp(a, out, deadline),
            "gpu-tests": lambda: gpu_tests(a, out),
            "agreement-1.5b": lambda: agreement(a, out, ("qwen2-1.5b",)),
            "eight-b": lambda: eight_b(a, out), "per-test": lambda: per_test(a, out)}  # fmt: skip
-    for stage in stages:
+    for i, stage in enumerate(stages):
         left = deadline - time.monotonic()
         limit = min(STAGE_SECONDS.get(stage, left), left)
         if left < 5:
@@ -391,6 +463,13 @@ def main() -> int:
                 run[stage]()
         except StageTimeout:
             out.say("call", f"== {stage}: stopped at its limit of {limit:.0f} s")
+        except ContextLost as lost:
+            # agreement goes on with its next case; another stage's rows would all fail again
+            rest = stages[i:] if stage.startswith("agreement") else stages[i + 1 :]
+            out.say("call", f"== {stage}: the CUDA context is lost ({lost}): a fresh process for "
+                            f"{', '.join(rest) or 'nothing'}, {deadline - time.monotonic():.0f} s left")
+            if rest and deadline - time.monotonic() > 30:
+                fresh_process(a, out, rest, deadline)
         gc.collect()  # what a stopped case left unreferenced goes back before the next stage
         out.say("call", f"== {stage}: {time.monotonic() - started:.1f} s")
     if a.writer is not None and a.writer.poll() is None:

@@ -87,11 +87,12 @@ def compute_nbytes(
 ) -> int:
     """Compute buffer of one device for ubatches of n_ubatch tokens, `output_rows` of which get
     logits there (llama.cpp reserves for all n_ubatch; our runtime, one per sequence): llama.cpp's
-    as measured against it (above); our runtime's, exact (its workspace layout)."""
+    as measured against it (above); our runtime's, exact (its workspace layout, and the most
+    that aligning its memory map's regions adds)."""
     if target == "refengine":
-        from .workspace import layout, nbytes
+        from .workspace import layout, map_padding_nbytes, nbytes
 
-        return nbytes(layout(spec, n_ubatch, output_rows, n_ctx))
+        return nbytes(layout(spec, n_ubatch, output_rows, n_ctx)) + map_padding_nbytes(spec)
     return llamacpp_compute_nbytes(spec, n_ubatch, n_ctx, flash_attn, output_rows, pipeline_copies,
                                    attends, holds_masks, mixes_cpu_experts,
                                    mixes_the_layer_before)  # fmt: skip

@@ -24,6 +24,7 @@ from .routing import RoutingStats
 from .shares import Shares
 from .tensor_split import device_nbytes, split_memory_map, tensor_split_nbytes
 from .usage import PREFETCH_DEPTH, device_usage, kv_shape
+from .workspace import ALIGN, align_up, map_padding_nbytes
 
 SCHEMA = "refengine.plan"
 VERSION = 1
@@ -57,14 +58,19 @@ def memory_map(
         for g in groups
         if g.name not in everywhere and place.groups[g.name] == Loc(PINNED, device)
     ]
+
+    def add(name: str, nbytes: int) -> None:  # from the left, each on an ALIGN boundary
+        nonlocal offset
+        offset = align_up(offset)
+        regions.append(Region(name, offset, nbytes))
+        offset += nbytes
+
     for g in ordered:
-        regions.append(Region(f"weights:{g.name}", offset, g.nbytes))
-        offset += g.nbytes
+        add(f"weights:{g.name}", g.nbytes)
     for g in groups:  # the expert caches of routed stacks (empty after a switch)
         loc = place.groups[g.name]
         if loc.kind == ROUTED and loc.device == device and loc.cache:
-            regions.append(Region(f"cache:{g.name}", offset, cache_nbytes(spec, g, loc.cache)))
-            offset += regions[-1].nbytes
+            add(f"cache:{g.name}", cache_nbytes(spec, g, loc.cache))
     usage = device_usage(spec, groups, place, tier, w, "refengine", device)
     slot = usage.scratch // PREFETCH_DEPTH if usage.scratch else 0
     # (a routed stack whose expert cache holds a ubatch's every expert copies nothing into its
@@ -74,16 +80,15 @@ def memory_map(
         for loc in (*place.groups.values(), *place.kv.values())
     )
     for i in range(PREFETCH_DEPTH if slot or streams else 0):
-        regions.append(Region(f"scratch:{i}", offset, slot))
-        offset += slot
-    regions.append(Region("workspace", offset, usage.compute))
-    offset += usage.compute
-    end = budget_bytes
+        add(f"scratch:{i}", slot)
+    # the workspace's own layout; the padding the model adds to it is spent on the boundaries
+    add("workspace", usage.compute - map_padding_nbytes(spec) if usage.compute else 0)
+    end = budget_bytes // ALIGN * ALIGN
     kv = kv_shape(w, tier)
     for il in sorted(place.kv):
         if place.kv[il] == Loc(PINNED, device):
             n = kv_layer_nbytes(spec, il, kv)
-            end -= n
+            end = (end - n) // ALIGN * ALIGN
             regions.append(Region(f"kv:{il}", end, n))
     if end < offset:  # the solver's memory model and this map disagree: a bug, not a user error
         raise AssertionError(

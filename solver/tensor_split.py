@@ -37,6 +37,7 @@ from .shares import DIMS, FF, FF_EXP, HEADS, VOCAB, Shares, group_share_nbytes
 from .shares import kv_share_cell_nbytes, shares_for
 from .shares import units
 from .usage import kv_shape
+from .workspace import ALIGN, align_up, map_padding_nbytes
 
 ALL_REDUCES_PER_LAYER = 2
 
@@ -176,17 +177,20 @@ def split_memory_map(spec: ModelSpec, w: Workload, tier: int, shares: Shares, bu
     if not shares.takes_part(d):
         return []
     regions, offset = [], 0
-    for g in tensor_groups(spec):
+    for g in tensor_groups(spec):  # each region on an ALIGN boundary, as plan.memory_map's
         if g.kind != EMBD:
+            offset = align_up(offset)
             regions.append(Region(f"weights:{g.name}", offset,
                                   group_share_nbytes(spec, g.tensors, shares, d)))  # fmt: skip
             offset += regions[-1].nbytes
-    regions.append(Region("workspace", offset, workspace_nbytes(spec, w, tier)))
+    offset = align_up(offset)
+    regions.append(Region("workspace", offset,
+                          workspace_nbytes(spec, w, tier) - map_padding_nbytes(spec)))  # fmt: skip
     offset += regions[-1].nbytes
-    end, cell = budget_bytes, kv_share_cell_nbytes(spec, shares, d, w.kv_type)
+    end, cell = budget_bytes // ALIGN * ALIGN, kv_share_cell_nbytes(spec, shares, d, w.kv_type)
     for il in range(spec.hparams.n_layer):
         n = kv_cells(spec, il, kv_shape(w, tier)) * cell
-        end -= n
+        end = (end - n) // ALIGN * ALIGN
         regions.append(Region(f"kv:{il}", end, n))
     if end < offset:  # the shares were chosen to fit: a bug, not a user error
         raise AssertionError(f"tier {tier}: device {d}'s map overflows its budget by {offset - end} B")

@@ -81,7 +81,7 @@ def layout(spec: ModelSpec, tokens: int, logit_rows: int, n_ctx: int) -> dict[st
     out, offset = {}, 0
     for name, (shape, dtype) in want.items():
         out[name] = Slice(offset, shape, dtype)
-        offset += -(-int(np.prod(shape)) * np.dtype(dtype).itemsize // ALIGN) * ALIGN
+        offset += align_up(int(np.prod(shape)) * np.dtype(dtype).itemsize)
     return out
 
 
@@ -97,6 +97,19 @@ def max_splits(n_kv_heads: int, tokens: int, n_ctx: int) -> int:
     its tile of 32 keys); the engine never uses more than the workspace holds."""
     want = -(-SPLIT_BLOCKS_PER_SM * SMS // (n_kv_heads * tokens))
     return max(1, min(want, -(-pad_cells(n_ctx) // GPU_TILE)))
+
+
+def map_padding_nbytes(spec: ModelSpec) -> int:
+    """The most that starting each region of a device's memory map on an ALIGN boundary adds
+    (plan.memory_map): ALIGN before each region (a weight group and its expert cache, at most two
+    per tensor; a layer's KV; the scratch slots; the workspace) and at the budget's end. Kernels
+    read KV and activations in 4- and 8-byte words, cuBLAS wants 16: a budget of any byte count
+    must not put a KV region on an odd address."""
+    return ALIGN * (2 * len(spec.tensors) + spec.hparams.n_layer + 8)
+
+
+def align_up(nbytes: int) -> int:
+    return -(-nbytes // ALIGN) * ALIGN
 
 
 def nbytes(slices: dict[str, Slice]) -> int:

@@ -35,3 +35,38 @@ def test_a_failed_case_and_a_stage_over_its_limit_lose_nothing_else(tmp_path, mo
     assert "RuntimeError: boom" in errors.read_text()
     (stage,) = tmp_path.glob("*-agreement.txt")
     assert stage.read_text() == "first case: FAILED (RuntimeError: boom)\nsecond case: OK\n"
+
+
+def test_a_lost_context_goes_on_in_a_fresh_process_without_the_cases_done(tmp_path, monkeypatch):
+    def agreement(a, out, names=()):
+        for case in ("first", "second", "third"):
+            if case in out.done:
+                continue
+            with out.guard("agreement", case):
+                if case == "second":
+                    raise RuntimeError("cuLaunchKernel: CUDA_ERROR_MISALIGNED_ADDRESS: misaligned")
+                out.say("agreement", f"{case}: OK")
+
+    execs = []
+    monkeypatch.setenv("OUT", str(tmp_path))
+    monkeypatch.delenv(device_call.DONE_ENV, raising=False)
+    monkeypatch.setattr(device_call, "agreement", agreement)
+    monkeypatch.setattr(device_call.os, "execv", lambda path, argv: execs.append(argv))
+    argv = ["device_call.py", "--engine", "standin", "--seconds", "60", "--stages",
+            "agreement,kernels", "--models", str(tmp_path)]  # fmt: skip
+    monkeypatch.setattr(sys, "argv", argv)
+    device_call.main()
+    (fresh,) = execs  # (the stand-in for exec returned: this process went on)
+    assert fresh[1].endswith("device_call.py") and fresh[2:6] == [
+        "--engine", "standin", "--models", str(tmp_path)]  # fmt: skip
+    assert fresh[6:8] == ["--stages", "agreement,kernels"] and 50 < float(fresh[9]) <= 60
+    done = device_call.os.environ[device_call.DONE_ENV].split("\n")
+    assert "first" in done and "second" in done and "third" not in done
+    call = next(tmp_path.glob("*-call.txt")).read_text()
+    assert "the CUDA context is lost (second): a fresh process for agreement, kernels" in call
+
+    monkeypatch.setattr(sys, "argv", fresh[1:])  # the fresh process: only what is left
+    (stage,) = tmp_path.glob("*-agreement.txt")
+    stage.write_text("")
+    device_call.main()
+    assert stage.read_text() == "third: OK\n"
