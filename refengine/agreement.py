@@ -107,7 +107,15 @@ class Agreement:
             f"teacher-forced top-1 {self.forced_top1:.1%} (top-1 equal at "
             f"{sum(self.top1_equal)}/{len(self.top1_equal)} positions), mean KL {self.mean_kl:.2e}, "
             f"final logits error {self.errors[-1]:.2e} (tolerance {self.tolerance:g})"
+            + self.worst()
         )
+
+    def worst(self) -> str:
+        """Where a mean KL comes from: one position far off (a stale row) or all a little."""
+        if len(self.kl) < 2:
+            return ""
+        at = int(np.argmax(self.kl))
+        return f"; largest KL {self.kl[at]:.2e} at position {at}, logits error {self.errors[at]:.2e}"
 
     @property
     def excused(self) -> list[int]:

@@ -101,11 +101,13 @@ def max_splits(n_kv_heads: int, tokens: int, n_ctx: int) -> int:
 
 def map_padding_nbytes(spec: ModelSpec) -> int:
     """The most that starting each region of a device's memory map on an ALIGN boundary adds
-    (plan.memory_map): ALIGN before each region (a weight group and its expert cache, at most two
-    per tensor; a layer's KV; the scratch slots; the workspace) and at the budget's end. Kernels
-    read KV and activations in 4- and 8-byte words, cuBLAS wants 16: a budget of any byte count
-    must not put a KV region on an odd address."""
-    return ALIGN * (2 * len(spec.tensors) + spec.hparams.n_layer + 8)
+    (plan.memory_map): ALIGN before each region (a weight group and its expert cache, a layer's
+    KV, the scratch slots, the workspace) and at the budget's end. Kernels read KV and activations
+    in 4- and 8-byte words: a budget of any byte count must not put a KV region on an odd
+    address."""
+    from .groups import tensor_groups
+
+    return ALIGN * (2 * len(tensor_groups(spec)) + spec.hparams.n_layer + 4)
 
 
 def align_up(nbytes: int) -> int:
