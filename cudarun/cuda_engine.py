@@ -148,7 +148,8 @@ class CudaEngine(PlanExecutor):
         if not simulated():
             from . import driver
 
-            used, budget = self.free_at_start - driver.mem_info()[0], sum(self.budgets)
+            runtime = self.plan.get("runtime_nbytes", 0) * len(self.budgets)
+            used, budget = self.free_at_start - driver.mem_info()[0], sum(self.budgets) + runtime
             outside = used - sum(a.nbytes for a in self.arenas)
             out.append(f"device memory used since the context was created: {used / 2**20:.1f} "
                        f"MiB, {'within' if used <= budget else 'OVER'} the budget of "
@@ -156,7 +157,7 @@ class CudaEngine(PlanExecutor):
                        + (" (its virtual devices' together)" if len(self.budgets) > 1 else "")
                        + f": the arena{'s' if len(self.arenas) > 1 else ''} and "
                        f"{outside / 2**20:.1f} MiB outside (cuBLAS's handle, the kernels' code, "
-                       "CUDA graphs)")  # fmt: skip
+                       f"CUDA graphs; the plan left {runtime / 2**20:.1f} MiB for them)")  # fmt: skip
             before = self.free_at_start - sum(a.nbytes for a in self.arenas)
             for after, free in self.free_marks:  # where the memory outside the arenas came from
                 out.append(f"  outside the arenas after {after}: {(before - free) / 2**20:.1f} MiB")

@@ -99,8 +99,13 @@ def plan_for_run(
     if cached.is_file():
         say(f"reusing the plan {cached}")
         return _told(load_plan(cached), say)
+    # on a GPU, cuBLAS's handle and our kernels' code come out of the budget too
+    from .cuda_engine import simulated
+
+    runtime = B.CUDA_RUNTIME_NBYTES if engine == "cuda" and not simulated() else 0
     plan = solve_plan(spec, prof, w, budgets.tiers, budgets.bytes, strategy,
-                      split_mode=None if split_mode == "layer" else split_mode)  # fmt: skip
+                      split_mode=None if split_mode == "layer" else split_mode,
+                      runtime_nbytes=runtime)  # fmt: skip
     # written whole, then renamed: another process reading the cache never sees half a plan
     partial = cached.with_name(f"{cached.name}.{os.getpid()}.partial")
     partial.write_text(json.dumps(plan, indent=1) + "\n")

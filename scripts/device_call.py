@@ -160,6 +160,13 @@ def new_engine(kind: str, spec, plan):
     return StandInEngine(spec, plan)
 
 
+def runtime_nbytes(a) -> int:
+    """What the CUDA runtime allocates outside its arena, left inside each budget."""
+    from solver.budget import CUDA_RUNTIME_NBYTES
+
+    return CUDA_RUNTIME_NBYTES if a.engine == "cuda" else 0
+
+
 AGREEMENT_PLANS = (("pinned", 3.0, None), ("streamed-40%", 0.4, None),
                    ("cpu-placed", 0.4, "ffncpu-attnstream"))  # fmt: skip
 
@@ -183,9 +190,11 @@ def agreement(a, out: Out, names=("smollm2-135m", "gemma3-270m")) -> None:
                     continue
                 with out.guard("agreement", f"{name} {label}"):
                     started = time.monotonic()
-                    budget = int(fraction * spec.weights_nbytes)
+                    # the fraction is the arena's; the runtime's own comes on top
+                    budget = int(fraction * spec.weights_nbytes) + runtime_nbytes(a)
                     plan = solve_plan(spec, profile, w, [1, 512], [budget], strategy,
-                                      time_limit_seconds=a.solver_seconds)  # fmt: skip
+                                      time_limit_seconds=a.solver_seconds,
+                                      runtime_nbytes=runtime_nbytes(a))  # fmt: skip
                     solved = time.monotonic() - started
                     engine = None
                     try:
@@ -322,7 +331,9 @@ def eight_b_engine(a, fraction: float, strategy, prompt: int, gen: int, n_ctx: i
     profile = load_profile(a.profile)
     spec = load_spec(str(a.model_8b))
     w = Workload(n_ctx=n_ctx, prompt_tokens=prompt, gen_tokens=gen, threads=profile.cpu.threads)
-    plan = solve_plan(spec, profile, w, tiers, [int(fraction * spec.weights_nbytes)], strategy)
+    budget = int(fraction * spec.weights_nbytes) + runtime_nbytes(a)
+    plan = solve_plan(spec, profile, w, tiers, [budget], strategy,
+                      runtime_nbytes=runtime_nbytes(a))  # fmt: skip
     engine = CudaEngine(spec, plan)
     try:
         engine.warm_up()

@@ -26,6 +26,12 @@ if TYPE_CHECKING:
 UNITS = {"": 2**20, "mib": 2**20, "m": 2**20, "gib": 2**30, "g": 2**30, "mb": 10**6, "gb": 10**9}
 LLAMACPP_MARGIN_BYTES = 1024 * 2**20  # llama.cpp --fit's default margin per device
 DEFAULT_N_BATCH = 2048  # llama.cpp's -b
+# What our CUDA runtime allocates outside its arena, which the budget covers too (CONTRACTS.md):
+# cuBLAS's handle and the kernels it loads, once a tier takes the prefill path, and our kernels'
+# code, streams, events and graphs. Measured as the drop in free memory after the context was
+# created, on an H200 with CUDA 13.0 (docs/measured/2026-11-27-h200-agreement.txt and -vs-llamacpp):
+# 64.0-75.0 MiB outside the arena on engines with a prefill tier, 1.9-3.9 MiB on decode-only ones.
+CUDA_RUNTIME_NBYTES = 80 * 2**20
 
 
 def parse_bytes(text: str) -> int:

@@ -374,20 +374,25 @@ def solve_plan(
     time_limit_seconds: float = SOLVER_SECONDS,
     objective: str = "e2e",
     split_mode: str | None = None,
+    runtime_nbytes: int = 0,
 ) -> dict:
     """A `refengine` plan as JSON, for the runtime: the optimizer's, or a named strategy's; split
-    by tensors when asked."""
+    by tensors when asked. `runtime_nbytes`: what the runtime allocates on each device outside its
+    arena (budget.CUDA_RUNTIME_NBYTES on a GPU), taken off the budgets the arenas get."""
     from .plan import plan_json
 
+    budgets = [b - runtime_nbytes for b in budgets]
     viable = viable_or_refuse(spec, w, tiers, budgets)
     chosen, _, facts = solve(
         spec, profile, w, viable, budgets, objective, strategy, time_limit_seconds,
         split_mode=split_mode,
     )  # fmt: skip
-    return plan_json(
+    plan = plan_json(
         spec, w, profile.name, budgets, chosen.tiers, chosen.prediction, chosen.name,
         chosen.target, facts, facts.get("not_needed", False), chosen.split_mode, chosen.shares,
     )  # fmt: skip
+    plan["runtime_nbytes"] = runtime_nbytes
+    return plan
 
 
 def request_workload(

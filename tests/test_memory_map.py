@@ -51,3 +51,18 @@ def test_tensor_split_regions_are_aligned_under_odd_budgets(smollm2):
     plan = solve_plan(smollm2, for_devices(load_profile("h100"), 2), W, [1, 8], budgets,
                       split_mode="tensor")  # fmt: skip
     assert check(plan, budgets) > 2 * smollm2.hparams.n_layer
+
+
+def test_the_runtime_own_memory_comes_out_of_the_budget(smollm2):
+    """On a GPU, cuBLAS's handle and the kernels' code live outside the arena and inside the
+    budget (CONTRACTS.md): the arena, and every region, gets the budget less them."""
+    from solver.budget import CUDA_RUNTIME_NBYTES
+
+    budget = int(0.4 * smollm2.weights_nbytes) + CUDA_RUNTIME_NBYTES
+    plan = solve_plan(smollm2, load_profile("h100"), W, [1, 512], [budget],
+                      time_limit_seconds=2, runtime_nbytes=CUDA_RUNTIME_NBYTES)  # fmt: skip
+    arena = budget - CUDA_RUNTIME_NBYTES
+    assert plan["fingerprint"]["budget_bytes"] == [arena]
+    assert plan["runtime_nbytes"] == CUDA_RUNTIME_NBYTES
+    assert check(plan, [arena]) > smollm2.hparams.n_layer
+    assert all(tier["memory"]["0"]["total"] <= arena for tier in plan["tiers"].values())
