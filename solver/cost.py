@@ -291,13 +291,18 @@ class CostModel:
     def cpu_seconds(self, g: Group, tokens: int) -> float:
         cpu = self.profile.cpu
         nbytes, flops = self.work(g, tokens)
-        read = nbytes / (cpu.matvec_gbps.at(g.qtype, self.threads) * 1e9)
+        # llama.cpp's own kernels where the profile measured them (`measure_llamacpp`)
+        llama = self.target == "llamacpp"
+        matvec = (cpu.llamacpp_matvec_gbps if llama and cpu.llamacpp_matvec_gbps
+                  else cpu.matvec_gbps)  # fmt: skip
+        read = nbytes / (matvec.at(g.qtype, self.threads) * 1e9)
         if tokens == 1:  # the matvec's measured rate covers its arithmetic; the matmul rate,
             # measured from 64 tokens on and held below them, priced a decode token 3-6x slow
             return read
+        if llama and cpu.llamacpp_matmul_gflops:
+            return max(read, flops / (cpu.llamacpp_matmul_gflops.at(g.qtype, tokens) * 1e9))
         qtype = g.qtype
-        if (self.target != "llamacpp" and tokens >= HOST_PANEL_TOKENS
-                and PANEL_TYPE in cpu.matmul_gflops.rows):  # fmt: skip
+        if not llama and tokens >= HOST_PANEL_TOKENS and PANEL_TYPE in cpu.matmul_gflops.rows:
             qtype = PANEL_TYPE  # our host multiplies the fp32 panels it keeps, at BLAS's rate
         return max(read, flops / (cpu.matmul_gflops.at(qtype, tokens) * 1e9))
 

@@ -127,6 +127,10 @@ class CPUProfile:
     matvec_gbps: RateTable  # weight bytes read per second by a matvec, by type and thread count
     matmul_gflops: RateTable  # by type and token count, on `threads` threads
     sync_seconds: Figure  # one CPU<->GPU hand-off (event wait + activation copy setup)
+    # llama.cpp's own CPU kernels, as `llama-bench` ran them (`refengine profile --llama-bin`):
+    # what `--target llamacpp` prices a CPU-held matrix at; absent, our kernels' rates stand in
+    llamacpp_matmul_gflops: RateTable | None = None  # by type and prompt tokens
+    llamacpp_matvec_gbps: RateTable | None = None  # weight bytes a generated token reads
 
 
 @dataclass(frozen=True)
@@ -195,9 +199,11 @@ def _build(cls, d: dict, where: str):
         if name not in d:
             raise UserError(f"{where}: missing {name}")
         v = d[name]
+        if v is None and name in defaults:
+            continue
         if ftype == "Figure":
             kwargs[name] = Figure.from_json(v, f"{where}.{name}")
-        elif ftype == "RateTable":
+        elif ftype in ("RateTable", "RateTable | None"):
             kwargs[name] = RateTable.from_json(v, f"{where}.{name}")
         elif ftype == "int":
             kwargs[name] = int(v)

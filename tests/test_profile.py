@@ -119,3 +119,38 @@ def test_an_rpc_server_is_a_device_with_its_hosts_rates_and_the_links_copies():
     for g in old["gpus"]:
         del g["backend"], g["endpoint"]
     assert HardwareProfile.from_json(old) == base
+
+
+def test_llama_cpp_cpu_rates_are_measured_and_price_the_llamacpp_target_only(tmp_path, llama_bin,
+                                                                              small_models):
+    """`profile --llama-bin`: llama.cpp's own CPU matmul and decode rates by type (llama-bench on
+    a synthetic model per type), which `--target llamacpp` prices CPU-held matrices at while our
+    runtime keeps its own kernels' rates."""
+    from dataclasses import replace
+
+    from refengine.spec import load_spec
+    from solver.cpu_tests import cpu_cost_model, generation_seconds, prompt_seconds
+
+    out = tmp_path / "me.json"
+    r = refengine("profile", "-o", out, "--quick", "--gpu-from", PROFILES / "h100.json",
+                  "--llama-bin", llama_bin)  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    prof = HardwareProfile.load(out)
+    cpu = prof.cpu
+    assert set(cpu.llamacpp_matmul_gflops.rows) >= {"Q4_K", "Q6_K", "Q8_0", "F16"}
+    assert "llama-bench" in cpu.llamacpp_matmul_gflops.rows["Q4_K"][512].source
+    assert cpu.llamacpp_matvec_gbps.at("Q4_K", cpu.threads) > 0.5
+    spec = load_spec(str(small_models["llama"]))  # Q8_0 matrices
+    mine = replace(cpu, llamacpp_matmul_gflops=RateTable("GFLOP/s", {"Q8_0": {512: Figure(
+        cpu.llamacpp_matmul_gflops.at("Q8_0", 512) / 10, "test")}}))  # fmt: skip
+    slower = replace(prof, cpu=mine)
+    for target, changes in (("llamacpp", True), ("refengine", False)):
+        seconds = [prompt_seconds(cpu_cost_model(spec, p, target, cpu.threads, 2048), 512, 0)
+                   for p in (prof, slower)]  # fmt: skip
+        assert (seconds[1] > 1.5 * seconds[0]) == changes, (target, seconds)
+    # a profile written before these rows loads, and prices llama.cpp at our kernels' rates
+    d = json.loads(out.read_text())
+    del d["cpu"]["llamacpp_matmul_gflops"], d["cpu"]["llamacpp_matvec_gbps"]
+    old = HardwareProfile.from_json(d)
+    assert old.cpu.llamacpp_matmul_gflops is None
+    assert generation_seconds(cpu_cost_model(spec, old, "llamacpp", cpu.threads, 2048), 4, 0) > 0

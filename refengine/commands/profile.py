@@ -41,8 +41,14 @@ from . import THREADS_CHECK, cli, open_for_writing
     help="A profile (a file, or a shipped name) whose CPU side to keep instead of measuring "
     "this one's (with --rpc: only the servers are measured).",
 )
+@click.option(
+    "--llama-bin",
+    type=click.Path(file_okay=False, path_type=Path),
+    help="A llama.cpp build's bin folder: measure its CPU backend's own rates too (llama-bench on "
+    "a synthetic model per type), which `solve --target llamacpp` prices CPU-held matrices at.",
+)
 def profile(output: Path, gpu_from: str | None, threads: int | None, quick: bool,
-            rpc: str | None, cpu_from: str | None) -> None:  # fmt: skip
+            rpc: str | None, cpu_from: str | None, llama_bin: Path | None) -> None:  # fmt: skip
     """Measure this machine (its GPU, when there is one, and its CPU) into a hardware profile,
     and llama.cpp RPC servers (--rpc) as further devices."""
     from cudarun.driver import gpu_present
@@ -58,9 +64,16 @@ def profile(output: Path, gpu_from: str | None, threads: int | None, quick: bool
             "llama.cpp RPC servers as the devices"
         )
     base = load_profile(gpu_from) if gpu_from else None
+    llama_bench = None
+    if llama_bin is not None:
+        from solver.llamacpp_check import llama_binary
+
+        llama_bench = llama_binary(llama_bin, "llama-bench")
     out = open_for_writing(output)  # an unwritable path refused before any measuring
     try:
         prof, servers = _measure(base, local_gpu, endpoints, cpu_from, threads, quick)
+        if llama_bench is not None:
+            prof = _with_llamacpp(prof, llama_bench, quick)
     except BaseException:  # no empty profile left behind where a server did not answer
         out.close()
         output.unlink(missing_ok=True)
@@ -68,6 +81,21 @@ def profile(output: Path, gpu_from: str | None, threads: int | None, quick: bool
     with out:
         out.write(json.dumps(prof.to_json(), indent=1).encode() + b"\n")
     _summary(output, prof, servers, base, local_gpu, cpu_from)
+
+
+def _with_llamacpp(prof, llama_bench: Path, quick: bool):
+    """The profile with llama.cpp's CPU rows, on the threads its CPU side was measured at."""
+    from rich.progress import Progress
+
+    from cudarun.measure_llamacpp import measure_llamacpp_cpu
+
+    with Progress(transient=True) as bar:
+        task = bar.add_task("llama.cpp", total=None)
+        matmul, matvec = measure_llamacpp_cpu(
+            llama_bench, prof.cpu.threads, quick, lambda what: bar.update(task, description=what)
+        )
+    return replace(prof, cpu=replace(prof.cpu, llamacpp_matmul_gflops=matmul,
+                                     llamacpp_matvec_gbps=matvec))  # fmt: skip
 
 
 def _measure(base, local_gpu: bool, endpoints: list[str], cpu_from: str | None,

@@ -1,0 +1,99 @@
+"""llama.cpp's CPU backend measured into the profile's `llamacpp_*` rows: what `--target llamacpp`
+prices a CPU-held matrix at. llama.cpp multiplies CPU-held weights with its own kernels (int8
+dot products at one token, repacked int8 GEMM from a few tokens on), ours with others (the q8
+matvec, BLAS on cached fp32 panels): one row cannot price both — priced at our rates, llama.cpp's
+CPU prompts ran 2.8-3.8x faster than predicted (docs/measured/2026-11-26-predictions-vs-runs.txt).
+
+For each type, a synthetic llama model with every matrix of that type goes through `llama-bench`
+on the profile's threads: prompts of 64 and 512 tokens and a short generation. A prompt's rate is
+its matrix and attention FLOPs over its time; a generation's, the weight bytes one token reads
+over its time. The other ops (norms, RoPE, softmax) ride in both, as they do in a real model.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import tempfile
+from datetime import date
+from pathlib import Path
+from typing import Callable
+
+from refengine.errors import UserError
+from refengine.spec import ModelSpec, load_spec
+from refengine.synthetic import SyntheticConfig, write_synthetic
+from solver.profile import Figure, RateTable
+
+from .measure_cpu import MATMUL_TOKENS, MATVEC_TYPES
+
+# wide enough that the matrices, not the per-op overheads, take the time; two layers for the
+# ubatch's layer-to-layer hand-off; a 512-token vocabulary so the head is noise
+SHAPE = dict(n_layer=2, n_embd=2048, n_ff=5632, n_head=16, n_head_kv=16, n_vocab=512)
+QUICK_SHAPE = dict(n_layer=1, n_embd=512, n_ff=1536, n_head=4, n_head_kv=4, n_vocab=512)
+GEN_TOKENS = 16
+
+
+def matrices(spec: ModelSpec) -> list:
+    """The matrices a token multiplies by (the embedding is a row lookup)."""
+    return [t for t in spec.tensors if len(t.shape) >= 2 and t.name != "token_embd.weight"]
+
+
+def prompt_flops(spec: ModelSpec, tokens: int) -> float:
+    """A prompt's matrix FLOPs through the layers (llama-bench asks for the last token's logits
+    only) and its causal attention: QK^T and PV over 1..tokens keys."""
+    hp = spec.hparams
+    layers = sum(math.prod(t.shape) for t in matrices(spec) if t.name.startswith("blk."))
+    keys = tokens * (tokens + 1) / 2
+    attention = 4.0 * hp.n_layer * hp.n_head * hp.head_dim * keys
+    return 2.0 * layers * tokens + attention
+
+
+def token_nbytes(spec: ModelSpec) -> int:
+    """The weight bytes one generated token reads: every matrix, the head included."""
+    return sum(t.nbytes for t in matrices(spec))
+
+
+def bench(llama_bench: Path, model: Path, threads: int, runs: int) -> dict[str, float]:
+    """{"pp64": t/s, "pp512": t/s, "tg16": t/s} of one llama-bench run."""
+    prompts = ",".join(str(t) for t in MATMUL_TOKENS)
+    cmd = [str(llama_bench), "-m", str(model), "-t", str(threads), "-p", prompts, "-n",
+           str(GEN_TOKENS), "-r", str(runs), "-o", "json"]  # fmt: skip
+    out = subprocess.run(cmd, capture_output=True, text=True)
+    if out.returncode != 0:
+        raise UserError(f"llama-bench failed on {model.name}: {out.stderr.strip()[-300:]}")
+    return {(f"pp{r['n_prompt']}" if r["n_prompt"] else f"tg{r['n_gen']}"): float(r["avg_ts"])
+            for r in json.loads(out.stdout)}  # fmt: skip
+
+
+def measure_llamacpp_cpu(
+    llama_bench: Path,
+    threads: int,
+    quick: bool = False,
+    progress: Callable[[str], None] = lambda s: None,
+    types: tuple[str, ...] = MATVEC_TYPES,
+) -> tuple[RateTable, RateTable]:
+    """(llama.cpp's CPU matmul GFLOP/s by type and prompt tokens, its decode weight GB/s by type
+    and threads), measured with `llama_bench` (a llama.cpp build's llama-bench)."""
+    shape, runs = (QUICK_SHAPE, 1) if quick else (SHAPE, 3)
+    src = (f"measured: refengine profile {date.today().isoformat()}, llama-bench -t {threads} "
+           f"on a synthetic llama ({shape['n_layer']} layers, {shape['n_embd']} x "
+           f"{shape['n_ff']}) of the type, mean of {runs}")  # fmt: skip
+    matmul, matvec = {}, {}
+    with tempfile.TemporaryDirectory(prefix="refengine-llamacpp-") as tmp:
+        for name in types:
+            progress(f"llama.cpp CPU {name}")
+            path = Path(tmp) / f"{name}.gguf"
+            write_synthetic(path, SyntheticConfig("llama", qtype=name, **shape))
+            spec = load_spec(str(path))
+            rates = bench(llama_bench, path, threads, runs)
+            matmul[name] = {
+                t: Figure(prompt_flops(spec, t) * rates[f"pp{t}"] / t / 1e9, f"{src}; pp{t}")
+                for t in MATMUL_TOKENS
+            }
+            matvec[name] = {
+                threads: Figure(token_nbytes(spec) * rates[f"tg{GEN_TOKENS}"] / 1e9,
+                                f"{src}; tg{GEN_TOKENS}, weight bytes per token")  # fmt: skip
+            }
+            path.unlink()
+    return RateTable("GFLOP/s", matmul), RateTable("GB/s", matvec)
