@@ -68,6 +68,9 @@ def measure_cpu(
         for tokens in MATMUL_TOKENS
         for r in [matmul_rate(PANEL_TYPE, shape, tokens, threads, runs, rotate_nbytes=1)]
     }
+    progress("host attention and gated activation")
+    score, row = attention_costs(quick, runs)
+    glu = glu_seconds(quick, runs)
     matvec[ANY_TYPE] = matvec[types[0]]
     matmul[ANY_TYPE] = matmul[types[0]]
     return CPUProfile(
@@ -76,12 +79,72 @@ def measure_cpu(
         memory_gbps=memory_gbps,
         matvec_gbps=RateTable("GB/s", matvec),
         matmul_gflops=RateTable("GFLOP/s", matmul),
+        attention_score_seconds=RateTable("s", {ANY_TYPE: {
+            dim: Figure(x, f"{src}; hostmath.attention_blas, 16/4 heads of {dim}, 512 tokens "
+                           f"over 512 and {LONG_KEYS} keys, the per-score slope")
+            for dim, x in score.items()}}),  # fmt: skip
+        attention_row_seconds=Figure(row, f"{src}; the same two runs' per-row intercept"),
+        glu_element_seconds=Figure(glu, f"{src}; cpu_ops.gated (SiLU) over 512 x 8192"),
         sync_seconds=Figure(
             20e-6,
             "derived: typical CUDA event wait + launch of a copy, "
             "not measurable without a GPU; the kernels issue measures it",
         ),
     )
+
+
+LONG_KEYS = 4608
+ATTENTION_DIMS = (64, 128)  # head sizes of the small models and of most others
+
+
+def attention_costs(quick: bool, runs: int) -> tuple[dict[int, float], float]:
+    """({head size: seconds per score}, seconds per query row) of the host prefill's attention:
+    for each head size, the time at 512 and LONG_KEYS keys for 512 tokens, fitted as
+    rows * (keys * score + row). The per-row term is the mask, the softmax's reductions and the
+    per-head products' setup: taken at the largest head size."""
+    import numpy as np
+
+    from .hostmath import attention_blas
+
+    heads, kv_heads, tokens = 16, 4, (128 if quick else 512)
+    long = LONG_KEYS // (4 if quick else 1)
+    rng = np.random.default_rng(0)
+    rows, per_score, per_row = heads * tokens, {}, 0.0
+    for dim in ATTENTION_DIMS:
+        seconds = []
+        for keys in (tokens, long):
+            q = rng.standard_normal((tokens, heads, dim)).astype(np.float32)
+            k = rng.standard_normal((keys, kv_heads, dim)).astype(np.float16)
+            q_pos, k_pos = np.arange(keys - tokens, keys), np.arange(keys)
+            seconds.append(_median_seconds(
+                lambda: attention_blas(q, k, k, q_pos, k_pos, 0.1), runs))  # fmt: skip
+        per_score[dim] = max((seconds[1] - seconds[0]) / (rows * (long - tokens)), 0.0)
+        per_row = max(seconds[0] / rows - tokens * per_score[dim], 0.0)
+    return per_score, per_row
+
+
+def glu_seconds(quick: bool, runs: int) -> float:
+    """Seconds per element of the gated activation act(gate) * up."""
+    import numpy as np
+
+    from .kernels import cpu_ops
+
+    shape = (128, 2048) if quick else (512, 8192)
+    gate, up = (np.random.default_rng(1).standard_normal(shape).astype(np.float32) for _ in "gu")
+    return _median_seconds(lambda: cpu_ops.gated(gate, up, False), runs) / gate.size
+
+
+def _median_seconds(run: Callable[[], object], runs: int) -> float:
+    import statistics
+    import time
+
+    run()  # compiled and warm
+    times = []
+    for _ in range(max(runs, 3)):
+        start = time.perf_counter()
+        run()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
 
 
 def _cpu_name() -> str:

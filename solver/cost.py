@@ -59,7 +59,7 @@ from refengine.spec import ModelSpec
 from .groups import ATTN_SIDE, EMBD, EXPERTS, FFN_ORDER, HEAD, Group, expert_nbytes, routed_nbytes
 from .groups import tensor_groups
 from .memory import expected_distinct_experts, kv_cell_nbytes
-from .profile import PANEL_TYPE, HardwareProfile
+from .profile import ANY_TYPE, PANEL_TYPE, HardwareProfile
 from .routing import RoutingStats, miss_ratio, prefetch_ratios
 
 PINNED, STREAMED, CPU = "pinned", "streamed", "cpu"
@@ -304,7 +304,11 @@ class CostModel:
         qtype = g.qtype
         if not llama and tokens >= HOST_PANEL_TOKENS and PANEL_TYPE in cpu.matmul_gflops.rows:
             qtype = PANEL_TYPE  # our host multiplies the fp32 panels it keeps, at BLAS's rate
-        return max(read, flops / (cpu.matmul_gflops.at(qtype, tokens) * 1e9))
+        seconds = max(read, flops / (cpu.matmul_gflops.at(qtype, tokens) * 1e9))
+        if not llama and cpu.glu_element_seconds and g.name.endswith(".ffn_up"):
+            # act(gate) * up, on the host that holds up (dense layers; experts' is small)
+            seconds += tokens * self.spec.hparams.n_ff * cpu.glu_element_seconds.value
+        return seconds
 
     def copy_seconds(self, nbytes: float, device: int, cpu_busy: bool) -> float:
         gpu = self.profile.gpus[device]
@@ -411,6 +415,14 @@ class CostModel:
             nbytes *= hp.n_head / hp.n_head_kv
             gbps *= GGML_CPU_ATTENTION_EFFICIENCY
         cpu = self.profile.cpu
+        if (self.target != "llamacpp" and tokens >= HOST_PANEL_TOKENS
+                and cpu.attention_score_seconds and cpu.attention_row_seconds):  # fmt: skip
+            # our host prefill scores every cell of its range, the later ones masked, and its
+            # softmax's passes over the scores cost more than the products' FLOPs
+            rows = hp.n_head * tokens
+            score = cpu.attention_score_seconds.at(ANY_TYPE, hp.head_dim)
+            return np.maximum(nbytes / (gbps * 1e9),
+                              rows * (cells * score + cpu.attention_row_seconds.value))
         return np.maximum(
             nbytes / (gbps * 1e9),
             flops / (cpu.matmul_gflops.at("F16", tokens) * 1e9),

@@ -131,6 +131,11 @@ class CPUProfile:
     # what `--target llamacpp` prices a CPU-held matrix at; absent, our kernels' rates stand in
     llamacpp_matmul_gflops: RateTable | None = None  # by type and prompt tokens
     llamacpp_matvec_gbps: RateTable | None = None  # weight bytes a generated token reads
+    # our host prefill's attention (scores by BLAS, masked, a row softmax, times V) and gated
+    # activation, measured by `refengine profile`: beyond the matrices, what small models feel
+    attention_score_seconds: RateTable | None = None  # per query head and key, by head size
+    attention_row_seconds: Figure | None = None  # per query head and token
+    glu_element_seconds: Figure | None = None  # act(gate) * up, per element
 
 
 @dataclass(frozen=True)
@@ -201,7 +206,7 @@ def _build(cls, d: dict, where: str):
         v = d[name]
         if v is None and name in defaults:
             continue
-        if ftype == "Figure":
+        if ftype in ("Figure", "Figure | None"):
             kwargs[name] = Figure.from_json(v, f"{where}.{name}")
         elif ftype in ("RateTable", "RateTable | None"):
             kwargs[name] = RateTable.from_json(v, f"{where}.{name}")

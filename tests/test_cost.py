@@ -202,6 +202,31 @@ def test_llamacpp_copies_only_the_routed_experts_of_a_cpu_held_stack():
     assert whole.copy < full  # 56.3 of 64 experts and 7.8 copies a stack: 0.96 of the time
 
 
+def test_our_host_prefill_prices_its_attention_and_gated_activation_as_measured():
+    """Where the profile measured them, our host prefill's attention costs rows x (cells scored x
+    per score + per row) at the head size's rate, and ffn_up carries act(gate) * up per element;
+    llama.cpp's CPU backend and decode keep the roofline, and so does a profile without them."""
+    base = toy_profile()
+    hp = DENSE.hparams
+    measured = replace(base, cpu=replace(
+        base.cpu, attention_score_seconds=RateTable("s", {ANY_TYPE: {
+            64: Figure(4e-9, "toy"), 256: Figure(8e-9, "toy")}}),  # head 128: 6e-9, log-midway
+        attention_row_seconds=Figure(1e-6, "toy"), glu_element_seconds=Figure(3e-9, "toy")))
+    cpu = Loc(CPU)
+    ours, roofline = CostModel(DENSE, measured, W), CostModel(DENSE, base, W)
+    rows, cells = hp.n_head * 512, 1000 + 512
+    assert ours.attention_seconds(0, 512, 1000, cpu) == pytest.approx(
+        rows * (cells * 6e-9 + 1e-6))
+    assert CostModel(DENSE, measured, W, "llamacpp").attention_seconds(0, 512, 1000, cpu) == (
+        CostModel(DENSE, base, W, "llamacpp").attention_seconds(0, 512, 1000, cpu))
+    assert ours.attention_seconds(0, 1, 1000, cpu) == roofline.attention_seconds(0, 1, 1000, cpu)
+    up = next(g for g in ours.groups if g.name == "blk.0.ffn_up")
+    gate = next(g for g in ours.groups if g.name == "blk.0.ffn_gate")
+    assert ours.cpu_seconds(up, 512) - roofline.cpu_seconds(up, 512) == pytest.approx(
+        512 * hp.n_ff * 3e-9)
+    assert ours.cpu_seconds(gate, 512) == roofline.cpu_seconds(gate, 512)
+
+
 def test_attention_at_real_depth_and_token_count():
     cm = CostModel(DENSE, toy_profile(), W)
     hp = DENSE.hparams

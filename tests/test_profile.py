@@ -84,6 +84,9 @@ def test_profile_command_measures_the_cpu_and_keeps_the_gpu_side(tmp_path):
     assert prof.cpu.memory_gbps.value > 0.5
     assert "q8 path" in prof.cpu.matvec_gbps.rows["Q4_K"][prof.cpu.threads].source
     assert prof.cpu.matmul_gflops.at("Q8_0", 512) > 1.0
+    # our host prefill's attention and gated activation, beyond the matrices
+    assert 0 < prof.cpu.attention_score_seconds.at(ANY_TYPE, 64) < 1e-6
+    assert 0 < prof.cpu.glu_element_seconds.value < 1e-6
 
 
 @pytest.mark.skipif(GPU, reason="this machine has a GPU to measure")
