@@ -70,7 +70,10 @@ def measure_cpu(
     }
     progress("host attention and gated activation")
     score, row = attention_costs(quick, runs)
-    glu = glu_seconds(quick, runs)
+    glu, gelu = (glu_seconds(quick, runs, act) for act in ("silu", "gelu"))
+    rope = rope_seconds(quick, runs)
+    progress("a layer's fixed cost")
+    per_layer = layer_seconds(threads, quick)
     matvec[ANY_TYPE] = matvec[types[0]]
     matmul[ANY_TYPE] = matmul[types[0]]
     return CPUProfile(
@@ -85,6 +88,11 @@ def measure_cpu(
             for dim, x in score.items()}}),  # fmt: skip
         attention_row_seconds=Figure(row, f"{src}; the same two runs' per-row intercept"),
         glu_element_seconds=Figure(glu, f"{src}; cpu_ops.gated (SiLU) over 512 x 8192"),
+        gelu_element_seconds=Figure(gelu, f"{src}; cpu_ops.gated (GELU) over 512 x 8192"),
+        rope_element_seconds=Figure(rope, f"{src}; cpu_ops.rope over 512 tokens x 16 x 128"),
+        layer_seconds=Figure(per_layer, f"{src}; the cpu engine decoding tiny synthetic llamas "
+                                        f"of {' and '.join(map(str, TINY_LAYERS))} layers, the "
+                                        "slope per layer"),  # fmt: skip
         sync_seconds=Figure(
             20e-6,
             "derived: typical CUDA event wait + launch of a copy, "
@@ -94,7 +102,7 @@ def measure_cpu(
 
 
 LONG_KEYS = 4608
-ATTENTION_DIMS = (64, 128)  # head sizes of the small models and of most others
+ATTENTION_DIMS = (64, 128, 256)  # head sizes: the small models, most others, Gemma-3
 
 
 def attention_costs(quick: bool, runs: int) -> tuple[dict[int, float], float]:
@@ -123,7 +131,7 @@ def attention_costs(quick: bool, runs: int) -> tuple[dict[int, float], float]:
     return per_score, per_row
 
 
-def glu_seconds(quick: bool, runs: int) -> float:
+def glu_seconds(quick: bool, runs: int, act: str = "silu") -> float:
     """Seconds per element of the gated activation act(gate) * up."""
     import numpy as np
 
@@ -131,7 +139,51 @@ def glu_seconds(quick: bool, runs: int) -> float:
 
     shape = (128, 2048) if quick else (512, 8192)
     gate, up = (np.random.default_rng(1).standard_normal(shape).astype(np.float32) for _ in "gu")
-    return _median_seconds(lambda: cpu_ops.gated(gate, up, False), runs) / gate.size
+    return _median_seconds(lambda: cpu_ops.gated(gate, up, act == "gelu"), runs) / gate.size
+
+
+def rope_seconds(quick: bool, runs: int) -> float:
+    """Seconds per element of RoPE over a [tokens, heads, 128] block (NeoX halves)."""
+    import numpy as np
+
+    from .kernels import cpu_ops
+
+    x = np.random.default_rng(2).standard_normal((128 if quick else 512, 16, 128))
+    x, positions = x.astype(np.float32), np.arange(x.shape[0])
+    return _median_seconds(lambda: cpu_ops.rope(x, positions, 128, 1e4, 1.0, True),
+                           runs) / x.size  # fmt: skip
+
+
+# tiny llamas whose decode is all fixed costs: the slope between them is a layer's
+TINY_LAYERS = (2, 10)
+TINY = dict(n_embd=64, n_ff=128, n_head=4, n_head_kv=2, n_vocab=512)
+
+
+def layer_seconds(threads: int, quick: bool) -> float:
+    """Our cpu engine's fixed cost of a layer per decoded token, whatever the layer's width."""
+    import tempfile
+
+    import numpy as np
+
+    from refengine.spec import load_spec
+    from refengine.synthetic import SyntheticConfig, write_synthetic
+
+    from .cpu_engine import CpuEngine
+
+    tokens, per_token = (8 if quick else 48), []
+    with tempfile.TemporaryDirectory(prefix="refengine-layers-") as tmp:
+        for n_layer in TINY_LAYERS:
+            path = write_synthetic(Path(tmp) / f"{n_layer}.gguf",
+                                   SyntheticConfig("llama", n_layer=n_layer, **TINY))  # fmt: skip
+            engine = CpuEngine(load_spec(str(path)), threads=threads, n_ctx=4 * tokens)
+            engine.warm_up()
+            engine.prefill(np.arange(4))
+
+            def decode():
+                engine.decode(7)
+
+            per_token.append(_median_seconds(decode, tokens))
+    return max((per_token[1] - per_token[0]) / (TINY_LAYERS[1] - TINY_LAYERS[0]), 0.0)
 
 
 def _median_seconds(run: Callable[[], object], runs: int) -> float:

@@ -25,7 +25,7 @@ from refengine.spec import ModelSpec, load_spec
 from refengine.synthetic import SyntheticConfig, write_synthetic
 from solver.profile import Figure, RateTable
 
-from .measure_cpu import MATMUL_TOKENS, MATVEC_TYPES
+from .measure_cpu import MATMUL_TOKENS, MATVEC_TYPES, TINY, TINY_LAYERS
 
 # wide enough that the matrices, not the per-op overheads, take the time; two layers for the
 # ubatch's layer-to-layer hand-off; a 512-token vocabulary so the head is noise
@@ -66,15 +66,32 @@ def bench(llama_bench: Path, model: Path, threads: int, runs: int) -> dict[str, 
             for r in json.loads(out.stdout)}  # fmt: skip
 
 
+def layer_seconds(llama_bench: Path, threads: int, runs: int, tmp: Path) -> float:
+    """llama.cpp's fixed cost of a layer per decoded token: tiny llamas of TINY_LAYERS layers
+    generate; the slope per layer (its graph's nodes, whatever their width)."""
+    per_token = []
+    for n_layer in TINY_LAYERS:
+        path = tmp / f"tiny-{n_layer}.gguf"
+        write_synthetic(path, SyntheticConfig("llama", n_layer=n_layer, **TINY))
+        cmd = [str(llama_bench), "-m", str(path), "-t", str(threads), "-p", "0", "-n", "64",
+               "-r", str(runs), "-o", "json"]  # fmt: skip
+        out = subprocess.run(cmd, capture_output=True, text=True)
+        if out.returncode != 0:
+            raise UserError(f"llama-bench failed on {path.name}: {out.stderr.strip()[-300:]}")
+        per_token.append(1.0 / float(json.loads(out.stdout)[0]["avg_ts"]))
+    return max((per_token[1] - per_token[0]) / (TINY_LAYERS[1] - TINY_LAYERS[0]), 0.0)
+
+
 def measure_llamacpp_cpu(
     llama_bench: Path,
     threads: int,
     quick: bool = False,
     progress: Callable[[str], None] = lambda s: None,
     types: tuple[str, ...] = MATVEC_TYPES,
-) -> tuple[RateTable, RateTable]:
+) -> tuple[RateTable, RateTable, Figure]:
     """(llama.cpp's CPU matmul GFLOP/s by type and prompt tokens, its decode weight GB/s by type
-    and threads), measured with `llama_bench` (a llama.cpp build's llama-bench)."""
+    and threads, its fixed cost of a layer per token), measured with `llama_bench` (a llama.cpp
+    build's llama-bench)."""
     shape, runs = (QUICK_SHAPE, 1) if quick else (SHAPE, 3)
     src = (f"measured: refengine profile {date.today().isoformat()}, llama-bench -t {threads} "
            f"on a synthetic llama ({shape['n_layer']} layers, {shape['n_embd']} x "
@@ -96,4 +113,9 @@ def measure_llamacpp_cpu(
                                 f"{src}; tg{GEN_TOKENS}, weight bytes per token")  # fmt: skip
             }
             path.unlink()
-    return RateTable("GFLOP/s", matmul), RateTable("GB/s", matvec)
+        progress("llama.cpp's fixed cost of a layer")
+        per_layer = Figure(layer_seconds(llama_bench, threads, runs, Path(tmp)),
+                           f"{src.split(' on a synthetic')[0]}; tiny synthetic llamas of "
+                           f"{' and '.join(map(str, TINY_LAYERS))} layers generating 64 tokens, "
+                           "the slope per layer")  # fmt: skip
+    return RateTable("GFLOP/s", matmul), RateTable("GB/s", matvec), per_layer

@@ -296,19 +296,34 @@ class CostModel:
         matvec = (cpu.llamacpp_matvec_gbps if llama and cpu.llamacpp_matvec_gbps
                   else cpu.matvec_gbps)  # fmt: skip
         read = nbytes / (matvec.at(g.qtype, self.threads) * 1e9)
+        # a host-run layer's fixed cost (its calls, the graph's nodes), once per ubatch
+        fixed = cpu.llamacpp_layer_seconds if llama else cpu.layer_seconds
+        fixed = fixed.value if fixed and g.kind == ATTN_SIDE else 0.0
         if tokens == 1:  # the matvec's measured rate covers its arithmetic; the matmul rate,
             # measured from 64 tokens on and held below them, priced a decode token 3-6x slow
-            return read
+            return read + fixed
         if llama and cpu.llamacpp_matmul_gflops:
-            return max(read, flops / (cpu.llamacpp_matmul_gflops.at(g.qtype, tokens) * 1e9))
+            rate = cpu.llamacpp_matmul_gflops.at(g.qtype, tokens)
+            return max(read, flops / (rate * 1e9)) + fixed
         qtype = g.qtype
         if not llama and tokens >= HOST_PANEL_TOKENS and PANEL_TYPE in cpu.matmul_gflops.rows:
             qtype = PANEL_TYPE  # our host multiplies the fp32 panels it keeps, at BLAS's rate
-        seconds = max(read, flops / (cpu.matmul_gflops.at(qtype, tokens) * 1e9))
-        if not llama and cpu.glu_element_seconds and g.name.endswith(".ffn_up"):
-            # act(gate) * up, on the host that holds up (dense layers; experts' is small)
-            seconds += tokens * self.spec.hparams.n_ff * cpu.glu_element_seconds.value
+        seconds = max(read, flops / (cpu.matmul_gflops.at(qtype, tokens) * 1e9)) + fixed
+        if not llama:  # our host's element-wise work beside the matrices, where measured
+            seconds += tokens * self.host_elementwise_seconds(g)
         return seconds
+
+    def host_elementwise_seconds(self, g: Group) -> float:
+        """A token's element-wise work on our host that rides with group g: act(gate) * up with
+        ffn_up (dense layers; the experts' is small), RoPE over q and k with the attention side."""
+        cpu, hp = self.profile.cpu, self.spec.hparams
+        act = cpu.gelu_element_seconds if self.spec.arch.ffn_act == "gelu" else (
+            cpu.glu_element_seconds)  # fmt: skip
+        if act and g.name.endswith(".ffn_up"):
+            return hp.n_ff * act.value
+        if cpu.rope_element_seconds and g.kind == ATTN_SIDE:
+            return (hp.n_head + hp.n_head_kv) * hp.head_dim * cpu.rope_element_seconds.value
+        return 0.0
 
     def copy_seconds(self, nbytes: float, device: int, cpu_busy: bool) -> float:
         gpu = self.profile.gpus[device]

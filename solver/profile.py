@@ -135,7 +135,13 @@ class CPUProfile:
     # activation, measured by `refengine profile`: beyond the matrices, what small models feel
     attention_score_seconds: RateTable | None = None  # per query head and key, by head size
     attention_row_seconds: Figure | None = None  # per query head and token
-    glu_element_seconds: Figure | None = None  # act(gate) * up, per element
+    glu_element_seconds: Figure | None = None  # SiLU(gate) * up, per element
+    gelu_element_seconds: Figure | None = None  # GELU(gate) * up (tanh form), per element
+    rope_element_seconds: Figure | None = None  # RoPE over q and k, per element
+    # a host-run layer's fixed cost per ubatch, whatever its width (the calls, the graph's nodes):
+    # what a small model's decode feels most; ours, and llama.cpp's CPU backend's
+    layer_seconds: Figure | None = None
+    llamacpp_layer_seconds: Figure | None = None
 
 
 @dataclass(frozen=True)

@@ -204,14 +204,17 @@ def test_llamacpp_copies_only_the_routed_experts_of_a_cpu_held_stack():
 
 def test_our_host_prefill_prices_its_attention_and_gated_activation_as_measured():
     """Where the profile measured them, our host prefill's attention costs rows x (cells scored x
-    per score + per row) at the head size's rate, and ffn_up carries act(gate) * up per element;
+    per score + per row) at the head size's rate, ffn_up carries act(gate) * up per element and
+    the attention side RoPE over q and k and the layer's fixed cost;
     llama.cpp's CPU backend and decode keep the roofline, and so does a profile without them."""
     base = toy_profile()
     hp = DENSE.hparams
     measured = replace(base, cpu=replace(
         base.cpu, attention_score_seconds=RateTable("s", {ANY_TYPE: {
             64: Figure(4e-9, "toy"), 256: Figure(8e-9, "toy")}}),  # head 128: 6e-9, log-midway
-        attention_row_seconds=Figure(1e-6, "toy"), glu_element_seconds=Figure(3e-9, "toy")))
+        attention_row_seconds=Figure(1e-6, "toy"), glu_element_seconds=Figure(3e-9, "toy"),
+        gelu_element_seconds=Figure(9e-9, "toy"), rope_element_seconds=Figure(5e-9, "toy"),
+        layer_seconds=Figure(3e-5, "toy"), llamacpp_layer_seconds=Figure(2e-5, "toy")))
     cpu = Loc(CPU)
     ours, roofline = CostModel(DENSE, measured, W), CostModel(DENSE, base, W)
     rows, cells = hp.n_head * 512, 1000 + 512
@@ -225,6 +228,15 @@ def test_our_host_prefill_prices_its_attention_and_gated_activation_as_measured(
     assert ours.cpu_seconds(up, 512) - roofline.cpu_seconds(up, 512) == pytest.approx(
         512 * hp.n_ff * 3e-9)
     assert ours.cpu_seconds(gate, 512) == roofline.cpu_seconds(gate, 512)
+    attn = next(g for g in ours.groups if g.name == "blk.0.attn")  # RoPE over q and k
+    assert ours.cpu_seconds(attn, 512) - roofline.cpu_seconds(attn, 512) == pytest.approx(
+        512 * (hp.n_head + hp.n_head_kv) * hp.head_dim * 5e-9 + 3e-5)
+    # a host-run layer's fixed cost, once a ubatch, each system its own
+    assert ours.cpu_seconds(attn, 1) - roofline.cpu_seconds(attn, 1) == pytest.approx(3e-5)
+    llama = CostModel(DENSE, measured, W, "llamacpp")
+    assert llama.cpu_seconds(attn, 1) - CostModel(DENSE, base, W, "llamacpp").cpu_seconds(
+        attn, 1) == pytest.approx(2e-5)
+    assert ours.cpu_seconds(up, 1) == roofline.cpu_seconds(up, 1)
 
 
 def test_attention_at_real_depth_and_token_count():

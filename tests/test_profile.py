@@ -87,6 +87,8 @@ def test_profile_command_measures_the_cpu_and_keeps_the_gpu_side(tmp_path):
     # our host prefill's attention and gated activation, beyond the matrices
     assert 0 < prof.cpu.attention_score_seconds.at(ANY_TYPE, 64) < 1e-6
     assert 0 < prof.cpu.glu_element_seconds.value < 1e-6
+    assert 0 <= prof.cpu.layer_seconds.value < 1e-3 and "slope per layer" in (
+        prof.cpu.layer_seconds.source)
 
 
 @pytest.mark.skipif(GPU, reason="this machine has a GPU to measure")
@@ -143,6 +145,7 @@ def test_llama_cpp_cpu_rates_are_measured_and_price_the_llamacpp_target_only(tmp
     assert set(cpu.llamacpp_matmul_gflops.rows) >= {"Q4_K", "Q6_K", "Q8_0", "F16"}
     assert "llama-bench" in cpu.llamacpp_matmul_gflops.rows["Q4_K"][512].source
     assert cpu.llamacpp_matvec_gbps.at("Q4_K", cpu.threads) > 0.5
+    assert 0 <= cpu.llamacpp_layer_seconds.value < 1e-3
     spec = load_spec(str(small_models["llama"]))  # Q8_0 matrices
     mine = replace(cpu, llamacpp_matmul_gflops=RateTable("GFLOP/s", {"Q8_0": {512: Figure(
         cpu.llamacpp_matmul_gflops.at("Q8_0", 512) / 10, "test")}}))  # fmt: skip
