@@ -599,14 +599,18 @@ def _graph_seconds(rpc: RpcClient, device: int, nodes: list[int], tensors: list[
     `repeats` times (GRAPH_RECOMPUTE, as llama.cpp reruns an unchanged graph), each fenced."""
     rpc.graph_compute(device, nodes, tensors)
     rpc.alignment(device)
-    times = []
+    times, fences = [], []
     for _ in range(repeats):
         t0 = time.perf_counter()
         rpc.graph_recompute(device)
         rpc.alignment(device)
         times.append(time.perf_counter() - t0)
+        # the fence's round trip, timed beside each run: on a loaded host the round trip drifts,
+        # and a fence measured once before can exceed a short graph's whole time
+        fences.append(_fence_seconds(rpc, device, 1))
+    fence = min(fence_seconds, statistics.median(fences))
     # a graph faster than the fence's own jitter is still a positive time
-    return max(statistics.median(times) - fence_seconds, 1e-9)
+    return max(statistics.median(times) - fence, 1e-9)
 
 
 def measure_rpc_compute(
