@@ -54,11 +54,12 @@ def token_nbytes(spec: ModelSpec) -> int:
     return sum(t.nbytes for t in matrices(spec))
 
 
-def bench(llama_bench: Path, model: Path, threads: int, runs: int) -> dict[str, float]:
-    """{"pp64": t/s, "pp512": t/s, "tg16": t/s} of one llama-bench run."""
-    prompts = ",".join(str(t) for t in MATMUL_TOKENS)
-    cmd = [str(llama_bench), "-m", str(model), "-t", str(threads), "-p", prompts, "-n",
-           str(GEN_TOKENS), "-r", str(runs), "-o", "json"]  # fmt: skip
+def bench(llama_bench: Path, model: Path, threads: int, runs: int,
+          prompts: tuple[int, ...] = MATMUL_TOKENS, gen: int = GEN_TOKENS) -> dict[str, float]:
+    """{"pp64": t/s, "pp512": t/s, "tg16": t/s} of one llama-bench run (no prompt test when
+    `prompts` is (0,))."""
+    cmd = [str(llama_bench), "-m", str(model), "-t", str(threads), "-p",
+           ",".join(map(str, prompts)), "-n", str(gen), "-r", str(runs), "-o", "json"]  # fmt: skip
     out = subprocess.run(cmd, capture_output=True, text=True)
     if out.returncode != 0:
         raise UserError(f"llama-bench failed on {model.name}: {out.stderr.strip()[-300:]}")
@@ -73,12 +74,7 @@ def layer_seconds(llama_bench: Path, threads: int, runs: int, tmp: Path) -> floa
     for n_layer in TINY_LAYERS:
         path = tmp / f"tiny-{n_layer}.gguf"
         write_synthetic(path, SyntheticConfig("llama", n_layer=n_layer, **TINY))
-        cmd = [str(llama_bench), "-m", str(path), "-t", str(threads), "-p", "0", "-n", "64",
-               "-r", str(runs), "-o", "json"]  # fmt: skip
-        out = subprocess.run(cmd, capture_output=True, text=True)
-        if out.returncode != 0:
-            raise UserError(f"llama-bench failed on {path.name}: {out.stderr.strip()[-300:]}")
-        per_token.append(1.0 / float(json.loads(out.stdout)[0]["avg_ts"]))
+        per_token.append(1.0 / bench(llama_bench, path, threads, runs, (0,), 64)["tg64"])
     return max((per_token[1] - per_token[0]) / (TINY_LAYERS[1] - TINY_LAYERS[0]), 0.0)
 
 
