@@ -21,6 +21,7 @@ import os
 from dataclasses import dataclass, field
 
 import numpy as np
+from gguf import GGMLQuantizationType as Q
 
 from refengine import reference as ref
 from refengine.spec import ModelSpec
@@ -136,10 +137,8 @@ class HostMath:
         there is room) and BLAS."""
         kind = cpu.path(t.qtype, x.shape[0])
         if kind == "q8" and not self.threads:
-            if self._q8_of[0] is not x:
-                self._q8_of = (x, cpu.quantize_activations(np.ascontiguousarray(x, np.float32)))
             out = np.empty((x.shape[0], t.shape[0]), np.float32)
-            cpu.q8_matvec(raw, self._q8_of[1], t.qtype, t.shape, out)
+            cpu.q8_matvec(raw, self._quantized(x), t.qtype, t.shape, out)
             return out
         if kind == "blas":
             panel = self.panels.get(t.name)
@@ -150,6 +149,12 @@ class HostMath:
             if panel is not None:
                 return np.matmul(np.ascontiguousarray(x, np.float32), panel.T)
         return cpu.matmul(raw, x, t.qtype, t.shape, self.threads)
+
+    def _quantized(self, x: np.ndarray) -> tuple:
+        """x's q8 activations, kept for the next caller with the same array."""
+        if self._q8_of[0] is not x:
+            self._q8_of = (x, cpu.quantize_activations(np.ascontiguousarray(x, np.float32)))
+        return self._q8_of[1]
 
     def _checked(self, name: str, raw: np.ndarray, dense_w: np.ndarray, e=None) -> np.ndarray:
         want = self.reference.raw(name)
@@ -276,24 +281,47 @@ class HostMath:
         f = self.mm(self.gated(st.gate, st.up), w, f"blk.{il}.ffn_down.weight")
         self._residual(st, w, il, f)
 
-    def _experts(self, st: Act, w: dict, name: str, x_of) -> np.ndarray:
-        """Per (token, slot), the chosen expert's product of x_of(rows, slots): [T, k, n_out]."""
-        info = self.spec.by_name[name]
-        out = np.zeros((*st.ids.shape, info.shape[1]), np.float32)
-        for e in np.unique(st.ids):
-            rows, slot = np.nonzero(st.ids == e)
-            out[rows, slot] = self.mm_rows(x_of(rows, slot), w[name][e], info, e)
-        return out
+    def _experts(self, st: Act, w: dict, name: str, x: np.ndarray) -> np.ndarray:
+        """Per (token, slot), the chosen expert's product with x ([T, n] shared by a token's
+        slots, or [T, k, n]): [T, k, n_out]. The int8 path runs every expert in one pass over
+        the stack (`cpu.q8_experts`): a call per expert paid a kernel launch each, and a prompt's
+        per-expert fp32 panels alternated Numba's threads with BLAS's on the same cores."""
+        info, stack = self.spec.by_name[name], w[name]
+        n_tokens, k = st.ids.shape
+        n_out = info.shape[1]
+        if (self.exact or Q(info.qtype) not in cpu.Q8_ROWS or not isinstance(stack, np.ndarray)
+                or stack.shape[0] != self.hp.n_expert or not stack.flags.c_contiguous):
+            out = np.zeros((n_tokens, k, n_out), np.float32)
+            for e in np.unique(st.ids):
+                rows, slot = np.nonzero(st.ids == e)
+                out[rows, slot] = self.mm_rows(x[rows] if x.ndim == 2 else x[rows, slot],
+                                               stack[e], info, e)  # fmt: skip
+            return out
+        flat = st.ids.reshape(-1)
+        order = np.argsort(flat, kind="stable")  # (token, slot) rows grouped by expert
+        counts = np.bincount(flat, minlength=self.hp.n_expert)
+        used = np.flatnonzero(counts)
+        first = np.concatenate([[0], np.cumsum(counts[used])])
+        if x.ndim == 2:  # each token quantized once, its rows repeated for its slots
+            q8 = tuple(a[order // k] for a in self._quantized(x))
+        else:
+            q8 = cpu.quantize_activations(np.ascontiguousarray(x.reshape(n_tokens * k, -1)[order]))
+        grouped = np.empty((order.size, n_out), np.float32)
+        with cpu.threads_set(self.threads):
+            cpu.q8_experts(stack, q8, used, first, info.qtype, info.shape[1:], grouped)
+        out = np.empty((n_tokens * k, n_out), np.float32)
+        out[order] = grouped
+        return out.reshape(n_tokens, k, n_out)
 
     def ffn_gate_exps(self, st: Act, w: dict, il: int) -> None:
-        st.gate = self._experts(st, w, f"blk.{il}.ffn_gate_exps.weight", lambda r, s: st.h[r])
+        st.gate = self._experts(st, w, f"blk.{il}.ffn_gate_exps.weight", st.h)
 
     def ffn_up_exps(self, st: Act, w: dict, il: int) -> None:
-        st.up = self._experts(st, w, f"blk.{il}.ffn_up_exps.weight", lambda r, s: st.h[r])
+        st.up = self._experts(st, w, f"blk.{il}.ffn_up_exps.weight", st.h)
 
     def ffn_down_exps(self, st: Act, w: dict, il: int) -> None:
         act = self.gated(st.gate, st.up)
-        down = self._experts(st, w, f"blk.{il}.ffn_down_exps.weight", lambda r, s: act[r, s])
+        down = self._experts(st, w, f"blk.{il}.ffn_down_exps.weight", act)
         f = np.zeros((st.tokens.size, down.shape[2]), np.float32)
         for e in np.unique(st.ids):  # the reference's order of summation
             rows, slot = np.nonzero(st.ids == e)

@@ -116,6 +116,35 @@ def test_cpu_exact_path_on_request(qtype):
     assert normwise(got, matmul_q(x, raw, qtype, (16, 512))) < 1e-3
 
 
+@pytest.mark.parametrize(
+    "qtype, counts",
+    [(q, (3, 0, 11, 1)) for q in (Q.Q4_1, Q.Q4_K, Q.Q6_K, Q.Q8_0)] + [(Q.Q4_K, (1, 1, 1))],
+    ids=str,
+)
+def test_cpu_experts_in_one_pass_equal_each_expert_alone(qtype, counts):
+    """Experts drawing different token counts (one of them none, one more than a span's rows
+    share) in one call: each expert's rows against its own matrix of the stack."""
+    rng = np.random.default_rng(500 + int(qtype) + len(counts))
+    n_expert, n_rows, n_cols = 6, cpu.EXPERT_SPAN_ROWS + 5, 512
+    stack = np.stack([weights(rng, qtype, n_rows, n_cols) for _ in range(n_expert)])
+    used = rng.permutation(n_expert)[: len(counts)]
+    keep = np.array(counts) > 0
+    used, counts = used[keep], np.array(counts)[keep]
+    first = np.concatenate([[0], np.cumsum(counts)])
+    x = rng.standard_normal((first[-1], n_cols)).astype(np.float32)
+    out = np.full((first[-1], n_rows), np.nan, np.float32)
+    cpu.q8_experts(stack, cpu.quantize_activations(x), used, first, qtype, (n_rows, n_cols), out)
+    want = np.empty_like(out)
+    for i, e in enumerate(used):
+        rows = slice(first[i], first[i + 1])
+        want[rows] = matmul_q(x[rows], stack[e], qtype, (n_rows, n_cols))
+        alone = np.empty((counts[i], n_rows), np.float32)
+        cpu.q8_matvec(stack[e].reshape(-1), cpu.quantize_activations(x[rows]), qtype,
+                      (n_rows, n_cols), alone)  # fmt: skip
+        np.testing.assert_allclose(out[rows], alone, rtol=1e-5, atol=1e-5 * np.abs(alone).max())
+    assert normwise(out, want) < CPU_TOLERANCE["q8"]
+
+
 def test_q8_activations_round_trip():
     x = np.random.default_rng(4).standard_normal((2, 512)).astype(np.float32) * 3
     x8, xd, xs = cpu.quantize_activations(x)

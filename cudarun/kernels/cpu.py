@@ -261,6 +261,46 @@ def quantize_two_planes(x: np.ndarray):
     return tuple(np.concatenate([a, b]) for a, b in zip(first, second))
 
 
+EXPERT_SPAN_ROWS = 32
+
+
+@lru_cache(maxsize=None)
+def _q8_experts_kernel(qtype, tokens):
+    dots = row_dots(qtype.name, tokens)
+    _, per_block, block_nbytes = LAYOUTS[qtype]
+
+    @njit(parallel=True)
+    def experts(raw, expert_nbytes, used, first, x8, xd, xs, out, n_rows, n_cols):
+        blocks = n_cols // per_block
+        n_used = used.shape[0]
+        n_spans = (n_rows + EXPERT_SPAN_ROWS - 1) // EXPERT_SPAN_ROWS
+        # spans of consecutive rows, each expert's spans interleaved with the others': a thread
+        # streams a span's rows in order (what the prefetcher follows) and takes rows of every
+        # expert, so one that drew more tokens than the others does not leave a thread idle
+        for job in prange(n_spans * n_used):
+            span, i = job // n_used, job % n_used
+            a, b = first[i], first[i + 1]
+            x8i, xdi, xsi, outi = x8[a:b], xd[a:b], xs[a:b], out[a:b]
+            base = used[i] * expert_nbytes
+            for r in range(span * EXPERT_SPAN_ROWS, min(n_rows, (span + 1) * EXPERT_SPAN_ROWS)):
+                dots(raw, base + r * blocks * block_nbytes, x8i, xdi, xsi, blocks, outi, r)
+
+    return experts
+
+
+def q8_experts(stack: np.ndarray, q8, used, first, qtype, shape: tuple[int, int],
+               out: np.ndarray) -> None:  # fmt: skip
+    """Every routed expert of a stack in one parallel pass (llama.cpp's mul_mat_id): `stack` the
+    [E, ...] blocks of the 3-D tensor, `used` [U] the expert ids, and expert used[i]'s activation
+    rows q8[..][first[i]:first[i + 1]] (quantized by `quantize_activations`), whose products with
+    its [n_rows, n_cols] matrix go to the same rows of `out` [sum, n_rows]."""
+    raw = stack.reshape(-1)
+    counts = np.diff(first)
+    tokens = token_key(int(counts[0])) if (counts == counts[0]).all() else None
+    _q8_experts_kernel(Q(qtype), tokens)(raw, raw.size // stack.shape[0], used, first, *q8, out,
+                                 shape[0], shape[1])  # fmt: skip
+
+
 def q8_matvec(raw: np.ndarray, q8, qtype, shape: tuple[int, int], out: np.ndarray) -> None:
     """out [T, n_rows] = the activations quantized by `quantize_activations` (`q8`: x8, xd, xs)
     times the weight, on the calling thread's Numba threads."""
