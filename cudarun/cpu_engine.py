@@ -5,7 +5,8 @@ named int8 path), with the fp16 KV of every layer in host memory (`kvstore.KVMir
 The weights are read in place from the memory-mapped GGUF: nothing is copied at load. A plan, when
 given, supplies its context, workload and tiers; its placement does not matter here, since every
 part runs on the host. Several sequences (docs/sequences.md) share the mirror's cells
-(`kvstore.KVCells`): a decode step over many of them is one fused call a layer.
+(`kvstore.KVCells`): a decode step over many of them is one fused call a layer (a routed
+layer: two, the router between them).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from refengine import defaults
+from refengine import reference as ref
 from refengine.engine import SequenceCalls, keep_all
 from refengine.sequences import Sequences, Ubatch
 from refengine.spec import ModelSpec
@@ -35,6 +37,35 @@ class HostTier:
     tier: int
     place: TierPlacement
     parts: list
+
+
+@dataclass
+class FusedLayer:
+    """A layer's decode as one kernel call (dense) or two (routed: the attention half, then the
+    experts, the router between them in Python): the seven matrices' types (q, k, v, o, then the
+    FFN's gate, up, down or their expert stacks), each half's arguments, the router's tensor."""
+
+    qtypes: tuple
+    attention: tuple  # q, k, v, o, their biases, the norms, the layer's K and V cache
+    ffn: tuple  # gate, up, down (routed: and an expert's bytes in each), the post-FFN norm
+    router: str | None
+    ints: np.ndarray  # cpu_layer.INTS
+    floats: np.ndarray  # cpu_layer.FLOATS
+    swa: bool
+
+
+def _fused_tensors(moe: bool):
+    attn = ("attn_norm", "attn_q", "attn_k", "attn_v", "attn_output", "attn_q.bias",
+            "attn_k.bias", "attn_v.bias", "attn_q_norm", "attn_k_norm", "post_attention_norm",
+            "ffn_norm", "post_ffw_norm")  # fmt: skip
+    ffn = ("ffn_gate_inp", "ffn_gate_exps", "ffn_up_exps", "ffn_down_exps") if moe else (
+        "ffn_gate", "ffn_up", "ffn_down")  # fmt: skip
+    names = [n if n.endswith(".bias") else n + ".weight" for n in attn + ffn]
+    return lambda prefix: {prefix + n for n in names}
+
+
+# what a fused layer computes: a layer with any other tensor runs part by part
+FUSED_TENSORS = {moe: _fused_tensors(moe) for moe in (False, True)}
 
 
 def all_cpu(spec: ModelSpec) -> TierPlacement:
@@ -91,18 +122,19 @@ class CpuEngine(SequenceCalls):
         self.trace_events = None
 
     def _layer_calls(self) -> list | None:
-        """Per layer, (its kernel, its arguments) for `cpu_layer` — None when some layer cannot
-        take it (MoE, or a matrix type without int8 rows), and the parts run one by one."""
+        """Per layer, its `FusedLayer` — None when some layer cannot take one (a matrix type
+        without int8 rows, a tensor the kernels do not know), and the parts run one by one."""
         spec, hp, tr = self.spec, self.spec.hparams, self.spec.arch
-        if tr.moe:
-            return None
         empty = np.empty(0, np.float32)
-        names = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
         out = []
         for il in range(hp.n_layer):
             p = f"blk.{il}."
-            t = {**self.weights[p + "attn"], **{k: v for g in ("ffn_gate", "ffn_up", "ffn_down")
-                                               for k, v in self.weights[p + g].items()}}  # fmt: skip
+            ffn = ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps") if tr.moe else (
+                "ffn_gate", "ffn_up", "ffn_down")  # fmt: skip
+            t = {k: v for g in ("attn", *ffn) for k, v in self.weights.get(p + g, {}).items()}
+            names = ("attn_q", "attn_k", "attn_v", "attn_output", *ffn)
+            if any(p + n + ".weight" not in t for n in names) or set(t) - FUSED_TENSORS[tr.moe](p):
+                return None
             infos = [spec.by_name[p + n + ".weight"] for n in names]
             if any(i.qtype not in cpu.Q8_ROWS for i in infos):
                 return None
@@ -114,29 +146,43 @@ class CpuEngine(SequenceCalls):
             base, scale = (hp.rope_base_swa, 1.0) if swa else (hp.rope_base, hp.rope_scale)
             ints = np.array([hp.n_head, hp.n_head_kv, hp.head_dim, hp.head_dim_v, hp.n_rot,
                              tr.rope_style == "neox", hp.n_swa if swa else 0, tr.ffn_act == "gelu",
-                             spec.by_name[p + "ffn_gate.weight"].shape[0]], np.int64)  # fmt: skip
+                             infos[4].shape[-2]], np.int64)  # fmt: skip
             floats = np.array([hp.rms_eps, base, scale, hp.attn_scale], np.float64)
-            args = (
-                *(t[i.name].reshape(-1) for i in infos),
+            attention = (
+                *(t[i.name].reshape(-1) for i in infos[:4]),
                 vec("attn_q.bias"), vec("attn_k.bias"), vec("attn_v.bias"),
                 vec("attn_norm.weight"), vec("attn_q_norm.weight"), vec("attn_k_norm.weight"),
                 vec("post_attention_norm.weight"), vec("ffn_norm.weight"),
-                vec("post_ffw_norm.weight"),
                 self.mirror.k[il].view(np.uint16), self.mirror.v[il].view(np.uint16),
             )  # fmt: skip
-            out.append((tuple(i.qtype for i in infos), args, ints, floats, swa))
+            stacks = [t[i.name] for i in infos[4:]]
+            sizes = (np.array([a[0].nbytes for a in stacks], np.int64),) if tr.moe else ()
+            out.append(FusedLayer(
+                tuple(i.qtype for i in infos), attention,
+                (*(a.reshape(-1) for a in stacks), *sizes, vec("post_ffw_norm.weight")),
+                p + "ffn_gate_inp.weight" if tr.moe else None, ints, floats, swa,
+            ))  # fmt: skip
         return out
 
     def _fused_layer(self, st: Act, il: int) -> None:
-        qtypes, args, ints, floats, swa = self.layers[il]
-        # a copy: the kernel updates the residual in place, and an earlier part may have recorded
+        layer = self.layers[il]
+        # a copy: the kernels update the residual in place, and an earlier part may have recorded
         # st.x itself as its block's output
         x = np.array(st.x, np.float32, order="C")
         c = st.cells
-        cpu_layer.layer_kernel(qtypes, cpu.token_key(x.shape[0]))(
-            x, *args, st.pos, c.write, c.lo_swa if swa else c.lo, c.hi, c.seq, c.cell_pos,
-            c.cell_seq, ints, floats,
-        )  # fmt: skip
+        cells = (st.pos, c.write, c.lo_swa if layer.swa else c.lo, c.hi, c.seq, c.cell_pos,
+                 c.cell_seq, layer.ints, layer.floats)  # fmt: skip
+        key = cpu.token_key(x.shape[0])
+        if layer.router is None:
+            cpu_layer.layer_kernel(layer.qtypes, key)(x, *layer.attention, *cells, *layer.ffn)
+        else:  # the attention half, the router here (any architecture's rule), the experts
+            h = np.empty_like(x)
+            cpu_layer.attention_kernel(layer.qtypes[:4], key)(x, *layer.attention, *cells, h)
+            logits = self.math.mm(h, self.weights[f"blk.{il}.attn"], layer.router)
+            ids, gates = ref.moe_route(logits, self.spec.hparams.n_expert_used,
+                                       self.spec.arch.expert_weights_norm)  # fmt: skip
+            cpu_layer.moe_ffn_kernel(layer.qtypes[4:])(x, h, ids, gates, *layer.ffn,
+                                                      layer.ints, layer.floats)  # fmt: skip
         st.x = x
         if f"blk.{il}.out" in self.requested:
             st.record[f"blk.{il}.out"] = x.copy()
@@ -158,7 +204,7 @@ class CpuEngine(SequenceCalls):
         st = Act(ub.tokens, ub.pos, all_logits)
         st.cells, st.logit_rows = self.cells.place(ub), ub.logit_rows
         math = self.math
-        # a decode step (of one sequence or many) runs each dense layer as one call
+        # a decode step (of one sequence or many) runs each layer as one call (routed: two)
         fused = (self.layers is not None and ub.size <= cpu.MAX_DECODE_ROWS
                  and max(n for _, _, n in ub.segments) < cpu.BLAS_TOKENS)  # fmt: skip
         for part in tier.parts:

@@ -1,21 +1,23 @@
-"""One dense transformer layer for a few tokens (decode) as one Numba call: the host's forward
-pass without a return to Python between its operations.
+"""A transformer layer for a few tokens (decode) as one Numba call, or two for a routed layer:
+the host's forward pass without a return to Python between its operations.
 
 A decode token's layer is ~1 MB of weights on a small model; run as a dozen calls from Python
 (norm, three matmuls, RoPE, attention, ...) it spent as much time in dispatch and in waking the
-thread team as in its kernels. Here the layer is one function with five parallel regions (the
-Q/K/V rows together, the attention heads, the output rows, the gate and up rows together, the down
-rows), the small operations serial between them. The matmuls are the named int8 path
-(`simd.q8_row`: activations quantized to int8 per 32 as `cpu.quantize_activations` does), the
-rest the `cpu_ops` semantics: RMSNorm with an fp64 sum, RoPE in fp64 (pairs or NeoX), attention
-over the fp16 KV cache (scores, one softmax, then V), SiLU or GELU gating. K and V are written
-into the cache (fp16, round to nearest even) before the attention reads it. The tokens may be of
-several sequences (a decode step of many): each writes its own cell and attends over its own
-cells (`kvstore.CellMap`).
+thread team as in its kernels. The attention half (`attention_kernel`) has three parallel regions
+(the Q/K/V rows together, the attention heads, the output rows), a dense FFN (`ffn_kernel`) two
+(the gate and up rows together, the down rows), the small operations serial between them; a
+dense layer (`layer_kernel`) is both in one call. A routed layer's experts (`moe_ffn_kernel`) are
+a second call, after the router (whose rule differs by architecture) has run in Python. The
+matmuls are the named int8 path (`simd.q8_row`: activations quantized to int8 per 32 as
+`cpu.quantize_activations` does), the rest the `cpu_ops` semantics: RMSNorm with an fp64 sum,
+RoPE in fp64 (pairs or NeoX), attention over the fp16 KV cache (scores, one softmax, then V), SiLU
+or GELU gating. K and V are written into the cache (fp16, round to nearest even) before the
+attention reads it. The tokens may be of several sequences (a decode step of many): each writes
+its own cell and attends over its own cells (`kvstore.CellMap`).
 
-`layer_kernel(qtypes, tokens)` compiles one function per tuple of the seven matrix types and the
-token count (a model has one or a few such tuples). Optional tensors (biases, Q/K norms, the
-post-norms) are passed as empty arrays when the architecture has none.
+The kernels are compiled per tuple of matrix types and token count (a model has one or a few
+such tuples). Optional tensors (biases, Q/K norms, the post-norms) are passed as empty arrays
+when the architecture has none.
 """
 
 from __future__ import annotations
@@ -196,26 +198,43 @@ def _attention(q, kc, vc, pos, lo, hi, seq, cell_pos, cell_seq, n_head, n_kv, wi
             row[i] /= total
 
 
+@register_jitable
+def _gate_rows(gate, up, gelu):
+    """gate = act(gate) * up, the activation in fp64 (cpu_ops.gated)."""
+    for t in range(gate.shape[0]):
+        for i in range(gate.shape[1]):
+            gv = np.float64(gate[t, i])
+            if gelu:
+                act = 0.5 * gv * (1.0 + math.tanh(0.7978845608028654 * (gv + 0.044715 * gv**3)))
+            else:
+                act = gv / (1.0 + math.exp(-gv))
+            gate[t, i] = act * up[t, i]
+
+
+@register_jitable
+def _add_rows(x, f):
+    for t in range(x.shape[0]):
+        for i in range(x.shape[1]):
+            x[t, i] += f[t, i]
+
+
 @lru_cache(maxsize=None)
-def layer_kernel(qtypes: tuple, tokens: int | None):
-    """The layer function for matrices of these types (q, k, v, o, gate, up, down), for `tokens`
-    tokens or (None) any count (`cpu.token_key`)."""
-    rq, rk, rv, ro, rg, ru, rd = (row_dots(q.name, tokens) for q in qtypes)
-    (pq, bq), (pk, bk), (pv, bv), (po, bo), (pg, bg), (pu, bu), (pd, bd) = (
-        LAYOUTS[q][1:] for q in qtypes
-    )
+def attention_kernel(qtypes: tuple, tokens: int | None):
+    """A layer's attention half for matrices of these types (q, k, v, o): the residual x updated
+    in place, and h = its FFN-normed copy (the FFN's input)."""
+    rq, rk, rv, ro = (row_dots(q.name, tokens) for q in qtypes)
+    (pq, bq), (pk, bk), (pv, bv), (po, bo) = (LAYOUTS[q][1:] for q in qtypes)
 
     @njit(parallel=True, fastmath=True)
-    def layer(x, wq, wk, wv, wo, wg, wu, wd, biases_q, biases_k, biases_v, attn_norm, q_norm,
-              k_norm, post_attn_norm, ffn_norm, post_ffw_norm, kc, vc, pos, write, lo, hi, seq,
-              cell_pos, cell_seq, ints, floats):  # fmt: skip
+    def attention(x, wq, wk, wv, wo, biases_q, biases_k, biases_v, attn_norm, q_norm, k_norm,
+                  post_attn_norm, ffn_norm, kc, vc, pos, write, lo, hi, seq, cell_pos, cell_seq,
+                  ints, floats, h):  # fmt: skip
         n_tok, d = x.shape
-        n_head, n_kv, hd, hdv, n_rot, neox, window, gelu, n_ff = ints
+        n_head, n_kv, hd, hdv, n_rot, neox, window = ints[:7]
         eps, rope_base, rope_scale, attn_scale = floats
         nq, nk, nv = n_head * hd, n_kv * hd, n_kv * hdv
 
-        # -- attention in: norm, Q/K/V rows together, biases, Q/K norms, RoPE, the cache write
-        h = np.empty_like(x)
+        # -- in: norm, Q/K/V rows together, biases, Q/K norms, RoPE, the cache write
         _norm_rows(x, attn_norm, eps, h)
         x8, xd, xs = quantize_activations(h)
         q = np.empty((n_tok, nq), np.float32)
@@ -249,7 +268,7 @@ def layer_kernel(qtypes: tuple, tokens: int | None):
         _attention(q, kc, vc, pos, lo, hi, seq, cell_pos, cell_seq, n_head, n_kv, window,
                    attn_scale, a)  # fmt: skip
 
-        # -- attention out: output rows, post-norm, residual; FFN norm
+        # -- out: output rows, post-norm, residual; the FFN's norm
         a8, ad, a_s = quantize_activations(a)
         na = n_head * hdv
         f = np.empty((n_tok, d), np.float32)
@@ -257,13 +276,25 @@ def layer_kernel(qtypes: tuple, tokens: int | None):
             ro(wo, r * (na // po) * bo, a8, ad, a_s, na // po, f, r)
         if post_attn_norm.size:
             _norm_rows(f, post_attn_norm, eps, f)
-        for t in range(n_tok):
-            for i in range(d):
-                x[t, i] += f[t, i]
+        _add_rows(x, f)
         _norm_rows(x, ffn_norm, eps, h)
-        x8, xd, xs = quantize_activations(h)
 
-        # -- FFN: gate and up rows together, gating, down rows, post-norm, residual
+    return attention
+
+
+@lru_cache(maxsize=None)
+def ffn_kernel(qtypes: tuple, tokens: int | None):
+    """A dense layer's FFN half for matrices of these types (gate, up, down): x += the FFN of h
+    (post-normed where the architecture has one)."""
+    rg, ru, rd = (row_dots(q.name, tokens) for q in qtypes)
+    (pg, bg), (pu, bu), (pd, bd) = (LAYOUTS[q][1:] for q in qtypes)
+
+    @njit(parallel=True, fastmath=True)
+    def ffn(x, h, wg, wu, wd, post_ffw_norm, ints, floats):
+        n_tok, d = x.shape
+        gelu, n_ff = ints[7], ints[8]
+        eps = floats[0]
+        x8, xd, xs = quantize_activations(h)
         gate = np.empty((n_tok, n_ff), np.float32)
         up = np.empty((n_tok, n_ff), np.float32)
         for r in prange(2 * n_ff):
@@ -272,21 +303,82 @@ def layer_kernel(qtypes: tuple, tokens: int | None):
             else:
                 j = r - n_ff
                 ru(wu, j * (d // pu) * bu, x8, xd, xs, d // pu, up, j)
-        for t in range(n_tok):
-            for i in range(n_ff):
-                gv = np.float64(gate[t, i])
-                if gelu:
-                    act = 0.5 * gv * (1.0 + math.tanh(0.7978845608028654 * (gv + 0.044715 * gv**3)))
-                else:
-                    act = gv / (1.0 + math.exp(-gv))
-                gate[t, i] = act * up[t, i]
+        _gate_rows(gate, up, gelu)
         g8, gd, gs = quantize_activations(gate)
+        f = np.empty((n_tok, d), np.float32)
         for r in prange(d):
             rd(wd, r * (n_ff // pd) * bd, g8, gd, gs, n_ff // pd, f, r)
         if post_ffw_norm.size:
             _norm_rows(f, post_ffw_norm, eps, f)
+        _add_rows(x, f)
+
+    return ffn
+
+
+@lru_cache(maxsize=None)
+def moe_ffn_kernel(qtypes: tuple):
+    """A routed layer's FFN half for expert stacks of these types (gate, up, down): each (token,
+    slot) through its expert, one token a row, and x += the slots' products weighted, summed in
+    ascending expert id (the part-by-part path's order), post-normed where the architecture has
+    one. `nbytes` [3]: an expert's bytes in each stack."""
+    rg, ru, rd = (row_dots(q.name, 1) for q in qtypes)
+    (pg, bg), (pu, bu), (pd, bd) = (LAYOUTS[q][1:] for q in qtypes)
+
+    @njit(parallel=True, fastmath=True)
+    def moe_ffn(x, h, ids, weights, wg, wu, wd, nbytes, post_ffw_norm, ints, floats):
+        n_tok, d = x.shape
+        k = ids.shape[1]
+        gelu, n_ff = ints[7], ints[8]
+        eps = floats[0]
+        pairs = n_tok * k
+        x8, xd, xs = quantize_activations(h)
+        gate = np.empty((pairs, n_ff), np.float32)
+        up = np.empty((pairs, n_ff), np.float32)
+        for job in prange(pairs * 2 * n_ff):  # a pair's rows in order: its expert streams in
+            pair, r = job // (2 * n_ff), job % (2 * n_ff)
+            t, e = pair // k, ids[pair // k, pair % k]
+            if r < n_ff:
+                rg(wg, e * nbytes[0] + r * (d // pg) * bg, x8[t : t + 1], xd[t : t + 1],
+                   xs[t : t + 1], d // pg, gate[pair : pair + 1], r)  # fmt: skip
+            else:
+                j = r - n_ff
+                ru(wu, e * nbytes[1] + j * (d // pu) * bu, x8[t : t + 1], xd[t : t + 1],
+                   xs[t : t + 1], d // pu, up[pair : pair + 1], j)  # fmt: skip
+        _gate_rows(gate, up, gelu)
+        g8, gd, gs = quantize_activations(gate)
+        down = np.empty((pairs, d), np.float32)
+        for job in prange(pairs * d):
+            pair, r = job // d, job % d
+            e = ids[pair // k, pair % k]
+            rd(wd, e * nbytes[2] + r * (n_ff // pd) * bd, g8[pair : pair + 1],
+               gd[pair : pair + 1], gs[pair : pair + 1], n_ff // pd, down[pair : pair + 1], r)  # fmt: skip
+        f = np.zeros((n_tok, d), np.float32)
         for t in range(n_tok):
-            for i in range(d):
-                x[t, i] += f[t, i]
+            for s in np.argsort(ids[t]):
+                w = weights[t, s]
+                for i in range(d):
+                    f[t, i] += w * down[t * k + s, i]
+        if post_ffw_norm.size:
+            _norm_rows(f, post_ffw_norm, eps, f)
+        _add_rows(x, f)
+
+    return moe_ffn
+
+
+@lru_cache(maxsize=None)
+def layer_kernel(qtypes: tuple, tokens: int | None):
+    """The dense layer function for matrices of these types (q, k, v, o, gate, up, down), for
+    `tokens` tokens or (None) any count (`cpu.token_key`): its two halves in one call."""
+    attention, ffn = attention_kernel(qtypes[:4], tokens), ffn_kernel(qtypes[4:], tokens)
+
+    @njit
+    def layer(x, wq, wk, wv, wo, biases_q, biases_k, biases_v, attn_norm, q_norm, k_norm,
+              post_attn_norm, ffn_norm, kc, vc, pos, write, lo, hi, seq, cell_pos, cell_seq, ints,
+              floats, wg, wu, wd, post_ffw_norm):  # fmt: skip
+        h = np.empty_like(x)
+        attention(x, wq, wk, wv, wo, biases_q, biases_k, biases_v, attn_norm, q_norm, k_norm,
+                  post_attn_norm, ffn_norm, kc, vc, pos, write, lo, hi, seq, cell_pos, cell_seq,
+                  ints, floats, h)  # fmt: skip
+        ffn(x, h, wg, wu, wd, post_ffw_norm, ints, floats)
 
     return layer
