@@ -92,9 +92,12 @@ def matmul_rate(
     runs: int = 5,
     rotate_nbytes: int | None = None,
     seed: int = 0,
+    q8: bool = False,
 ) -> MatmulRate:
     """The median time of `cpu.matmul` on `tokens` tokens, over weights rotated through
-    `rotate_nbytes` (default: twice the last-level cache) and fresh inputs."""
+    `rotate_nbytes` (default: twice the last-level cache) and fresh inputs. `q8`: the q8 row
+    kernels at any token count (what a routed stack's experts run), activations quantized in the
+    time."""
     rng = np.random.default_rng(seed)
     rows, cols = shape
     one = random_weights(t, rows, cols, rng)
@@ -103,13 +106,22 @@ def matmul_rate(
     weights = [one] + [one.copy() for _ in range(count - 1)]  # distinct memory is what counts
     xs = rng.standard_normal((count, tokens, cols)).astype(np.float32)
     ggml = as_qtype(t).ggml
-    cpu.matmul(weights[0], xs[0], ggml, shape, threads)  # compile, warm
+    out = np.empty((tokens, rows), np.float32)
+
+    def product(w, x):
+        if not q8:
+            return cpu.matmul(w, x, ggml, shape, threads)
+        with cpu.threads_set(threads):
+            cpu.q8_matvec(w, cpu.quantize_activations(x), ggml, shape, out)
+
+    product(weights[0], xs[0])  # compile, warm
     per_pass = []
     for _ in range(runs):
         start = time.perf_counter()
         for w, x in zip(weights, xs):
-            cpu.matmul(w, x, ggml, shape, threads)
+            product(w, x)
         per_pass.append((time.perf_counter() - start) / count)
     return MatmulRate(
-        t, cpu.path(ggml, tokens), shape, tokens, statistics.median(per_pass), one.nbytes
-    )
+        t, "q8" if q8 else cpu.path(ggml, tokens), shape, tokens, statistics.median(per_pass),
+        one.nbytes,
+    )  # fmt: skip

@@ -15,11 +15,15 @@ from typing import Callable
 
 from solver.profile import ANY_TYPE, PANEL_TYPE, CPUProfile, Figure, RateTable
 
+from refengine.quants import qtype as as_qtype
+
 from .bench_cpu import GIB, host_read_gbps, last_level_cache_nbytes, matmul_rate
+from .kernels import cpu
 
 KERNEL = "cudarun CPU kernels (q8 matvec, fp32-panel BLAS matmul)"
 MATVEC_TYPES = ("F16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q4_K", "Q6_K")
 MATMUL_TOKENS = (64, 512)
+Q8_TOKENS = (8, 64)  # an expert's share of a prompt: from cpu.BLAS_TOKENS to a few dozen
 
 
 def measure_cpu(
@@ -43,7 +47,7 @@ def measure_cpu(
         host_read_gbps(threads, nbytes, runs),
         f"{src}; Numba parallel read of {nbytes >> 20} MiB on {threads} threads, median of {runs}",
     )
-    matvec, matmul = {}, {}
+    matvec, matmul, q8 = {}, {}, {}
     for name in types:
         progress(f"matvec {name}")
         r = matmul_rate(name, shape, 1, threads, runs, nbytes)
@@ -60,6 +64,12 @@ def measure_cpu(
             r = matmul_rate(name, shape, tokens, threads, runs, rotate_nbytes=1)
             row[tokens] = Figure(r.gflops, f"{src}; {r.path} path, {tokens} tokens")
         matmul[name] = row
+        if as_qtype(name).ggml in cpu.Q8_ROWS:
+            progress(f"q8 rows {name}")
+            q8[name] = {tokens: Figure(r.gflops, f"{src}; q8 path on {tokens} tokens")
+                        for tokens in Q8_TOKENS
+                        for r in [matmul_rate(name, shape, tokens, threads, runs,
+                                              rotate_nbytes=1, q8=True)]}  # fmt: skip
     # the runtime's host prefill multiplies fp32 panels it dequantized once and keeps
     # (`hostmath.HostMath`): BLAS on fp32, whatever the file's type
     progress("matmul on cached fp32 panels")
@@ -74,6 +84,7 @@ def measure_cpu(
     rope = rope_seconds(quick, runs)
     progress("a layer's fixed cost")
     per_layer = layer_seconds(threads, quick)
+    per_routed_layer = layer_seconds(threads, quick, ROUTED)
     matvec[ANY_TYPE] = matvec[types[0]]
     matmul[ANY_TYPE] = matmul[types[0]]
     return CPUProfile(
@@ -93,6 +104,9 @@ def measure_cpu(
         layer_seconds=Figure(per_layer, f"{src}; the cpu engine decoding tiny synthetic llamas "
                                         f"of {' and '.join(map(str, TINY_LAYERS))} layers, the "
                                         "slope per layer"),  # fmt: skip
+        routed_layer_seconds=Figure(per_routed_layer, f"{src}; the same with tiny synthetic "
+                                                      "qwen3moe (8 experts, 2 used)"),
+        q8_matmul_gflops=RateTable("GFLOP/s", q8),
         sync_seconds=Figure(
             20e-6,
             "derived: typical CUDA event wait + launch of a copy, "
@@ -157,10 +171,12 @@ def rope_seconds(quick: bool, runs: int) -> float:
 # tiny llamas whose decode is all fixed costs: the slope between them is a layer's
 TINY_LAYERS = (2, 10)
 TINY = dict(n_embd=64, n_ff=128, n_head=4, n_head_kv=2, n_vocab=512)
+ROUTED = dict(arch="qwen3moe", n_expert=8, n_expert_used=2, n_ff_exp=64)
 
 
-def layer_seconds(threads: int, quick: bool) -> float:
-    """Our cpu engine's fixed cost of a layer per decoded token, whatever the layer's width."""
+def layer_seconds(threads: int, quick: bool, kind: dict | None = None) -> float:
+    """Our cpu engine's fixed cost of a layer per decoded token, whatever the layer's width:
+    a dense llama's, or (`ROUTED`) a routed layer's."""
     import tempfile
 
     import numpy as np
@@ -174,7 +190,8 @@ def layer_seconds(threads: int, quick: bool) -> float:
     with tempfile.TemporaryDirectory(prefix="refengine-layers-") as tmp:
         for n_layer in TINY_LAYERS:
             path = write_synthetic(Path(tmp) / f"{n_layer}.gguf",
-                                   SyntheticConfig("llama", n_layer=n_layer, **TINY))  # fmt: skip
+                                   SyntheticConfig(n_layer=n_layer, **{"arch": "llama", **TINY,
+                                                                       **(kind or {})}))  # fmt: skip
             engine = CpuEngine(load_spec(str(path)), threads=threads, n_ctx=4 * tokens)
             engine.warm_up()
             engine.prefill(np.arange(4))

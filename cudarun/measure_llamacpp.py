@@ -23,13 +23,17 @@ from typing import Callable
 from refengine.errors import UserError
 from refengine.spec import ModelSpec, load_spec
 from refengine.synthetic import SyntheticConfig, write_synthetic
+from solver.memory import kv_cell_nbytes
 from solver.profile import Figure, RateTable
 
 from .measure_cpu import MATMUL_TOKENS, MATVEC_TYPES, TINY, TINY_LAYERS
 
-# wide enough that the matrices, not the per-op overheads, take the time; two layers for the
-# ubatch's layer-to-layer hand-off; a 512-token vocabulary so the head is noise
-SHAPE = dict(n_layer=2, n_embd=2048, n_ff=5632, n_head=16, n_head_kv=16, n_vocab=512)
+# wide enough that the matrices, not the per-op overheads, take the time; as deep as a 1B model,
+# so that a prompt runs for seconds over weights many times the last-level cache, as a real
+# model's does (two layers, 57 MiB of Q4_K, ran 355 GFLOP/s where 16 ran 261 and a 1B Q4_K_M
+# llama 268: priced at the two layers' rate, real models' prompts ran 0.60-0.76 of predicted);
+# a 512-token vocabulary so the head is noise
+SHAPE = dict(n_layer=16, n_embd=2048, n_ff=5632, n_head=16, n_head_kv=16, n_vocab=512)
 QUICK_SHAPE = dict(n_layer=1, n_embd=512, n_ff=1536, n_head=4, n_head_kv=4, n_vocab=512)
 GEN_TOKENS = 16
 
@@ -78,16 +82,41 @@ def layer_seconds(llama_bench: Path, threads: int, runs: int, tmp: Path) -> floa
     return max((per_token[1] - per_token[0]) / (TINY_LAYERS[1] - TINY_LAYERS[0]), 0.0)
 
 
+# a decode whose time at depth is its attention: small matrices, grouped heads (4 query heads a
+# KV head, as most models), a deep cache
+ATTENTION_SHAPE = dict(n_layer=8, n_embd=512, n_ff=512, n_head=8, n_head_kv=2, n_vocab=512)
+ATTENTION_DEPTH = 4096
+
+
+def attention_gbps(llama_bench: Path, threads: int, runs: int, tmp: Path,
+                   depth: int = ATTENTION_DEPTH) -> float:  # fmt: skip
+    """llama.cpp's CPU decode attention as the rate it reads the cache at, counted as the cost
+    model counts it (each query head reads its KV head's cells: fp16 K and V): a generated
+    token's time at `depth` less its time at 0, over those bytes."""
+    path = tmp / "attention.gguf"
+    write_synthetic(path, SyntheticConfig("llama", **ATTENTION_SHAPE))
+    spec = load_spec(str(path))
+    cmd = [str(llama_bench), "-m", str(path), "-t", str(threads), "-p", "0", "-n",
+           str(GEN_TOKENS), "-d", f"0,{depth}", "-r", str(runs), "-o", "json"]  # fmt: skip
+    out = subprocess.run(cmd, capture_output=True, text=True)
+    if out.returncode != 0:
+        raise UserError(f"llama-bench failed on {path.name}: {out.stderr.strip()[-300:]}")
+    seconds = {int(r.get("n_depth", 0)): 1.0 / float(r["avg_ts"]) for r in json.loads(out.stdout)}
+    hp = spec.hparams
+    nbytes = hp.n_layer * depth * kv_cell_nbytes(spec, "f16") * hp.n_head / hp.n_head_kv
+    return nbytes / max(seconds[depth] - seconds[0], 1e-9) / 1e9
+
+
 def measure_llamacpp_cpu(
     llama_bench: Path,
     threads: int,
     quick: bool = False,
     progress: Callable[[str], None] = lambda s: None,
     types: tuple[str, ...] = MATVEC_TYPES,
-) -> tuple[RateTable, RateTable, Figure]:
+) -> tuple[RateTable, RateTable, Figure, Figure]:
     """(llama.cpp's CPU matmul GFLOP/s by type and prompt tokens, its decode weight GB/s by type
-    and threads, its fixed cost of a layer per token), measured with `llama_bench` (a llama.cpp
-    build's llama-bench)."""
+    and threads, its fixed cost of a layer per token, its decode attention's cache GB/s),
+    measured with `llama_bench` (a llama.cpp build's llama-bench)."""
     shape, runs = (QUICK_SHAPE, 1) if quick else (SHAPE, 3)
     src = (f"measured: refengine profile {date.today().isoformat()}, llama-bench -t {threads} "
            f"on a synthetic llama ({shape['n_layer']} layers, {shape['n_embd']} x "
@@ -114,4 +143,11 @@ def measure_llamacpp_cpu(
                            f"{src.split(' on a synthetic')[0]}; tiny synthetic llamas of "
                            f"{' and '.join(map(str, TINY_LAYERS))} layers generating 64 tokens, "
                            "the slope per layer")  # fmt: skip
-    return RateTable("GFLOP/s", matmul), RateTable("GB/s", matvec), per_layer
+        progress("llama.cpp's decode attention")
+        depth = ATTENTION_DEPTH // (8 if quick else 1)
+        attention = Figure(attention_gbps(llama_bench, threads, runs, Path(tmp), depth),
+                           f"{src.split(' on a synthetic')[0]}; a synthetic llama of "
+                           f"{ATTENTION_SHAPE['n_layer']} layers, 8 query heads over 2 KV heads "
+                           f"of 64, generating at depth {depth} and 0: the cache bytes its query "
+                           "heads read over the difference")  # fmt: skip
+    return RateTable("GFLOP/s", matmul), RateTable("GB/s", matvec), per_layer, attention

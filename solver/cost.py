@@ -296,8 +296,11 @@ class CostModel:
         matvec = (cpu.llamacpp_matvec_gbps if llama and cpu.llamacpp_matvec_gbps
                   else cpu.matvec_gbps)  # fmt: skip
         read = nbytes / (matvec.at(g.qtype, self.threads) * 1e9)
-        # a host-run layer's fixed cost (its calls, the graph's nodes), once per ubatch
-        fixed = cpu.llamacpp_layer_seconds if llama else cpu.layer_seconds
+        # a host-run layer's fixed cost (its calls, the graph's nodes), once per ubatch; our
+        # routed layers' own where measured (two fused calls, the router in Python between)
+        routed = not llama and self.spec.hparams.n_expert > 0 and cpu.routed_layer_seconds
+        fixed = (cpu.llamacpp_layer_seconds if llama else
+                 cpu.routed_layer_seconds if routed else cpu.layer_seconds)  # fmt: skip
         fixed = fixed.value if fixed and g.kind == ATTN_SIDE else 0.0
         if tokens == 1:  # the matvec's measured rate covers its arithmetic; the matmul rate,
             # measured from 64 tokens on and held below them, priced a decode token 3-6x slow
@@ -305,10 +308,16 @@ class CostModel:
         if llama and cpu.llamacpp_matmul_gflops:
             rate = cpu.llamacpp_matmul_gflops.at(g.qtype, tokens)
             return max(read, flops / (rate * 1e9)) + fixed
-        qtype = g.qtype
-        if not llama and tokens >= HOST_PANEL_TOKENS and PANEL_TYPE in cpu.matmul_gflops.rows:
+        qtype, rates, at = g.qtype, cpu.matmul_gflops, tokens
+        q8 = cpu.q8_matmul_gflops
+        if not llama and g.kind == EXPERTS and q8 and qtype in q8.rows:
+            # our host runs a stack's experts on the q8 rows, each on the tokens it drew
+            hp = self.spec.hparams
+            touched = expected_distinct_experts(hp.n_expert, hp.n_expert_used, tokens)
+            rates, at = q8, max(1, round(tokens * hp.n_expert_used / touched))
+        elif not llama and tokens >= HOST_PANEL_TOKENS and PANEL_TYPE in rates.rows:
             qtype = PANEL_TYPE  # our host multiplies the fp32 panels it keeps, at BLAS's rate
-        seconds = max(read, flops / (cpu.matmul_gflops.at(qtype, tokens) * 1e9)) + fixed
+        seconds = max(read, flops / (rates.at(qtype, at) * 1e9)) + fixed
         if not llama:  # our host's element-wise work beside the matrices, where measured
             seconds += tokens * self.host_elementwise_seconds(g)
         return seconds
@@ -426,10 +435,11 @@ class CostModel:
                 flops / (GPU_ATTENTION_EFFICIENCY * gpu.matmul_tflops.at("F16", tokens) * 1e12),
             )
         gbps = self.profile.cpu.memory_gbps.value
+        cpu = self.profile.cpu
         if self.target == "llamacpp":  # ggml's CPU kernel reads the KV head once per query head
             nbytes *= hp.n_head / hp.n_head_kv
-            gbps *= GGML_CPU_ATTENTION_EFFICIENCY
-        cpu = self.profile.cpu
+            gbps = (cpu.llamacpp_attention_gbps.value if cpu.llamacpp_attention_gbps
+                    else gbps * GGML_CPU_ATTENTION_EFFICIENCY)  # fmt: skip
         if (self.target != "llamacpp" and tokens >= HOST_PANEL_TOKENS
                 and cpu.attention_score_seconds and cpu.attention_row_seconds):  # fmt: skip
             # our host prefill scores every cell of its range, the later ones masked, and its

@@ -131,6 +131,8 @@ class CPUProfile:
     # what `--target llamacpp` prices a CPU-held matrix at; absent, our kernels' rates stand in
     llamacpp_matmul_gflops: RateTable | None = None  # by type and prompt tokens
     llamacpp_matvec_gbps: RateTable | None = None  # weight bytes a generated token reads
+    # its decode attention: the cache bytes its query heads read per second
+    llamacpp_attention_gbps: Figure | None = None
     # our host prefill's attention (scores by BLAS, masked, a row softmax, times V) and gated
     # activation, measured by `refengine profile`: beyond the matrices, what small models feel
     attention_score_seconds: RateTable | None = None  # per query head and key, by head size
@@ -142,6 +144,11 @@ class CPUProfile:
     # what a small model's decode feels most; ours, and llama.cpp's CPU backend's
     layer_seconds: Figure | None = None
     llamacpp_layer_seconds: Figure | None = None
+    # ours: a routed layer's fixed cost per decoded token (its two fused calls and the router in
+    # Python between them), and the q8 row kernels' rate on several tokens (a routed stack's
+    # experts at prefill, each on the tokens it drew), by type and token count
+    routed_layer_seconds: Figure | None = None
+    q8_matmul_gflops: RateTable | None = None
 
 
 @dataclass(frozen=True)

@@ -420,3 +420,33 @@ def test_llamacpp_on_the_cpu_alone_offloads_nothing():
     with_gpu = CostModel(spec, load_profile("h100"), alone.w, "llamacpp")
     t = with_gpu.ubatch_terms(all_on_cpu(spec), 512, 0)
     assert t.copy > 0 and t.gpu > 0
+
+
+def test_routed_layers_and_llamacpps_decode_attention_are_priced_as_measured():
+    """Ours: a routed layer's own fixed cost where measured (not a dense layer's), and a routed
+    stack's experts at prefill at the q8 rows' rate on the tokens each expert drew (not the fp32
+    panels' BLAS rate); llama.cpp: its decode attention at the cache rate measured, not the host's
+    bandwidth times a calibrated efficiency."""
+    f = lambda v: Figure(v, "toy")  # noqa: E731
+    base = toy_profile()
+    hp = MOE.hparams
+    experts = next(g for g in CostModel(MOE, base, W).groups if g.kind == "experts")
+    q8 = RateTable("GFLOP/s", {experts.qtype: {8: f(40.0), 64: f(80.0)}})
+    measured = replace(base, cpu=replace(
+        base.cpu, layer_seconds=f(3e-5), routed_layer_seconds=f(9e-5), q8_matmul_gflops=q8,
+        llamacpp_attention_gbps=f(7.0)))  # fmt: skip
+    dense_fixed = replace(measured, cpu=replace(measured.cpu, routed_layer_seconds=None))
+    ours, cpu = CostModel(MOE, measured, W), Loc(CPU)
+    attn = next(g for g in ours.groups if g.name == "blk.0.attn")
+    assert ours.cpu_seconds(attn, 1) - CostModel(MOE, dense_fixed, W).cpu_seconds(
+        attn, 1) == pytest.approx(9e-5 - 3e-5)
+    per_expert = 512 * hp.n_expert_used / expected_distinct_experts(hp.n_expert,
+                                                                    hp.n_expert_used, 512)
+    nbytes, flops = ours.work(experts, 512)
+    assert ours.cpu_seconds(experts, 512) == pytest.approx(
+        max(nbytes / 10e9, flops / (q8.at(experts.qtype, round(per_expert)) * 1e9)))
+    llama = CostModel(MOE, measured, W, "llamacpp")
+    kv_read = 1001 * llama.cell_nbytes * hp.n_head / hp.n_head_kv
+    assert llama.attention_seconds(0, 1, 1000, cpu) == pytest.approx(kv_read / 7e9)
+    assert CostModel(MOE, base, W, "llamacpp").attention_seconds(0, 1, 1000, cpu) == (
+        pytest.approx(kv_read / (20e9 * GGML_CPU_ATTENTION_EFFICIENCY)))
