@@ -80,6 +80,7 @@ def measure_cpu(
     }
     progress("host attention and gated activation")
     score, row = attention_costs(quick, runs)
+    decode_score = decode_attention_costs(threads, quick)
     glu, gelu = (glu_seconds(quick, runs, act) for act in ("silu", "gelu"))
     rope = rope_seconds(quick, runs)
     progress("a layer's fixed cost")
@@ -98,6 +99,11 @@ def measure_cpu(
                            f"over 512 and {LONG_KEYS} keys, the per-score slope")
             for dim, x in score.items()}}),  # fmt: skip
         attention_row_seconds=Figure(row, f"{src}; the same two runs' per-row intercept"),
+        decode_score_seconds=RateTable("s", {ANY_TYPE: {
+            dim: Figure(x, f"{src}; the cpu engine decoding tiny synthetic llamas, 8/2 heads of "
+                           f"{dim}, at depth {'512' if quick else '4096'} and 0, the per-score "
+                           "difference")
+            for dim, x in decode_score.items()}}),  # fmt: skip
         glu_element_seconds=Figure(glu, f"{src}; cpu_ops.gated (SiLU) over 512 x 8192"),
         gelu_element_seconds=Figure(gelu, f"{src}; cpu_ops.gated (GELU) over 512 x 8192"),
         rope_element_seconds=Figure(rope, f"{src}; cpu_ops.rope over 512 tokens x 16 x 128"),
@@ -143,6 +149,38 @@ def attention_costs(quick: bool, runs: int) -> tuple[dict[int, float], float]:
         per_score[dim] = max((seconds[1] - seconds[0]) / (rows * (long - tokens)), 0.0)
         per_row = max(seconds[0] / rows - tokens * per_score[dim], 0.0)
     return per_score, per_row
+
+
+def decode_attention_costs(threads: int, quick: bool) -> dict[int, float]:
+    """{head size: seconds per query head and key} of our decode's attention as the cpu engine
+    runs it (the fused layer's, cell by cell): tiny synthetic llamas, 8 query heads over 2 KV
+    heads of the size, decoding at a depth and at 0; the difference per layer, query head and
+    key. (The kernel timed on its own ran ~25% faster than inside a model's decode.)"""
+    import tempfile
+
+    import numpy as np
+
+    from refengine.spec import load_spec
+    from refengine.synthetic import SyntheticConfig, write_synthetic
+
+    from .cpu_engine import CpuEngine
+
+    depth, tokens, n_layer, n_head = (512, 8, 2, 8) if quick else (4096, 48, 4, 8)
+    per_score = {}
+    with tempfile.TemporaryDirectory(prefix="refengine-attention-") as tmp:
+        for dim in ATTENTION_DIMS:
+            path = write_synthetic(Path(tmp) / f"{dim}.gguf", SyntheticConfig(
+                "llama", n_layer=n_layer, n_embd=256, n_ff=256, n_head=n_head, n_head_kv=2,
+                head_dim=dim, n_vocab=512, n_ctx_train=2 * depth))  # fmt: skip
+            engine = CpuEngine(load_spec(str(path)), threads=threads, n_ctx=depth + 2 * tokens)
+            engine.warm_up()
+            seconds = []
+            for fill in (4, depth):
+                engine.reset()
+                engine.prefill(np.arange(fill) % 512)
+                seconds.append(_median_seconds(lambda: engine.decode(7), tokens))
+            per_score[dim] = max((seconds[1] - seconds[0]) / (n_layer * n_head * depth), 0.0)
+    return per_score
 
 
 def glu_seconds(quick: bool, runs: int, act: str = "silu") -> float:

@@ -448,6 +448,10 @@ class CostModel:
             score = cpu.attention_score_seconds.at(ANY_TYPE, hp.head_dim)
             return np.maximum(nbytes / (gbps * 1e9),
                               rows * (cells * score + cpu.attention_row_seconds.value))
+        # our decode's attention (the fused layer's, cell by cell), where measured
+        if self.target != "llamacpp" and tokens < HOST_PANEL_TOKENS and cpu.decode_score_seconds:
+            score = cpu.decode_score_seconds.at(ANY_TYPE, hp.head_dim)
+            return np.maximum(nbytes / (gbps * 1e9), hp.n_head * tokens * keys * score)
         return np.maximum(
             nbytes / (gbps * 1e9),
             flops / (cpu.matmul_gflops.at("F16", tokens) * 1e9),

@@ -137,6 +137,7 @@ class CPUProfile:
     # activation, measured by `refengine profile`: beyond the matrices, what small models feel
     attention_score_seconds: RateTable | None = None  # per query head and key, by head size
     attention_row_seconds: Figure | None = None  # per query head and token
+    decode_score_seconds: RateTable | None = None  # our decode's, per query head and key
     glu_element_seconds: Figure | None = None  # SiLU(gate) * up, per element
     gelu_element_seconds: Figure | None = None  # GELU(gate) * up (tanh form), per element
     rope_element_seconds: Figure | None = None  # RoPE over q and k, per element

@@ -450,3 +450,19 @@ def test_routed_layers_and_llamacpps_decode_attention_are_priced_as_measured():
     assert llama.attention_seconds(0, 1, 1000, cpu) == pytest.approx(kv_read / 7e9)
     assert CostModel(MOE, base, W, "llamacpp").attention_seconds(0, 1, 1000, cpu) == (
         pytest.approx(kv_read / (20e9 * GGML_CPU_ATTENTION_EFFICIENCY)))
+
+
+def test_our_decode_attention_is_priced_per_query_head_and_key_as_measured():
+    """Where the profile measured our fused decode's attention, a decode token's costs query heads
+    x keys x the head size's per-score time (here above the cache's read time); llama.cpp's and a
+    prompt's are not priced by it."""
+    f = lambda v: Figure(v, "toy")  # noqa: E731
+    base = toy_profile()
+    measured = replace(base, cpu=replace(base.cpu, decode_score_seconds=RateTable(
+        "s", {ANY_TYPE: {64: f(2e-7), 256: f(4e-7)}})))  # head 128: 3e-7, log-midway
+    cpu, hp = Loc(CPU), DENSE.hparams
+    ours = CostModel(DENSE, measured, W)
+    assert ours.attention_seconds(0, 1, 1000, cpu) == pytest.approx(hp.n_head * 1001 * 3e-7)
+    for target, tokens in (("llamacpp", 1), ("refengine", 512)):
+        assert CostModel(DENSE, measured, W, target).attention_seconds(0, tokens, 1000, cpu) == (
+            CostModel(DENSE, base, W, target).attention_seconds(0, tokens, 1000, cpu))

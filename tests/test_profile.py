@@ -89,6 +89,12 @@ def test_profile_command_measures_the_cpu_and_keeps_the_gpu_side(tmp_path):
     assert 0 < prof.cpu.glu_element_seconds.value < 1e-6
     assert 0 <= prof.cpu.layer_seconds.value < 1e-3 and "slope per layer" in (
         prof.cpu.layer_seconds.source)
+    # our decode's attention, a routed layer's fixed cost and the q8 rows on several tokens
+    assert 0 < prof.cpu.decode_score_seconds.at(ANY_TYPE, 128) < 1e-6
+    cpu = prof.cpu
+    assert cpu.routed_layer_seconds.value > 0 and "qwen3moe" in cpu.routed_layer_seconds.source
+    assert cpu.q8_matmul_gflops.at("Q4_K", 8) > 1 and "q8 path" in (
+        cpu.q8_matmul_gflops.rows["Q4_K"][64].source)
 
 
 @pytest.mark.skipif(GPU, reason="this machine has a GPU to measure")
@@ -147,10 +153,6 @@ def test_llama_cpp_cpu_rates_are_measured_and_price_the_llamacpp_target_only(tmp
     assert cpu.llamacpp_matvec_gbps.at("Q4_K", cpu.threads) > 0.5
     assert 0 <= cpu.llamacpp_layer_seconds.value < 1e-3
     assert 0.1 < cpu.llamacpp_attention_gbps.value < 10 * cpu.memory_gbps.value
-    # our routed layer's fixed cost and q8 rows on several tokens, beside the dense layer's
-    assert cpu.routed_layer_seconds.value > 0 and "qwen3moe" in cpu.routed_layer_seconds.source
-    assert cpu.q8_matmul_gflops.at("Q4_K", 8) > 1 and "q8 path" in (
-        cpu.q8_matmul_gflops.rows["Q4_K"][64].source)
     spec = load_spec(str(small_models["llama"]))  # Q8_0 matrices
     mine = replace(cpu, llamacpp_matmul_gflops=RateTable("GFLOP/s", {"Q8_0": {512: Figure(
         cpu.llamacpp_matmul_gflops.at("Q8_0", 512) / 10, "test")}}))  # fmt: skip
