@@ -26,7 +26,7 @@ from refengine.synthetic import SyntheticConfig, write_synthetic
 from solver.memory import kv_cell_nbytes
 from solver.profile import Figure, RateTable
 
-from .measure_cpu import MATMUL_TOKENS, MATVEC_TYPES, TINY, TINY_LAYERS
+from .measure_cpu import MATMUL_TOKENS, MATVEC_TYPES, ROUTED, TINY, TINY_LAYERS
 
 # wide enough that the matrices, not the per-op overheads, take the time; as deep as a 1B model,
 # so that a prompt runs for seconds over weights many times the last-level cache, as a real
@@ -71,13 +71,16 @@ def bench(llama_bench: Path, model: Path, threads: int, runs: int,
             for r in json.loads(out.stdout)}  # fmt: skip
 
 
-def layer_seconds(llama_bench: Path, threads: int, runs: int, tmp: Path) -> float:
-    """llama.cpp's fixed cost of a layer per decoded token: tiny llamas of TINY_LAYERS layers
-    generate; the slope per layer (its graph's nodes, whatever their width)."""
+def layer_seconds(llama_bench: Path, threads: int, runs: int, tmp: Path,
+                  kind: dict | None = None) -> float:  # fmt: skip
+    """llama.cpp's fixed cost of a layer per decoded token: tiny llamas (or, `ROUTED`, tiny
+    qwen3moe) of TINY_LAYERS layers generate; the slope per layer (its graph's nodes, whatever
+    their width)."""
     per_token = []
     for n_layer in TINY_LAYERS:
         path = tmp / f"tiny-{n_layer}.gguf"
-        write_synthetic(path, SyntheticConfig("llama", n_layer=n_layer, **TINY))
+        write_synthetic(path, SyntheticConfig(n_layer=n_layer, **{"arch": "llama", **TINY,
+                                                                  **(kind or {})}))  # fmt: skip
         per_token.append(1.0 / bench(llama_bench, path, threads, runs, (0,), 64)["tg64"])
     return max((per_token[1] - per_token[0]) / (TINY_LAYERS[1] - TINY_LAYERS[0]), 0.0)
 
@@ -113,10 +116,10 @@ def measure_llamacpp_cpu(
     quick: bool = False,
     progress: Callable[[str], None] = lambda s: None,
     types: tuple[str, ...] = MATVEC_TYPES,
-) -> tuple[RateTable, RateTable, Figure, Figure]:
+) -> tuple[RateTable, RateTable, Figure, Figure, Figure]:
     """(llama.cpp's CPU matmul GFLOP/s by type and prompt tokens, its decode weight GB/s by type
-    and threads, its fixed cost of a layer per token, its decode attention's cache GB/s),
-    measured with `llama_bench` (a llama.cpp build's llama-bench)."""
+    and threads, its fixed cost of a layer per token, a routed layer's, its decode attention's
+    cache GB/s), measured with `llama_bench` (a llama.cpp build's llama-bench)."""
     shape, runs = (QUICK_SHAPE, 1) if quick else (SHAPE, 3)
     src = (f"measured: refengine profile {date.today().isoformat()}, llama-bench -t {threads} "
            f"on a synthetic llama ({shape['n_layer']} layers, {shape['n_embd']} x "
@@ -143,6 +146,9 @@ def measure_llamacpp_cpu(
                            f"{src.split(' on a synthetic')[0]}; tiny synthetic llamas of "
                            f"{' and '.join(map(str, TINY_LAYERS))} layers generating 64 tokens, "
                            "the slope per layer")  # fmt: skip
+        per_routed_layer = Figure(layer_seconds(llama_bench, threads, runs, Path(tmp), ROUTED),
+                                  per_layer.source.replace("llamas", "qwen3moe (8 experts, 2 "
+                                                                     "used)"))  # fmt: skip
         progress("llama.cpp's decode attention")
         depth = ATTENTION_DEPTH // (8 if quick else 1)
         attention = Figure(attention_gbps(llama_bench, threads, runs, Path(tmp), depth),
@@ -150,4 +156,5 @@ def measure_llamacpp_cpu(
                            f"{ATTENTION_SHAPE['n_layer']} layers, 8 query heads over 2 KV heads "
                            f"of 64, generating at depth {depth} and 0: the cache bytes its query "
                            "heads read over the difference")  # fmt: skip
-    return RateTable("GFLOP/s", matmul), RateTable("GB/s", matvec), per_layer, attention
+    return (RateTable("GFLOP/s", matmul), RateTable("GB/s", matvec), per_layer, per_routed_layer,
+            attention)

@@ -296,11 +296,13 @@ class CostModel:
         matvec = (cpu.llamacpp_matvec_gbps if llama and cpu.llamacpp_matvec_gbps
                   else cpu.matvec_gbps)  # fmt: skip
         read = nbytes / (matvec.at(g.qtype, self.threads) * 1e9)
-        # a host-run layer's fixed cost (its calls, the graph's nodes), once per ubatch; our
-        # routed layers' own where measured (two fused calls, the router in Python between)
-        routed = not llama and self.spec.hparams.n_expert > 0 and cpu.routed_layer_seconds
-        fixed = (cpu.llamacpp_layer_seconds if llama else
-                 cpu.routed_layer_seconds if routed else cpu.layer_seconds)  # fmt: skip
+        # a host-run layer's fixed cost (its calls, the graph's nodes), once per ubatch; a routed
+        # layer's own where measured (ours: two fused calls, the router in Python between;
+        # llama.cpp's: the router's, top-k's and the experts' nodes)
+        fixed = cpu.llamacpp_layer_seconds if llama else cpu.layer_seconds
+        if self.spec.hparams.n_expert > 0:
+            fixed = (cpu.llamacpp_routed_layer_seconds if llama else
+                     cpu.routed_layer_seconds) or fixed  # fmt: skip
         fixed = fixed.value if fixed and g.kind == ATTN_SIDE else 0.0
         if tokens == 1:  # the matvec's measured rate covers its arithmetic; the matmul rate,
             # measured from 64 tokens on and held below them, priced a decode token 3-6x slow

@@ -150,6 +150,7 @@ class CPUProfile:
     # experts at prefill, each on the tokens it drew), by type and token count
     routed_layer_seconds: Figure | None = None
     q8_matmul_gflops: RateTable | None = None
+    llamacpp_routed_layer_seconds: Figure | None = None  # llama.cpp's, the same way
 
 
 @dataclass(frozen=True)

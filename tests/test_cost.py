@@ -423,8 +423,8 @@ def test_llamacpp_on_the_cpu_alone_offloads_nothing():
 
 
 def test_routed_layers_and_llamacpps_decode_attention_are_priced_as_measured():
-    """Ours: a routed layer's own fixed cost where measured (not a dense layer's), and a routed
-    stack's experts at prefill at the q8 rows' rate on the tokens each expert drew (not the fp32
+    """Each system's routed layer's own fixed cost where measured (not a dense layer's); ours: a
+    routed stack's experts at prefill at the q8 rows' rate on the tokens each expert drew (not the fp32
     panels' BLAS rate); llama.cpp: its decode attention at the cache rate measured, not the host's
     bandwidth times a calibrated efficiency."""
     f = lambda v: Figure(v, "toy")  # noqa: E731
@@ -434,12 +434,15 @@ def test_routed_layers_and_llamacpps_decode_attention_are_priced_as_measured():
     q8 = RateTable("GFLOP/s", {experts.qtype: {8: f(40.0), 64: f(80.0)}})
     measured = replace(base, cpu=replace(
         base.cpu, layer_seconds=f(3e-5), routed_layer_seconds=f(9e-5), q8_matmul_gflops=q8,
+        llamacpp_layer_seconds=f(2e-5), llamacpp_routed_layer_seconds=f(5e-5),
         llamacpp_attention_gbps=f(7.0)))  # fmt: skip
-    dense_fixed = replace(measured, cpu=replace(measured.cpu, routed_layer_seconds=None))
+    dense_fixed = replace(measured, cpu=replace(measured.cpu, routed_layer_seconds=None,
+                                                llamacpp_routed_layer_seconds=None))  # fmt: skip
     ours, cpu = CostModel(MOE, measured, W), Loc(CPU)
     attn = next(g for g in ours.groups if g.name == "blk.0.attn")
-    assert ours.cpu_seconds(attn, 1) - CostModel(MOE, dense_fixed, W).cpu_seconds(
-        attn, 1) == pytest.approx(9e-5 - 3e-5)
+    for target, more in (("refengine", 9e-5 - 3e-5), ("llamacpp", 5e-5 - 2e-5)):
+        assert CostModel(MOE, measured, W, target).cpu_seconds(attn, 1) - CostModel(
+            MOE, dense_fixed, W, target).cpu_seconds(attn, 1) == pytest.approx(more)
     per_expert = 512 * hp.n_expert_used / expected_distinct_experts(hp.n_expert,
                                                                     hp.n_expert_used, 512)
     nbytes, flops = ours.work(experts, 512)

@@ -153,6 +153,7 @@ def test_llama_cpp_cpu_rates_are_measured_and_price_the_llamacpp_target_only(tmp
     assert cpu.llamacpp_matvec_gbps.at("Q4_K", cpu.threads) > 0.5
     assert 0 <= cpu.llamacpp_layer_seconds.value < 1e-3
     assert 0.1 < cpu.llamacpp_attention_gbps.value < 10 * cpu.memory_gbps.value
+    assert "qwen3moe" in cpu.llamacpp_routed_layer_seconds.source
     spec = load_spec(str(small_models["llama"]))  # Q8_0 matrices
     mine = replace(cpu, llamacpp_matmul_gflops=RateTable("GFLOP/s", {"Q8_0": {512: Figure(
         cpu.llamacpp_matmul_gflops.at("Q8_0", 512) / 10, "test")}}))  # fmt: skip

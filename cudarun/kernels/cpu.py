@@ -298,7 +298,7 @@ def q8_experts(stack: np.ndarray, q8, used, first, qtype, shape: tuple[int, int]
     counts = np.diff(first)
     tokens = token_key(int(counts[0])) if (counts == counts[0]).all() else None
     _q8_experts_kernel(Q(qtype), tokens)(raw, raw.size // stack.shape[0], used, first, *q8, out,
-                                 shape[0], shape[1])  # fmt: skip
+                                         shape[0], shape[1])  # fmt: skip
 
 
 def q8_matvec(raw: np.ndarray, q8, qtype, shape: tuple[int, int], out: np.ndarray) -> None:
