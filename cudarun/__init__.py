@@ -1,10 +1,5 @@
 """The GPU runtime: a cuda-python layer, Numba CUDA kernels, the memory map, schedules and the
 executor. Built by the kernels and runtime issues; checked against `refengine.engine.NumpyEngine`."""
 
-import os
-
-# OpenBLAS's threads spin 2^28 cycles (~0.1 s) after each product before they sleep; the CPU
-# kernels' Numba threads share the same cores, so a decode right after a BLAS prompt ran 2-4x
-# slow for its first ~20 tokens. 2^4 cycles: they sleep at once (before NumPy loads OpenBLAS).
-os.environ.setdefault("OPENBLAS_THREAD_TIMEOUT", "4")
-
+# OpenBLAS's thread timeout, set by `refengine` before NumPy loads OpenBLAS
+import refengine  # noqa: F401

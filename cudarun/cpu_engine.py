@@ -54,12 +54,16 @@ class FusedLayer:
     swa: bool
 
 
+# a fused layer's FFN matrices (and groups), dense or routed
+FFN_MATRICES = {False: ("ffn_gate", "ffn_up", "ffn_down"),
+                True: ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")}  # fmt: skip
+
+
 def _fused_tensors(moe: bool):
     attn = ("attn_norm", "attn_q", "attn_k", "attn_v", "attn_output", "attn_q.bias",
             "attn_k.bias", "attn_v.bias", "attn_q_norm", "attn_k_norm", "post_attention_norm",
             "ffn_norm", "post_ffw_norm")  # fmt: skip
-    ffn = ("ffn_gate_inp", "ffn_gate_exps", "ffn_up_exps", "ffn_down_exps") if moe else (
-        "ffn_gate", "ffn_up", "ffn_down")  # fmt: skip
+    ffn = (("ffn_gate_inp",) if moe else ()) + FFN_MATRICES[moe]
     names = [n if n.endswith(".bias") else n + ".weight" for n in attn + ffn]
     return lambda prefix: {prefix + n for n in names}
 
@@ -129,8 +133,7 @@ class CpuEngine(SequenceCalls):
         out = []
         for il in range(hp.n_layer):
             p = f"blk.{il}."
-            ffn = ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps") if tr.moe else (
-                "ffn_gate", "ffn_up", "ffn_down")  # fmt: skip
+            ffn = FFN_MATRICES[tr.moe]
             t = {k: v for g in ("attn", *ffn) for k, v in self.weights.get(p + g, {}).items()}
             names = ("attn_q", "attn_k", "attn_v", "attn_output", *ffn)
             if any(p + n + ".weight" not in t for n in names) or set(t) - FUSED_TENSORS[tr.moe](p):

@@ -212,6 +212,13 @@ TINY = dict(n_embd=64, n_ff=128, n_head=4, n_head_kv=2, n_vocab=512)
 ROUTED = dict(arch="qwen3moe", n_expert=8, n_expert_used=2, n_ff_exp=64)
 
 
+def tiny_config(n_layer: int, kind: dict | None = None):
+    """A tiny llama of `n_layer` layers (or, `kind`: ROUTED, a tiny qwen3moe)."""
+    from refengine.synthetic import SyntheticConfig
+
+    return SyntheticConfig(n_layer=n_layer, **{"arch": "llama", **TINY, **(kind or {})})
+
+
 def layer_seconds(threads: int, quick: bool, kind: dict | None = None) -> float:
     """Our cpu engine's fixed cost of a layer per decoded token, whatever the layer's width:
     a dense llama's, or (`ROUTED`) a routed layer's."""
@@ -220,16 +227,14 @@ def layer_seconds(threads: int, quick: bool, kind: dict | None = None) -> float:
     import numpy as np
 
     from refengine.spec import load_spec
-    from refengine.synthetic import SyntheticConfig, write_synthetic
+    from refengine.synthetic import write_synthetic
 
     from .cpu_engine import CpuEngine
 
     tokens, per_token = (8 if quick else 48), []
     with tempfile.TemporaryDirectory(prefix="refengine-layers-") as tmp:
         for n_layer in TINY_LAYERS:
-            path = write_synthetic(Path(tmp) / f"{n_layer}.gguf",
-                                   SyntheticConfig(n_layer=n_layer, **{"arch": "llama", **TINY,
-                                                                       **(kind or {})}))  # fmt: skip
+            path = write_synthetic(Path(tmp) / f"{n_layer}.gguf", tiny_config(n_layer, kind))
             engine = CpuEngine(load_spec(str(path)), threads=threads, n_ctx=4 * tokens)
             engine.warm_up()
             engine.prefill(np.arange(4))

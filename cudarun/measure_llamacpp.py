@@ -26,7 +26,7 @@ from refengine.synthetic import SyntheticConfig, write_synthetic
 from solver.memory import kv_cell_nbytes
 from solver.profile import Figure, RateTable
 
-from .measure_cpu import MATMUL_TOKENS, MATVEC_TYPES, ROUTED, TINY, TINY_LAYERS
+from .measure_cpu import MATMUL_TOKENS, MATVEC_TYPES, ROUTED, TINY_LAYERS, tiny_config
 
 # wide enough that the matrices, not the per-op overheads, take the time; as deep as a 1B model,
 # so that a prompt runs for seconds over weights many times the last-level cache, as a real
@@ -59,16 +59,22 @@ def token_nbytes(spec: ModelSpec) -> int:
 
 
 def bench(llama_bench: Path, model: Path, threads: int, runs: int,
-          prompts: tuple[int, ...] = MATMUL_TOKENS, gen: int = GEN_TOKENS) -> dict[str, float]:
+          prompts: tuple[int, ...] = MATMUL_TOKENS, gen: int = GEN_TOKENS,
+          depths: tuple[int, ...] = (0,)) -> dict[str, float]:  # fmt: skip
     """{"pp64": t/s, "pp512": t/s, "tg16": t/s} of one llama-bench run (no prompt test when
-    `prompts` is (0,))."""
+    `prompts` is (0,)); a test at a depth past 0 is keyed "tg16@4096"."""
     cmd = [str(llama_bench), "-m", str(model), "-t", str(threads), "-p",
-           ",".join(map(str, prompts)), "-n", str(gen), "-r", str(runs), "-o", "json"]  # fmt: skip
+           ",".join(map(str, prompts)), "-n", str(gen), "-d", ",".join(map(str, depths)), "-r",
+           str(runs), "-o", "json"]  # fmt: skip
     out = subprocess.run(cmd, capture_output=True, text=True)
     if out.returncode != 0:
         raise UserError(f"llama-bench failed on {model.name}: {out.stderr.strip()[-300:]}")
-    return {(f"pp{r['n_prompt']}" if r["n_prompt"] else f"tg{r['n_gen']}"): float(r["avg_ts"])
-            for r in json.loads(out.stdout)}  # fmt: skip
+    rates = {}
+    for r in json.loads(out.stdout):
+        test = f"pp{r['n_prompt']}" if r["n_prompt"] else f"tg{r['n_gen']}"
+        depth = int(r.get("n_depth", 0))
+        rates[f"{test}@{depth}" if depth else test] = float(r["avg_ts"])
+    return rates
 
 
 def layer_seconds(llama_bench: Path, threads: int, runs: int, tmp: Path,
@@ -79,8 +85,7 @@ def layer_seconds(llama_bench: Path, threads: int, runs: int, tmp: Path,
     per_token = []
     for n_layer in TINY_LAYERS:
         path = tmp / f"tiny-{n_layer}.gguf"
-        write_synthetic(path, SyntheticConfig(n_layer=n_layer, **{"arch": "llama", **TINY,
-                                                                  **(kind or {})}))  # fmt: skip
+        write_synthetic(path, tiny_config(n_layer, kind))
         per_token.append(1.0 / bench(llama_bench, path, threads, runs, (0,), 64)["tg64"])
     return max((per_token[1] - per_token[0]) / (TINY_LAYERS[1] - TINY_LAYERS[0]), 0.0)
 
@@ -99,15 +104,12 @@ def attention_gbps(llama_bench: Path, threads: int, runs: int, tmp: Path,
     path = tmp / "attention.gguf"
     write_synthetic(path, SyntheticConfig("llama", **ATTENTION_SHAPE))
     spec = load_spec(str(path))
-    cmd = [str(llama_bench), "-m", str(path), "-t", str(threads), "-p", "0", "-n",
-           str(GEN_TOKENS), "-d", f"0,{depth}", "-r", str(runs), "-o", "json"]  # fmt: skip
-    out = subprocess.run(cmd, capture_output=True, text=True)
-    if out.returncode != 0:
-        raise UserError(f"llama-bench failed on {path.name}: {out.stderr.strip()[-300:]}")
-    seconds = {int(r.get("n_depth", 0)): 1.0 / float(r["avg_ts"]) for r in json.loads(out.stdout)}
+    rates = bench(llama_bench, path, threads, runs, (0,), GEN_TOKENS, (0, depth))
+    generated = f"tg{GEN_TOKENS}"
+    deeper_seconds = 1.0 / rates[f"{generated}@{depth}"] - 1.0 / rates[generated]
     hp = spec.hparams
     nbytes = hp.n_layer * depth * kv_cell_nbytes(spec, "f16") * hp.n_head / hp.n_head_kv
-    return nbytes / max(seconds[depth] - seconds[0], 1e-9) / 1e9
+    return nbytes / max(deeper_seconds, 1e-9) / 1e9
 
 
 def measure_llamacpp_cpu(

@@ -436,8 +436,8 @@ class CostModel:
                 nbytes / (gpu.matvec_gbps.at("F16", 1) * 1e9),
                 flops / (GPU_ATTENTION_EFFICIENCY * gpu.matmul_tflops.at("F16", tokens) * 1e12),
             )
-        gbps = self.profile.cpu.memory_gbps.value
         cpu = self.profile.cpu
+        gbps = cpu.memory_gbps.value
         if self.target == "llamacpp":  # ggml's CPU kernel reads the KV head once per query head
             nbytes *= hp.n_head / hp.n_head_kv
             gbps = (cpu.llamacpp_attention_gbps.value if cpu.llamacpp_attention_gbps
