@@ -57,7 +57,7 @@ from solver.cost import Workload  # noqa: E402
 from solver.solve import load_profile, solve_plan  # noqa: E402
 
 STAGES = ("agreement", "kernels", "vs-llamacpp", "gpu-tests", "agreement-1.5b", "eight-b",
-          "per-test")  # fmt: skip
+          "per-test", "agreement-serial")  # fmt: skip
 FIRST_CALL = STAGES[:4]
 # seconds a stage may take at most (None: what is left of the call)
 STAGE_SECONDS = {"agreement": 200, "kernels": 120}
@@ -150,10 +150,12 @@ def device_name() -> str:
     return out[0].replace(" ", "-") if out else "gpu"
 
 
-def new_engine(kind: str, spec, plan):
+def new_engine(kind: str, spec, plan, serial: bool = False):
     if kind == "cuda":
         from cudarun.cuda_engine import CudaEngine
 
+        if serial:
+            return serialized(CudaEngine)(spec, plan)
         return CudaEngine(spec, plan)
     from cudarun.standin_engine import StandInEngine
 
@@ -167,11 +169,47 @@ def runtime_nbytes(a) -> int:
     return CUDA_RUNTIME_NBYTES if a.engine == "cuda" else 0
 
 
+def serialized(engine_class):
+    """The engine with every copy, device part and CPU segment followed by a wait for all its
+    streams, and no CUDA graphs: a case that agrees this way and not the other is an ordering
+    race between streams or with the host, not arithmetic."""
+
+    class Serial(engine_class):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            self.use_graphs = False
+
+        def _copy_unit(self, *args, **kwargs):
+            super()._copy_unit(*args, **kwargs)
+            self.synchronize()
+
+        def _copy_routed(self, *args, **kwargs):
+            super()._copy_routed(*args, **kwargs)
+            self.synchronize()
+
+        def _device_part(self, *args, **kwargs):
+            super()._device_part(*args, **kwargs)
+            self.synchronize()
+
+        def _segment(self, *args, **kwargs):
+            super()._segment(*args, **kwargs)
+            self.synchronize()
+
+    return Serial
+
+
+def far_positions(got, kl: float = 1e-2) -> str:
+    """The positions whose KL passes `kl` (0: the prompt's logits), with their logits error."""
+    far = [f"{i}: KL {k:.2e}, error {e:.2e}" for i, (k, e) in enumerate(zip(got.kl, got.errors))
+           if k > kl]  # fmt: skip
+    return f"  positions with KL > {kl:g}: " + ("; ".join(far[:12]) if far else "none")
+
+
 AGREEMENT_PLANS = (("pinned", 3.0, None), ("streamed-40%", 0.4, None),
                    ("cpu-placed", 0.4, "ffncpu-attnstream"))  # fmt: skip
 
 
-def agreement(a, out: Out, names=("smollm2-135m", "gemma3-270m")) -> None:
+def agreement(a, out: Out, names=("smollm2-135m", "gemma3-270m"), serial: bool = False) -> None:
     profile = load_profile(a.profile)
     prompt_n, gen, n_ctx = 100, 64, 1024
     w = Workload(n_ctx=n_ctx, prompt_tokens=prompt_n, gen_tokens=gen, threads=profile.cpu.threads)
@@ -186,6 +224,7 @@ def agreement(a, out: Out, names=("smollm2-135m", "gemma3-270m")) -> None:
             out.say("agreement", f"{name}: NumPy reference, {prompt_n} + {gen} tokens, "
                                  f"{time.monotonic() - started:.1f} s")  # fmt: skip
             for label, fraction, strategy in AGREEMENT_PLANS:
+                label += " serialized" if serial else ""
                 if f"{name} {label}" in out.done:
                     continue
                 with out.guard("agreement", f"{name} {label}"):
@@ -198,7 +237,7 @@ def agreement(a, out: Out, names=("smollm2-135m", "gemma3-270m")) -> None:
                     solved = time.monotonic() - started
                     engine = None
                     try:
-                        engine = new_engine(a.engine, spec, plan)
+                        engine = new_engine(a.engine, spec, plan, serial)
                         engine.warm_up()
                         got = agreement_along(engine, prompt, rows, engine.tolerance)
                         out.say("agreement", f"{name} {label} ({plan['strategy']}, "
@@ -206,6 +245,7 @@ def agreement(a, out: Out, names=("smollm2-135m", "gemma3-270m")) -> None:
                                              f"{'OK' if got.ok else 'FAILS'}: {got.summary()} "
                                              f"[solve {solved:.1f} s, run "
                                              f"{time.monotonic() - started - solved:.1f} s]")
+                        out.say("agreement", far_positions(got))
                         for line in engine.memory_report():
                             out.say("agreement", "  " + line)
                     finally:  # the next plan's budget needs what this one held
@@ -438,6 +478,8 @@ def main() -> int:
     ap.add_argument("-p", type=int, default=512)
     ap.add_argument("-n", type=int, default=128)
     ap.add_argument("--reps", type=int, default=1, help="timed runs of each (c) test")
+    ap.add_argument("--agreement-models", default="smollm2-135m,gemma3-270m",
+                    help="the presets stage agreement runs")
     ap.add_argument("--solver-seconds", type=float, default=3.0, help="CP-SAT per plan in (a)")
     a = ap.parse_args()
     deadline = time.monotonic() + a.seconds - 5  # the last lines written before the call ends
@@ -455,11 +497,13 @@ def main() -> int:
         a.writer = Adopted(int(os.environ[WRITER_ENV]))
     else:
         a.writer = start_writer(a) if eight_b_stages & set(stages) else None
-    run = {"agreement": lambda: agreement(a, out), "kernels": lambda: kernels(a, out),
+    shapes = tuple(a.agreement_models.split(","))
+    run = {"agreement": lambda: agreement(a, out, shapes), "kernels": lambda: kernels(a, out),
            "vs-llamacpp": lambda: vs_llamacpp(a, out, deadline),
            "gpu-tests": lambda: gpu_tests(a, out),
            "agreement-1.5b": lambda: agreement(a, out, ("qwen2-1.5b",)),
-           "eight-b": lambda: eight_b(a, out), "per-test": lambda: per_test(a, out)}  # fmt: skip
+           "eight-b": lambda: eight_b(a, out), "per-test": lambda: per_test(a, out),
+           "agreement-serial": lambda: agreement(a, out, ("smollm2-135m",), serial=True)}  # fmt: skip
     for i, stage in enumerate(stages):
         left = deadline - time.monotonic()
         limit = min(STAGE_SECONDS.get(stage, left), left)

@@ -44,4 +44,4 @@ export LD_LIBRARY_PATH="$llama/bin${cublas:+:$cublas}:/usr/local/cuda/lib64${LD_
 [ -x "$llama/bin/llama-bench" ] && ldd "$llama/bin/libggml-cuda.so" | grep "not found"
 echo "setup: $(($(date +%s) - started)) s"
 exec $PY scripts/device_call.py --seconds $((${CALL_SECONDS:-560} - $(date +%s) + started)) \
-    --llama-bin "$llama/bin" --stages "${STAGES:-agreement,kernels,vs-llamacpp,gpu-tests}"
+    --llama-bin "$llama/bin" --stages "${STAGES:-agreement,kernels,vs-llamacpp,gpu-tests}" ${CALL_ARGS:-}
