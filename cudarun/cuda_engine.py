@@ -374,8 +374,7 @@ class CudaEngine(PlanExecutor):
             return self.hops.execute(tier, st)
         n = st.tokens.size
         ws, stage = self.workspace(tier), self.staging(tier)
-        host = Act(st.tokens, st.pos, st.all_logits)  # the CPU segments' activations
-        host.record, host.cells = st.record, st.cells
+        host = st.for_host()  # the CPU segments' activations
         key = (tier.tier, n)
         self.dmath.glu_layers = counts.glu_layers(tier.parts)
         graph = self._graphable(tier, st) and key in self.ran_eagerly  # kernels compiled by then

@@ -35,8 +35,7 @@ class DeviceHops:
     def execute(self, tier, st: Act) -> None:
         e, n = self.e, st.tokens.size
         stage = e.staging(tier)
-        host = Act(st.tokens, st.pos, st.all_logits)  # the CPU segments' activations
-        host.record, host.cells = st.record, st.cells
+        host = st.for_host()  # the CPU segments' activations
         devices = sorted({device_of(p.queue) for p in tier.parts if p.queue != "cpu"})
         wss = {d: e.workspace(tier, d) for d in devices}
         glu = _glu_layers(tier.parts)

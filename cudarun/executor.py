@@ -303,6 +303,10 @@ class PlanExecutor(SequenceCalls):
     def _forward(self, ub: Ubatch, all_logits: bool, rec, record) -> np.ndarray:
         st = self._run(self.tier_for(ub.size), ub, all_logits)
         keep_all(rec, record, st.record)
+        # a row too many shifts every later ubatch's rows: the call would return another token's
+        if st.logits.shape[0] != ub.logit_rows.size:
+            raise AssertionError(f"{st.logits.shape[0]} logit rows for a ubatch that wants "
+                                 f"{ub.logit_rows.size}")  # fmt: skip
         return st.logits
 
     def _run(self, tier: Tier, ub: Ubatch, all_logits: bool):

@@ -56,6 +56,14 @@ class Act:
     device: DeviceCells | None = None  # and the device's (the plan executor's)
     logit_rows: np.ndarray | None = None  # the tokens whose logits are wanted (None: the last)
 
+    def for_host(self) -> "Act":
+        """The activations a device engine's CPU segments fill: the ubatch's tokens, what it
+        records, its cells and the rows whose logits it wants (a prompt's ubatch before its last
+        wants none)."""
+        host = Act(self.tokens, self.pos, self.all_logits)
+        host.record, host.cells, host.logit_rows = self.record, self.cells, self.logit_rows
+        return host
+
 
 def panel_cache_nbytes() -> int:
     """Host memory the fp32 panels of the BLAS path may keep (a third of physical memory): a

@@ -84,6 +84,22 @@ def test_the_cuda_engine_agrees_with_numpy_across_tier_switches(tiny):
     assert engine.arenas is None and not engine.pinned
 
 
+def test_a_prompt_of_one_token_ubatches_returns_its_last_tokens_logits(tiny):
+    """A plan whose largest tier is 1 token with the head on the CPU: a prompt runs as a ubatch a
+    token, and only the last wants logits (the GPU's SmolLM2-shaped cpu-placed plan returned its
+    first token's logits: the CPU segments computed a row for every ubatch)."""
+    spec, _ = tiny
+    w = Workload(n_ctx=N_CTX, prompt_tokens=4, gen_tokens=4, threads=2)
+    tiers, prof = {1: placements(spec)[1]}, load_profile("h100")
+    plan = plan_json(spec, w, prof.name, [3 * spec.weights_nbytes + (8 << 20)], tiers,
+                     evaluate(tiers, spec, prof, w), "test", "refengine")  # fmt: skip
+    engine, reference = CudaEngine(spec, plan), NumpyEngine(spec, n_ctx=N_CTX)
+    prompt = [5, 9, 2, 7]
+    err = normwise(engine.prefill(prompt), reference.prefill(prompt))
+    assert err <= engine.tolerance, f"{err:.2e}"
+    engine.close()
+
+
 @pytest.mark.gpu
 def test_prefill_beyond_the_matvec_tokens_runs_the_fp16_gemm_path(tiny):
     """A 40-token prompt at tier 64: the products go through fp16 panels and cuBLAS, attention
