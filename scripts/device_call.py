@@ -115,6 +115,10 @@ class Out:
 
     def say(self, name: str, line: str) -> None:
         print(line, flush=True)
+        if not self.path(name).exists():  # every table starts with the device it ran on
+            self.path(name).write_text(smi_line() + "\n")
+            if name == "call":
+                print(smi_line(), flush=True)
         for path in {self.path(name), self.path("call")}:
             with open(path, "a") as f:
                 f.write(line + "\n")
@@ -259,7 +263,6 @@ def kernels(a, out: Out) -> None:
         return
     from cudarun import bench_report
 
-    out.say("kernels", smi_line())
     out.say("kernels", " | ".join(bench_report.GPU_COLUMNS))
 
     def failed(what, text):
@@ -358,7 +361,7 @@ def gpu_tests(a, out: Out) -> None:
         def isatty(self):
             return False
 
-    out.say("gpu-tests", smi_line())
+    out.say("gpu-tests", "the gpu tests, -m gpu, in this process")
     with contextlib.redirect_stdout(Tee()):
         code = pytest.main(["-q", "-n", "0", "-m", "gpu", "-p", "no:cacheprovider", "-rfE",
                             "--durations=10", str(ROOT / "tests")])  # fmt: skip
@@ -490,7 +493,7 @@ def main() -> int:
     a.models.mkdir(parents=True, exist_ok=True)
     a.model_8b = a.model_8b or a.models / EIGHT_B
     out = Out(device_name())
-    out.say("call", f"{smi_line()}\ndevice call {date.today()}: stages {', '.join(stages)}, "
+    out.say("call", f"device call {date.today()}: stages {', '.join(stages)}, "
                     f"{a.seconds:.0f} s, engine {a.engine}, profile {a.profile}")  # fmt: skip
     eight_b_stages = {"vs-llamacpp", "eight-b", "per-test"}
     if os.environ.get(WRITER_ENV):
