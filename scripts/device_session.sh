@@ -14,6 +14,8 @@
 # while the machine is warm; a fresh machine writes it again):
 #     CALL_SECONDS=<left - 30> STAGES=agreement-1.5b,eight-b,per-test bash scripts/device_session.sh
 #     (carry [".whl"] again: a fresh machine has none of the first calls' files)
+# CALL_ARGS go to device_call.py as they are (e.g. "--agreement-models smollm2-135m"); STAGES may
+# name agreement-serial, the SmolLM2-shaped cases with a wait after every operation.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 started=$(date +%s)
