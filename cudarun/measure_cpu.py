@@ -84,8 +84,13 @@ def measure_cpu(
     glu, gelu = (glu_seconds(quick, runs, act) for act in ("silu", "gelu"))
     rope = rope_seconds(quick, runs)
     progress("a layer's fixed cost")
-    per_layer = layer_seconds(threads, quick)
-    per_routed_layer = layer_seconds(threads, quick, ROUTED)
+    layer_gbps = matvec[LAYER["qtype"]][threads].value if LAYER["qtype"] in matvec else (
+        memory_gbps.value)  # fmt: skip
+    per_layer = layer_seconds(threads, quick, layer_gbps)
+    per_routed_layer, per_expert = routed_fixed(
+        lambda kind: layer_seconds(threads, quick, layer_gbps, kind))
+    layers = " and ".join(map(str, layer_counts(quick)))
+    width = TINY["n_embd"] if quick else LAYER["n_embd"]
     matvec[ANY_TYPE] = matvec[types[0]]
     matmul[ANY_TYPE] = matmul[types[0]]
     return CPUProfile(
@@ -107,11 +112,14 @@ def measure_cpu(
         glu_element_seconds=Figure(glu, f"{src}; cpu_ops.gated (SiLU) over 512 x 8192"),
         gelu_element_seconds=Figure(gelu, f"{src}; cpu_ops.gated (GELU) over 512 x 8192"),
         rope_element_seconds=Figure(rope, f"{src}; cpu_ops.rope over 512 tokens x 16 x 128"),
-        layer_seconds=Figure(per_layer, f"{src}; the cpu engine decoding tiny synthetic llamas "
-                                        f"of {' and '.join(map(str, TINY_LAYERS))} layers, the "
-                                        "slope per layer"),  # fmt: skip
-        routed_layer_seconds=Figure(per_routed_layer, f"{src}; the same with tiny synthetic "
-                                                      "qwen3moe (8 experts, 2 used)"),
+        layer_seconds=Figure(per_layer, f"{src}; the cpu engine decoding synthetic Q8_0 llamas "
+                                        f"{width} wide of {layers} layers, the slope per layer "
+                                        "less its bytes at the Q8_0 matvec rate"),  # fmt: skip
+        routed_layer_seconds=Figure(per_routed_layer, f"{src}; the same with synthetic "
+                                                      "qwen3moe (8 experts, 2 and 6 used), the "
+                                                      "intercept at none used"),
+        expert_seconds=Figure(per_expert, f"{src}; the same qwen3moe, the slope per expert "
+                                          "used"),
         q8_matmul_gflops=RateTable("GFLOP/s", q8),
         sync_seconds=Figure(
             20e-6,
@@ -206,22 +214,68 @@ def rope_seconds(quick: bool, runs: int) -> float:
                            runs) / x.size  # fmt: skip
 
 
-# tiny llamas whose decode is all fixed costs: the slope between them is a layer's
+# a layer's fixed cost is measured where a real model's layers run: 512 wide, the weights of the
+# two models (12 and 36 layers, 40 and 119 MiB) streaming from memory past the last-level cache,
+# each layer's bytes at the profile's own rate taken off the slope. Tiny llamas (64 wide, in
+# cache) measured 26 us a layer where layers of 512-2048 cost 51-68 us beyond their bytes: per
+# parallel region, its threads' first reads of a matrix from memory
+LAYER_COUNTS = (12, 36)
+LAYER = dict(n_embd=512, n_ff=1536, n_head=8, n_head_kv=2, n_vocab=512, qtype="Q8_0")
+ROUTED = dict(arch="qwen3moe", n_expert=8, n_expert_used=2, n_ff_exp=512)
+MORE_USED = dict(ROUTED, n_expert_used=6)  # its twin: the cost of each chosen expert
+# `quick` (tests): tiny llamas of few layers, in cache, seconds to measure
 TINY_LAYERS = (2, 10)
-TINY = dict(n_embd=64, n_ff=128, n_head=4, n_head_kv=2, n_vocab=512)
-ROUTED = dict(arch="qwen3moe", n_expert=8, n_expert_used=2, n_ff_exp=64)
+TINY = dict(n_embd=64, n_ff=128, n_head=4, n_head_kv=2, n_vocab=512, qtype="Q8_0")
+TINY_ROUTED = dict(ROUTED, n_ff_exp=64)
 
 
-def tiny_config(n_layer: int, kind: dict | None = None):
-    """A tiny llama of `n_layer` layers (or, `kind`: ROUTED, a tiny qwen3moe)."""
+def layer_config(n_layer: int, kind: dict | None = None, quick: bool = False):
+    """A llama of `n_layer` layers at a real model's width (`quick`: tiny), or, `kind`: ROUTED,
+    a qwen3moe."""
     from refengine.synthetic import SyntheticConfig
 
-    return SyntheticConfig(n_layer=n_layer, **{"arch": "llama", **TINY, **(kind or {})})
+    shape, routed = (TINY, TINY_ROUTED) if quick else (LAYER, ROUTED)
+    if kind:
+        routed = dict(routed, n_expert_used=kind["n_expert_used"])
+    return SyntheticConfig(n_layer=n_layer, **{"arch": "llama", **shape,
+                                               **(routed if kind else {})})  # fmt: skip
 
 
-def layer_seconds(threads: int, quick: bool, kind: dict | None = None) -> float:
-    """Our cpu engine's fixed cost of a layer per decoded token, whatever the layer's width:
-    a dense llama's, or (`ROUTED`) a routed layer's."""
+def routed_fixed(fixed_at: Callable[[dict], float]) -> tuple[float, float]:
+    """(a routed layer's fixed cost before its experts, the fixed cost of each expert it chose)
+    from `fixed_at(kind)`, its fixed cost with ROUTED's and MORE_USED's counts of chosen experts
+    (a decode's expert products are small, and each costs its own start beyond its bytes)."""
+    k0, k1 = ROUTED["n_expert_used"], MORE_USED["n_expert_used"]
+    a, b = fixed_at(ROUTED), fixed_at(MORE_USED)
+    per_expert = max((b - a) / (k1 - k0), 0.0)
+    return max(a - k0 * per_expert, 0.0), per_expert
+
+
+def layer_counts(quick: bool) -> tuple[int, int]:
+    return TINY_LAYERS if quick else LAYER_COUNTS
+
+
+def layer_read_nbytes(spec) -> float:
+    """The weight bytes a decoded token reads of one layer (blk.0): every matrix, an expert
+    stack's chosen experts only."""
+    hp, total = spec.hparams, 0.0
+    for t in spec.tensors:
+        if t.name.startswith("blk.0.") and len(t.shape) >= 2:
+            total += t.nbytes * (hp.n_expert_used / hp.n_expert if len(t.shape) == 3 else 1.0)
+    return total
+
+
+def fixed_layer_seconds(per_token: tuple[float, float], counts: tuple[int, int], spec,
+                        gbps: float) -> float:  # fmt: skip
+    """A layer's fixed cost: the slope per layer of two models' decode times, less the layer's
+    bytes at `gbps` (the rate the cost model prices them at)."""
+    slope = (per_token[1] - per_token[0]) / (counts[1] - counts[0])
+    return max(slope - layer_read_nbytes(spec) / (gbps * 1e9), 0.0)
+
+
+def layer_seconds(threads: int, quick: bool, gbps: float, kind: dict | None = None) -> float:
+    """Our cpu engine's fixed cost of a layer per decoded token (`fixed_layer_seconds`): a dense
+    llama's, or (`ROUTED`) a routed layer's; `gbps`: the profile's matvec rate of LAYER's type."""
     import tempfile
 
     import numpy as np
@@ -231,11 +285,13 @@ def layer_seconds(threads: int, quick: bool, kind: dict | None = None) -> float:
 
     from .cpu_engine import CpuEngine
 
-    tokens, per_token = (8 if quick else 48), []
+    tokens, per_token, counts = (8 if quick else 48), [], layer_counts(quick)
     with tempfile.TemporaryDirectory(prefix="refengine-layers-") as tmp:
-        for n_layer in TINY_LAYERS:
-            path = write_synthetic(Path(tmp) / f"{n_layer}.gguf", tiny_config(n_layer, kind))
-            engine = CpuEngine(load_spec(str(path)), threads=threads, n_ctx=4 * tokens)
+        for n_layer in counts:
+            config = layer_config(n_layer, kind, quick)
+            path = write_synthetic(Path(tmp) / f"{n_layer}.gguf", config)
+            spec = load_spec(str(path))
+            engine = CpuEngine(spec, threads=threads, n_ctx=4 * tokens)
             engine.warm_up()
             engine.prefill(np.arange(4))
 
@@ -243,7 +299,7 @@ def layer_seconds(threads: int, quick: bool, kind: dict | None = None) -> float:
                 engine.decode(7)
 
             per_token.append(_median_seconds(decode, tokens, fastest=True))
-    return max((per_token[1] - per_token[0]) / (TINY_LAYERS[1] - TINY_LAYERS[0]), 0.0)
+    return fixed_layer_seconds(tuple(per_token), counts, spec, gbps)
 
 
 def _median_seconds(run: Callable[[], object], runs: int, fastest: bool = False) -> float:

@@ -24,9 +24,11 @@ from refengine.errors import UserError
 from refengine.spec import ModelSpec, load_spec
 from refengine.synthetic import SyntheticConfig, write_synthetic
 from solver.memory import kv_cell_nbytes
-from solver.profile import Figure, RateTable
+from solver.memory import expected_distinct_experts
+from solver.profile import ANY_TYPE, Figure, RateTable
 
-from .measure_cpu import MATMUL_TOKENS, MATVEC_TYPES, ROUTED, TINY_LAYERS, tiny_config
+from .measure_cpu import (LAYER, MATMUL_TOKENS, MATVEC_TYPES, ROUTED, fixed_layer_seconds,
+                          layer_config, layer_counts, routed_fixed)
 
 # wide enough that the matrices, not the per-op overheads, take the time; as deep as a 1B model,
 # so that a prompt runs for seconds over weights many times the last-level cache, as a real
@@ -77,17 +79,19 @@ def bench(llama_bench: Path, model: Path, threads: int, runs: int,
     return rates
 
 
-def layer_seconds(llama_bench: Path, threads: int, runs: int, tmp: Path,
-                  kind: dict | None = None) -> float:  # fmt: skip
-    """llama.cpp's fixed cost of a layer per decoded token: tiny llamas (or, `ROUTED`, tiny
-    qwen3moe) of TINY_LAYERS layers generate; the slope per layer (its graph's nodes, whatever
-    their width)."""
-    per_token = []
-    for n_layer in TINY_LAYERS:
-        path = tmp / f"tiny-{n_layer}.gguf"
-        write_synthetic(path, tiny_config(n_layer, kind))
+def layer_seconds(llama_bench: Path, threads: int, runs: int, tmp: Path, gbps: float,
+                  quick: bool = False, kind: dict | None = None) -> float:  # fmt: skip
+    """llama.cpp's fixed cost of a layer per decoded token, as ours is measured
+    (`measure_cpu.fixed_layer_seconds`): llamas (or, `ROUTED`, qwen3moe) of two depths
+    generate; the slope per layer less its bytes at `gbps`, llama.cpp's rate for LAYER's type."""
+    per_token, counts = [], layer_counts(quick)
+    for n_layer in counts:
+        path = tmp / f"layers-{n_layer}.gguf"
+        write_synthetic(path, layer_config(n_layer, kind, quick))
         per_token.append(1.0 / bench(llama_bench, path, threads, runs, (0,), 64)["tg64"])
-    return max((per_token[1] - per_token[0]) / (TINY_LAYERS[1] - TINY_LAYERS[0]), 0.0)
+        spec = load_spec(str(path))
+        path.unlink()
+    return fixed_layer_seconds(tuple(per_token), counts, spec, gbps)
 
 
 # a decode whose time at depth is its attention: small matrices, grouped heads (4 query heads a
@@ -112,20 +116,60 @@ def attention_gbps(llama_bench: Path, threads: int, runs: int, tmp: Path,
     return nbytes / max(deeper_seconds, 1e-9) / 1e9
 
 
+# llama.cpp's routed experts (mul_mat_id: each expert's rows over the tokens it drew) run slower
+# than its dense products, on a prompt and in a decode: two routed models differing only in their
+# experts' width
+EXPERT_WIDTHS = (256, 1024)
+
+
+def expert_rates(llama_bench: Path, threads: int, runs: int, tmp: Path,
+                 quick: bool = False) -> tuple[dict[int, float], float]:  # fmt: skip
+    """({tokens an expert draws: GFLOP/s} on a prompt, decode GB/s) of llama.cpp's routed
+    experts: qwen3moe models (ROUTED, LAYER's width) whose experts are EXPERT_WIDTHS wide run pp64,
+    pp512 and tg16; the difference of their times over the difference of their expert FLOPs (a
+    prompt) or of the expert bytes a token reads (a decode)."""
+    from dataclasses import replace
+
+    n_layer = layer_counts(quick)[0]
+    seconds, nbytes = [], []
+    for width in EXPERT_WIDTHS:
+        path = tmp / f"experts-{width}.gguf"
+        write_synthetic(path, replace(layer_config(n_layer, ROUTED, quick), n_ff_exp=width))
+        rates = bench(llama_bench, path, threads, runs)
+        seconds.append({t: t / rates[f"pp{t}"] for t in MATMUL_TOKENS}
+                       | {1: 1 / rates[f"tg{GEN_TOKENS}"]})  # fmt: skip
+        spec = load_spec(str(path))
+        hp = spec.hparams
+        nbytes.append(sum(t.nbytes for t in spec.tensors if "_exps" in t.name)
+                      * hp.n_expert_used / hp.n_expert)  # fmt: skip
+        path.unlink()
+    flops_per_token = (2.0 * 3 * hp.n_embd * (EXPERT_WIDTHS[1] - EXPERT_WIDTHS[0])
+                       * hp.n_expert_used * n_layer)  # fmt: skip
+    prompt = {}
+    for t in MATMUL_TOKENS:
+        drawn = t * hp.n_expert_used / expected_distinct_experts(hp.n_expert, hp.n_expert_used, t)
+        prompt[round(drawn)] = flops_per_token * t / max(seconds[1][t] - seconds[0][t], 1e-9) / 1e9
+    decode = (nbytes[1] - nbytes[0]) / max(seconds[1][1] - seconds[0][1], 1e-9) / 1e9
+    return prompt, decode
+
+
 def measure_llamacpp_cpu(
     llama_bench: Path,
     threads: int,
     quick: bool = False,
     progress: Callable[[str], None] = lambda s: None,
     types: tuple[str, ...] = MATVEC_TYPES,
-) -> tuple[RateTable, RateTable, Figure, Figure, Figure]:
-    """(llama.cpp's CPU matmul GFLOP/s by type and prompt tokens, its decode weight GB/s by type
-    and threads, its fixed cost of a layer per token, a routed layer's, its decode attention's
-    cache GB/s), measured with `llama_bench` (a llama.cpp build's llama-bench)."""
+) -> dict[str, RateTable | Figure]:
+    """llama.cpp's CPU rows of the profile (`CPUProfile`'s llamacpp_* fields), measured with
+    `llama_bench` (a llama.cpp build's llama-bench): its matmul GFLOP/s by type and prompt
+    tokens, its decode weight GB/s by type and threads, its fixed cost of a layer per token and a
+    routed layer's, its routed experts' prompt GFLOP/s by tokens an expert draws and decode GB/s,
+    its decode attention's cache GB/s."""
     shape, runs = (QUICK_SHAPE, 1) if quick else (SHAPE, 3)
     src = (f"measured: refengine profile {date.today().isoformat()}, llama-bench -t {threads} "
            f"on a synthetic llama ({shape['n_layer']} layers, {shape['n_embd']} x "
            f"{shape['n_ff']}) of the type, mean of {runs}")  # fmt: skip
+    short = src.split(" on a synthetic")[0]
     matmul, matvec = {}, {}
     with tempfile.TemporaryDirectory(prefix="refengine-llamacpp-") as tmp:
         for name in types:
@@ -144,19 +188,38 @@ def measure_llamacpp_cpu(
             }
             path.unlink()
         progress("llama.cpp's fixed cost of a layer")
-        per_layer = Figure(layer_seconds(llama_bench, threads, runs, Path(tmp)),
-                           f"{src.split(' on a synthetic')[0]}; tiny synthetic llamas of "
-                           f"{' and '.join(map(str, TINY_LAYERS))} layers generating 64 tokens, "
-                           "the slope per layer")  # fmt: skip
-        per_routed_layer = Figure(layer_seconds(llama_bench, threads, runs, Path(tmp), ROUTED),
-                                  per_layer.source.replace("llamas", "qwen3moe (8 experts, 2 "
-                                                                     "used)"))  # fmt: skip
+        qtype = LAYER["qtype"]
+        gbps = (matvec.get(qtype) or next(iter(matvec.values())))[threads].value
+        per_layer = Figure(layer_seconds(llama_bench, threads, runs, Path(tmp), gbps, quick),
+                           f"{short}; synthetic {qtype} llamas of "
+                           f"{' and '.join(map(str, layer_counts(quick)))} layers generating 64 "
+                           f"tokens, the slope per layer less its bytes at llama.cpp's {qtype} "
+                           "rate")  # fmt: skip
+        routed, per_expert = routed_fixed(
+            lambda kind: layer_seconds(llama_bench, threads, runs, Path(tmp), gbps, quick, kind))
+        qwen3moe = per_layer.source.replace("llamas", "qwen3moe (8 experts, 2 and 6 used)")
+        per_routed_layer = Figure(routed, f"{qwen3moe}, the intercept at none used")
+        per_expert = Figure(per_expert, f"{qwen3moe}, the slope per expert used")
+        progress("llama.cpp's routed experts")
+        prompt, decode = expert_rates(llama_bench, threads, runs, Path(tmp), quick)
+        twins = (f"{short}; synthetic qwen3moe (8 experts, 2 used) with experts "
+                 f"{' and '.join(map(str, EXPERT_WIDTHS))} wide")  # fmt: skip
+        experts = {drawn: Figure(x, f"{twins}, pp64 and pp512: the difference, {drawn} tokens "
+                                    "an expert")
+                   for drawn, x in prompt.items()}  # fmt: skip
         progress("llama.cpp's decode attention")
         depth = ATTENTION_DEPTH // (8 if quick else 1)
         attention = Figure(attention_gbps(llama_bench, threads, runs, Path(tmp), depth),
-                           f"{src.split(' on a synthetic')[0]}; a synthetic llama of "
+                           f"{short}; a synthetic llama of "
                            f"{ATTENTION_SHAPE['n_layer']} layers, 8 query heads over 2 KV heads "
                            f"of 64, generating at depth {depth} and 0: the cache bytes its query "
                            "heads read over the difference")  # fmt: skip
-    return (RateTable("GFLOP/s", matmul), RateTable("GB/s", matvec), per_layer, per_routed_layer,
-            attention)
+    return dict(llamacpp_matmul_gflops=RateTable("GFLOP/s", matmul),
+                llamacpp_matvec_gbps=RateTable("GB/s", matvec),
+                llamacpp_layer_seconds=per_layer, llamacpp_routed_layer_seconds=per_routed_layer,
+                llamacpp_expert_seconds=per_expert,
+                llamacpp_expert_gflops=RateTable("GFLOP/s", {ANY_TYPE: experts}),
+                llamacpp_expert_gbps=Figure(decode, f"{twins}, tg{GEN_TOKENS}: the difference of "
+                                                    "the expert bytes a token reads over the "
+                                                    "difference of the times"),
+                llamacpp_attention_gbps=attention)

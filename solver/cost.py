@@ -296,27 +296,38 @@ class CostModel:
         matvec = (cpu.llamacpp_matvec_gbps if llama and cpu.llamacpp_matvec_gbps
                   else cpu.matvec_gbps)  # fmt: skip
         read = nbytes / (matvec.at(g.qtype, self.threads) * 1e9)
+        if llama and g.kind == EXPERTS and cpu.llamacpp_expert_gbps:
+            read = nbytes / (cpu.llamacpp_expert_gbps.value * 1e9)  # its mul_mat_id's, apart
         # a host-run layer's fixed cost (its calls, the graph's nodes), once per ubatch; a routed
         # layer's own where measured (ours: two fused calls, the router in Python between;
         # llama.cpp's: the router's, top-k's and the experts' nodes)
         fixed = cpu.llamacpp_layer_seconds if llama else cpu.layer_seconds
-        if self.spec.hparams.n_expert > 0:
+        hp = self.spec.hparams
+        per_expert = 0.0
+        if hp.n_expert > 0:
             fixed = (cpu.llamacpp_routed_layer_seconds if llama else
                      cpu.routed_layer_seconds) or fixed  # fmt: skip
-        fixed = fixed.value if fixed and g.kind == ATTN_SIDE else 0.0
+            each = cpu.llamacpp_expert_seconds if llama else cpu.expert_seconds
+            if each:  # each expert the ubatch's tokens chose starts its own products
+                per_expert = each.value * expected_distinct_experts(hp.n_expert,
+                                                                    hp.n_expert_used, tokens)
+        fixed = fixed.value + per_expert if fixed and g.kind == ATTN_SIDE else 0.0
         if tokens == 1:  # the matvec's measured rate covers its arithmetic; the matmul rate,
             # measured from 64 tokens on and held below them, priced a decode token 3-6x slow
             return read + fixed
+        if g.kind == EXPERTS:  # each expert multiplies the tokens it drew
+            touched = expected_distinct_experts(hp.n_expert, hp.n_expert_used, tokens)
+            drawn = max(1, round(tokens * hp.n_expert_used / touched))
+        if llama and g.kind == EXPERTS and cpu.llamacpp_expert_gflops:
+            rate = cpu.llamacpp_expert_gflops.at(g.qtype, drawn)
+            return max(read, flops / (rate * 1e9)) + fixed
         if llama and cpu.llamacpp_matmul_gflops:
             rate = cpu.llamacpp_matmul_gflops.at(g.qtype, tokens)
             return max(read, flops / (rate * 1e9)) + fixed
         qtype, rates, at = g.qtype, cpu.matmul_gflops, tokens
         q8 = cpu.q8_matmul_gflops
         if not llama and g.kind == EXPERTS and q8 and qtype in q8.rows:
-            # our host runs a stack's experts on the q8 rows, each on the tokens it drew
-            hp = self.spec.hparams
-            touched = expected_distinct_experts(hp.n_expert, hp.n_expert_used, tokens)
-            rates, at = q8, max(1, round(tokens * hp.n_expert_used / touched))
+            rates, at = q8, drawn  # our host runs a stack's experts on the q8 rows
         elif not llama and tokens >= HOST_PANEL_TOKENS and PANEL_TYPE in rates.rows:
             qtype = PANEL_TYPE  # our host multiplies the fp32 panels it keeps, at BLAS's rate
         seconds = max(read, flops / (rates.at(qtype, at) * 1e9)) + fixed

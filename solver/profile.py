@@ -151,6 +151,14 @@ class CPUProfile:
     routed_layer_seconds: Figure | None = None
     q8_matmul_gflops: RateTable | None = None
     llamacpp_routed_layer_seconds: Figure | None = None  # llama.cpp's, the same way
+    # a routed layer's fixed cost beyond the above for each expert a decode chose (ours,
+    # llama.cpp's): where these are measured, the routed layer's figure is its cost before any
+    expert_seconds: Figure | None = None
+    llamacpp_expert_seconds: Figure | None = None
+    # llama.cpp's routed experts (its mul_mat_id) on a prompt, by the tokens an expert draws, and
+    # in a decode, the expert bytes a token reads per second
+    llamacpp_expert_gflops: RateTable | None = None
+    llamacpp_expert_gbps: Figure | None = None
 
 
 @dataclass(frozen=True)

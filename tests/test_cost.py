@@ -455,6 +455,37 @@ def test_routed_layers_and_llamacpps_decode_attention_are_priced_as_measured():
         pytest.approx(kv_read / (20e9 * GGML_CPU_ATTENTION_EFFICIENCY)))
 
 
+def test_routed_experts_are_priced_at_their_own_measured_rates_and_starts():
+    """Where measured: each expert a decode chose adds its start to the routed layer's fixed cost
+    (ours and llama.cpp's); llama.cpp's experts read at its mul_mat_id's decode rate and, on a
+    prompt, multiply at its rate for the tokens each expert drew, not its dense products'."""
+    f = lambda v: Figure(v, "toy")  # noqa: E731
+    base = toy_profile()
+    hp = MOE.hparams
+    rates = RateTable("GFLOP/s", {ANY_TYPE: {16: f(20.0), 128: f(40.0)}})
+    measured = replace(base, cpu=replace(
+        base.cpu, layer_seconds=f(3e-5), routed_layer_seconds=f(9e-5), expert_seconds=f(1e-5),
+        llamacpp_layer_seconds=f(2e-5), llamacpp_routed_layer_seconds=f(5e-5),
+        llamacpp_expert_seconds=f(2e-5), llamacpp_expert_gflops=rates,
+        llamacpp_expert_gbps=f(5.0)))  # fmt: skip
+    unmeasured = replace(measured, cpu=replace(measured.cpu, expert_seconds=None,
+                                               llamacpp_expert_seconds=None))  # fmt: skip
+    attn = next(g for g in CostModel(MOE, base, W).groups if g.name == "blk.0.attn")
+    for target, each in (("refengine", 1e-5), ("llamacpp", 2e-5)):
+        more = CostModel(MOE, measured, W, target).cpu_seconds(attn, 1) - CostModel(
+            MOE, unmeasured, W, target).cpu_seconds(attn, 1)
+        assert more == pytest.approx(hp.n_expert_used * each)
+    llama = CostModel(MOE, measured, W, "llamacpp")
+    experts = next(g for g in llama.groups if g.kind == "experts")
+    nbytes, _ = llama.work(experts, 1)
+    assert llama.cpu_seconds(experts, 1) == pytest.approx(nbytes / 5e9)
+    drawn = round(512 * hp.n_expert_used / expected_distinct_experts(hp.n_expert,
+                                                                     hp.n_expert_used, 512))
+    nbytes, flops = llama.work(experts, 512)
+    assert llama.cpu_seconds(experts, 512) == pytest.approx(
+        max(nbytes / 5e9, flops / (rates.at(experts.qtype, drawn) * 1e9)))
+
+
 def test_our_decode_attention_is_priced_per_query_head_and_key_as_measured():
     """Where the profile measured our fused decode's attention, a decode token's costs query heads
     x keys x the head size's per-score time (here above the cache's read time); llama.cpp's and a

@@ -91,14 +91,9 @@ def _with_llamacpp(prof, llama_bench: Path, quick: bool):
 
     with Progress(transient=True) as bar:
         task = bar.add_task("llama.cpp", total=None)
-        matmul, matvec, per_layer, per_routed_layer, attention = measure_llamacpp_cpu(
-            llama_bench, prof.cpu.threads, quick, lambda what: bar.update(task, description=what)
-        )
-    return replace(prof, cpu=replace(prof.cpu, llamacpp_matmul_gflops=matmul,
-                                     llamacpp_matvec_gbps=matvec,
-                                     llamacpp_layer_seconds=per_layer,
-                                     llamacpp_routed_layer_seconds=per_routed_layer,
-                                     llamacpp_attention_gbps=attention))  # fmt: skip
+        rows = measure_llamacpp_cpu(llama_bench, prof.cpu.threads, quick,
+                                    lambda what: bar.update(task, description=what))  # fmt: skip
+    return replace(prof, cpu=replace(prof.cpu, **rows))
 
 
 def _measure(base, local_gpu: bool, endpoints: list[str], cpu_from: str | None,
