@@ -100,6 +100,16 @@ class Operations:
         return Operations(self.copies * n, self.all_reduces * n, self.hops * n)
 
 
+def group_rows(spec: ModelSpec, g: Group) -> int:
+    """The matrix rows one decoded token reads of group g: none of the embedding (a row lookup);
+    of an expert stack, its chosen experts'."""
+    if g.kind == EMBD:
+        return 0
+    shapes = [spec.by_name[t].shape for t in g.tensors]
+    per_expert = spec.hparams.n_expert_used
+    return sum(s[0] if len(s) == 2 else s[1] * per_expert for s in shapes if len(s) >= 2)
+
+
 def hops_between(a: int, b: int) -> int:
     """Copies that move activations from device a to device b (Loc.where): none on the same
     device, one between the CPU and a GPU, two between GPUs (down to the host and up again:
@@ -247,6 +257,8 @@ class CostModel:
         self.threads = workload.threads or profile.cpu.threads
         self.cell_nbytes = kv_cell_nbytes(spec, workload.kv_type)
         hp = spec.hparams
+        # the matrix rows a decoded token reads of each group (an expert stack's chosen experts)
+        self.decode_rows = {g.name: group_rows(spec, g) for g in self.groups}
         # activations crossing inside a layer: the wider of the residual and the FFN's inner rows
         self.hop_width = max(hp.n_embd, hp.n_ff_active)
 
@@ -314,7 +326,8 @@ class CostModel:
         fixed = fixed.value + per_expert if fixed and g.kind == ATTN_SIDE else 0.0
         if tokens == 1:  # the matvec's measured rate covers its arithmetic; the matmul rate,
             # measured from 64 tokens on and held below them, priced a decode token 3-6x slow
-            return read + fixed
+            per_row = cpu.llamacpp_row_seconds if llama else cpu.row_seconds
+            return read + fixed + (self.decode_rows[g.name] * per_row.value if per_row else 0.0)
         if g.kind == EXPERTS:  # each expert multiplies the tokens it drew
             touched = expected_distinct_experts(hp.n_expert, hp.n_expert_used, tokens)
             drawn = max(1, round(tokens * hp.n_expert_used / touched))

@@ -145,6 +145,11 @@ class CPUProfile:
     # what a small model's decode feels most; ours, and llama.cpp's CPU backend's
     layer_seconds: Figure | None = None
     llamacpp_layer_seconds: Figure | None = None
+    # a matrix row's own cost in a decode (its dot product's start and final sum) beyond its
+    # bytes: what a head of 262144 short rows feels; where measured, the decode rates are of the
+    # bytes alone
+    row_seconds: Figure | None = None
+    llamacpp_row_seconds: Figure | None = None
     # ours: a routed layer's fixed cost per decoded token (its two fused calls and the router in
     # Python between them), and the q8 row kernels' rate on several tokens (a routed stack's
     # experts at prefill, each on the tokens it drew), by type and token count
