@@ -486,6 +486,42 @@ def test_routed_experts_are_priced_at_their_own_measured_rates_and_starts():
         max(nbytes / 5e9, flops / (rates.at(experts.qtype, drawn) * 1e9)))
 
 
+def test_a_decode_pays_each_matrix_row_it_reads_where_measured():
+    """Where the profile measured a row's own cost, a decode token's group costs its rows at it
+    (the head its vocabulary's, a stack its chosen experts'), beside its bytes; a prompt does
+    not, and each system's own figure prices it."""
+    f = lambda v: Figure(v, "toy")  # noqa: E731
+    base = toy_profile()
+    measured = replace(base, cpu=replace(base.cpu, row_seconds=f(1e-9),
+                                         llamacpp_row_seconds=f(2e-8)))  # fmt: skip
+    hp, moe = DENSE.hparams, MOE.hparams
+    for spec, name, rows in ((DENSE, "output", hp.n_vocab), (DENSE, "blk.0.ffn_up", hp.n_ff),
+                             (DENSE, "blk.0.attn", (2 * hp.n_head + 2 * hp.n_head_kv) * hp.head_dim),
+                             (MOE, "blk.0.ffn_up_exps", moe.n_ff_exp * moe.n_expert_used)):
+        for target, each in (("refengine", 1e-9), ("llamacpp", 2e-8)):
+            with_rows, without = (CostModel(spec, p, W, target) for p in (measured, base))
+            g = next(g for g in with_rows.groups if g.name == name)
+            assert with_rows.cpu_seconds(g, 1) - without.cpu_seconds(g, 1) == pytest.approx(
+                rows * each), (name, target)
+            assert with_rows.cpu_seconds(g, 64) == without.cpu_seconds(g, 64)
+
+
+def test_twins_of_equal_bytes_and_unequal_rows_give_the_cost_per_byte_and_per_row(tmp_path):
+    """The row twins' decode times, made from a known rate and cost per row, give both back."""
+    from cudarun.measure_cpu import decode_rows, row_seconds_and_gbps, row_twin_config
+    from cudarun.measure_llamacpp import token_nbytes
+    from refengine.spec import load_spec
+    from refengine.synthetic import write_synthetic
+
+    specs = [load_spec(str(write_synthetic(tmp_path / f"{w}.gguf", row_twin_config(w, v))))
+             for w, v in ((128, 16384), (512, 4096))]  # fmt: skip
+    gbps, per_row = 40.0, 2e-8
+    seconds = tuple(token_nbytes(s) / (gbps * 1e9) + decode_rows(s) * per_row for s in specs)
+    assert row_seconds_and_gbps(seconds, specs) == pytest.approx((per_row, gbps))
+    # the head's rows and the layer's: 16384 + 128 x 4 + 256 x 2 + 128 for the narrow twin
+    assert decode_rows(specs[0]) == 16384 + 4 * 128 + 2 * 256 + 128
+
+
 def test_our_decode_attention_is_priced_per_query_head_and_key_as_measured():
     """Where the profile measured our fused decode's attention, a decode token's costs query heads
     x keys x the head size's per-score time (here above the cache's read time); llama.cpp's and a
