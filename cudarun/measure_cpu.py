@@ -47,17 +47,16 @@ def measure_cpu(
         host_read_gbps(threads, nbytes, runs),
         f"{src}; Numba parallel read of {nbytes >> 20} MiB on {threads} threads, median of {runs}",
     )
-    progress("a matrix row's cost")
-    per_row = our_row_seconds(threads, quick)
+    progress("the output head")
+    head_row, head_gbps = our_head_rates(threads, quick)
     matvec, matmul, q8 = {}, {}, {}
     for name in types:
         progress(f"matvec {name}")
         r = matmul_rate(name, shape, 1, threads, runs, nbytes)
         matvec[name] = {
             threads: Figure(
-                without_rows(r.gbps, r.weight_nbytes, shape[0], per_row),
-                f"{src}; {r.path} path, {shape[0]}x{shape[1]} rotated over {nbytes >> 20} MiB, "
-                "its rows' own cost taken off",
+                r.gbps,
+                f"{src}; {r.path} path, {shape[0]}x{shape[1]} rotated over {nbytes >> 20} MiB",
             )
         }
         progress(f"matmul {name}")
@@ -89,11 +88,13 @@ def measure_cpu(
     progress("a layer's fixed cost")
     layer_gbps = matvec[LAYER["qtype"]][threads].value if LAYER["qtype"] in matvec else (
         memory_gbps.value)  # fmt: skip
-    per_layer = layer_seconds(threads, quick, layer_gbps, None, per_row)
+    per_layer = layer_seconds(threads, quick, layer_gbps)
     per_routed_layer, per_expert = routed_fixed(
-        lambda kind: layer_seconds(threads, quick, layer_gbps, kind, per_row))
+        lambda kind: layer_seconds(threads, quick, layer_gbps, kind))
     layers = " and ".join(map(str, layer_counts(quick)))
     width = TINY["n_embd"] if quick else LAYER["n_embd"]
+    twins = ("the cpu engine decoding synthetic llamas of one layer whose Q8_0 heads hold the "
+             f"same bytes in {' and '.join(str(v) for _, v in row_twins(quick))} rows")
     matvec[ANY_TYPE] = matvec[types[0]]
     matmul[ANY_TYPE] = matmul[types[0]]
     return CPUProfile(
@@ -115,9 +116,8 @@ def measure_cpu(
         glu_element_seconds=Figure(glu, f"{src}; cpu_ops.gated (SiLU) over 512 x 8192"),
         gelu_element_seconds=Figure(gelu, f"{src}; cpu_ops.gated (GELU) over 512 x 8192"),
         rope_element_seconds=Figure(rope, f"{src}; cpu_ops.rope over 512 tokens x 16 x 128"),
-        row_seconds=Figure(per_row, f"{src}; the cpu engine decoding synthetic llamas of one "
-                                    "layer whose Q8_0 heads hold the same bytes in "
-                                    f"{' and '.join(str(v) for _, v in row_twins(quick))} rows"),
+        head_row_seconds=Figure(head_row, f"{src}; {twins}, per row"),
+        head_gbps=Figure(head_gbps, f"{src}; {twins}, per byte"),
         layer_seconds=Figure(per_layer, f"{src}; the cpu engine decoding synthetic Q8_0 llamas "
                                         f"{width} wide of {layers} layers, the slope per layer "
                                         "less its bytes at the Q8_0 matvec rate"),  # fmt: skip
@@ -272,17 +272,18 @@ def layer_read_nbytes(spec) -> float:
 
 
 def fixed_layer_seconds(per_token: tuple[float, float], counts: tuple[int, int], spec,
-                        gbps: float, row_seconds: float = 0.0) -> float:  # fmt: skip
+                        gbps: float) -> float:  # fmt: skip
     """A layer's fixed cost: the slope per layer of two models' decode times, less the layer's
-    bytes at `gbps` and its rows at `row_seconds` (as the cost model prices them)."""
+    bytes at `gbps` (the rate the cost model prices them at)."""
     slope = (per_token[1] - per_token[0]) / (counts[1] - counts[0])
-    rows = (decode_rows(spec) - spec.hparams.n_vocab) / spec.hparams.n_layer
-    return max(slope - layer_read_nbytes(spec) / (gbps * 1e9) - rows * row_seconds, 0.0)
+    return max(slope - layer_read_nbytes(spec) / (gbps * 1e9), 0.0)
 
 
-# a matrix row's own cost in a decode (its dot product's start and final sum), beyond its bytes:
-# llama.cpp read a 262144 x 512 head 46% slower than a 65536 x 2048 one of the same bytes. Twins of
-# one small layer whose Q8_0 heads hold the same bytes in 4x the rows; (width, vocabulary)
+# the output head in a decode, priced apart: its rows' own cost (each dot product's start and
+# final sum) beyond its bytes, and its bytes' rate. llama.cpp read a 262144 x 512 head 46% slower
+# than a 65536 x 2048 one of the same bytes (a layer's rows are in its fixed cost and rate: a
+# per-row cost charged to every matrix over-priced llama.cpp's decodes by 8-25%). Twins of one
+# small layer whose Q8_0 heads hold the same bytes in 4x the rows; (width, vocabulary)
 ROW_TWINS = ((512, 262144), (2048, 65536))
 QUICK_ROW_TWINS = ((128, 16384), (512, 4096))
 
@@ -324,14 +325,9 @@ def row_seconds_and_gbps(seconds: tuple[float, float], specs) -> tuple[float, fl
     return max(per_row, 0.0), 1.0 / max(per_byte, 1e-15) / 1e9
 
 
-def without_rows(gbps: float, nbytes: float, rows: float, row_seconds: float) -> float:
-    """A rate measured over bytes, as the rate of the bytes alone once `rows` cost their own."""
-    seconds = nbytes / (gbps * 1e9)
-    return nbytes / max(seconds - rows * row_seconds, 0.1 * seconds) / 1e9
-
-
-def our_row_seconds(threads: int, quick: bool) -> float:
-    """Our cpu engine's cost of a matrix row in a decode (`row_seconds_and_gbps` on ROW_TWINS)."""
+def our_head_rates(threads: int, quick: bool) -> tuple[float, float]:
+    """(seconds per row, GB/s) of our cpu engine's output head in a decode
+    (`row_seconds_and_gbps` on ROW_TWINS)."""
     import tempfile
 
     import numpy as np
@@ -350,11 +346,10 @@ def our_row_seconds(threads: int, quick: bool) -> float:
             engine.warm_up()
             engine.prefill(np.arange(4))
             seconds.append(_median_seconds(lambda: engine.decode(7), 8 if quick else 32))
-    return row_seconds_and_gbps(tuple(seconds), specs)[0]
+    return row_seconds_and_gbps(tuple(seconds), specs)
 
 
-def layer_seconds(threads: int, quick: bool, gbps: float, kind: dict | None = None,
-                  row_seconds: float = 0.0) -> float:  # fmt: skip
+def layer_seconds(threads: int, quick: bool, gbps: float, kind: dict | None = None) -> float:
     """Our cpu engine's fixed cost of a layer per decoded token (`fixed_layer_seconds`): a dense
     llama's, or (`ROUTED`) a routed layer's; `gbps`: the profile's matvec rate of LAYER's type."""
     import tempfile
@@ -380,7 +375,7 @@ def layer_seconds(threads: int, quick: bool, gbps: float, kind: dict | None = No
                 engine.decode(7)
 
             per_token.append(_median_seconds(decode, tokens, fastest=True))
-    return fixed_layer_seconds(tuple(per_token), counts, spec, gbps, row_seconds)
+    return fixed_layer_seconds(tuple(per_token), counts, spec, gbps)
 
 
 def _median_seconds(run: Callable[[], object], runs: int, fastest: bool = False) -> float:

@@ -27,9 +27,9 @@ from solver.memory import kv_cell_nbytes
 from solver.memory import expected_distinct_experts
 from solver.profile import ANY_TYPE, Figure, RateTable
 
-from .measure_cpu import (LAYER, MATMUL_TOKENS, MATVEC_TYPES, ROUTED, decode_rows,
-                          fixed_layer_seconds, layer_config, layer_counts, routed_fixed,
-                          row_seconds_and_gbps, row_twin_config, row_twins, without_rows)
+from .measure_cpu import (LAYER, MATMUL_TOKENS, MATVEC_TYPES, ROUTED, fixed_layer_seconds,
+                          layer_config, layer_counts, routed_fixed, row_seconds_and_gbps,
+                          row_twin_config, row_twins)
 
 # wide enough that the matrices, not the per-op overheads, take the time; as deep as a 1B model,
 # so that a prompt runs for seconds over weights many times the last-level cache, as a real
@@ -81,8 +81,7 @@ def bench(llama_bench: Path, model: Path, threads: int, runs: int,
 
 
 def layer_seconds(llama_bench: Path, threads: int, runs: int, tmp: Path, gbps: float,
-                  quick: bool = False, kind: dict | None = None,
-                  row_seconds: float = 0.0) -> float:  # fmt: skip
+                  quick: bool = False, kind: dict | None = None) -> float:  # fmt: skip
     """llama.cpp's fixed cost of a layer per decoded token, as ours is measured
     (`measure_cpu.fixed_layer_seconds`): llamas (or, `ROUTED`, qwen3moe) of two depths
     generate; the slope per layer less its bytes at `gbps`, llama.cpp's rate for LAYER's type."""
@@ -93,11 +92,13 @@ def layer_seconds(llama_bench: Path, threads: int, runs: int, tmp: Path, gbps: f
         per_token.append(1.0 / bench(llama_bench, path, threads, runs, (0,), 64)["tg64"])
         spec = load_spec(str(path))
         path.unlink()
-    return fixed_layer_seconds(tuple(per_token), counts, spec, gbps, row_seconds)
+    return fixed_layer_seconds(tuple(per_token), counts, spec, gbps)
 
 
-def row_seconds(llama_bench: Path, threads: int, runs: int, tmp: Path, quick: bool) -> float:
-    """llama.cpp's cost of a matrix row in a decode (`row_seconds_and_gbps` on ROW_TWINS)."""
+def head_rates(llama_bench: Path, threads: int, runs: int, tmp: Path,
+               quick: bool) -> tuple[float, float]:  # fmt: skip
+    """(seconds per row, GB/s) of llama.cpp's output head in a decode (`row_seconds_and_gbps`
+    on ROW_TWINS)."""
     seconds, specs = [], []
     for width, vocab in row_twins(quick):
         path = tmp / f"rows-{width}.gguf"
@@ -105,7 +106,7 @@ def row_seconds(llama_bench: Path, threads: int, runs: int, tmp: Path, quick: bo
         seconds.append(1.0 / bench(llama_bench, path, threads, runs, (0,), 32)["tg32"])
         specs.append(load_spec(str(path)))
         path.unlink()
-    return row_seconds_and_gbps(tuple(seconds), specs)[0]
+    return row_seconds_and_gbps(tuple(seconds), specs)
 
 
 # a decode whose time at depth is its attention: small matrices, grouped heads (4 query heads a
@@ -184,10 +185,12 @@ def measure_llamacpp_cpu(
            f"on a synthetic llama ({shape['n_layer']} layers, {shape['n_embd']} x "
            f"{shape['n_ff']}) of the type, mean of {runs}")  # fmt: skip
     short = src.split(" on a synthetic")[0]
+    twins_head = (f"{short}; synthetic llamas of one layer whose Q8_0 heads hold the same bytes "
+                  "in 4x the rows, generating 32 tokens")
     matmul, matvec = {}, {}
     with tempfile.TemporaryDirectory(prefix="refengine-llamacpp-") as tmp:
-        progress("llama.cpp's cost of a matrix row")
-        per_row = row_seconds(llama_bench, threads, runs, Path(tmp), quick)
+        progress("llama.cpp's output head")
+        head_row, head_gbps = head_rates(llama_bench, threads, runs, Path(tmp), quick)
         for name in types:
             progress(f"llama.cpp CPU {name}")
             path = Path(tmp) / f"{name}.gguf"
@@ -198,25 +201,21 @@ def measure_llamacpp_cpu(
                 t: Figure(prompt_flops(spec, t) * rates[f"pp{t}"] / t / 1e9, f"{src}; pp{t}")
                 for t in MATMUL_TOKENS
             }
-            gbps = token_nbytes(spec) * rates[f"tg{GEN_TOKENS}"] / 1e9
             matvec[name] = {
-                threads: Figure(without_rows(gbps, token_nbytes(spec), decode_rows(spec), per_row),
-                                f"{src}; tg{GEN_TOKENS}, weight bytes per token, its rows' own "
-                                "cost taken off")  # fmt: skip
+                threads: Figure(token_nbytes(spec) * rates[f"tg{GEN_TOKENS}"] / 1e9,
+                                f"{src}; tg{GEN_TOKENS}, weight bytes per token")  # fmt: skip
             }
             path.unlink()
         progress("llama.cpp's fixed cost of a layer")
         qtype = LAYER["qtype"]
         gbps = (matvec.get(qtype) or next(iter(matvec.values())))[threads].value
-        per_layer = Figure(layer_seconds(llama_bench, threads, runs, Path(tmp), gbps, quick,
-                                         None, per_row),
+        per_layer = Figure(layer_seconds(llama_bench, threads, runs, Path(tmp), gbps, quick),
                            f"{short}; synthetic {qtype} llamas of "
                            f"{' and '.join(map(str, layer_counts(quick)))} layers generating 64 "
                            f"tokens, the slope per layer less its bytes at llama.cpp's {qtype} "
                            "rate")  # fmt: skip
         routed, per_expert = routed_fixed(
-            lambda kind: layer_seconds(llama_bench, threads, runs, Path(tmp), gbps, quick, kind,
-                                       per_row))
+            lambda kind: layer_seconds(llama_bench, threads, runs, Path(tmp), gbps, quick, kind))
         qwen3moe = per_layer.source.replace("llamas", "qwen3moe (8 experts, 2 and 6 used)")
         per_routed_layer = Figure(routed, f"{qwen3moe}, the intercept at none used")
         per_expert = Figure(per_expert, f"{qwen3moe}, the slope per expert used")
@@ -236,9 +235,8 @@ def measure_llamacpp_cpu(
                            "heads read over the difference")  # fmt: skip
     return dict(llamacpp_matmul_gflops=RateTable("GFLOP/s", matmul),
                 llamacpp_matvec_gbps=RateTable("GB/s", matvec),
-                llamacpp_row_seconds=Figure(per_row, f"{short}; synthetic llamas of one layer "
-                                                     "whose Q8_0 heads hold the same bytes in 4x "
-                                                     "the rows, generating 32 tokens"),
+                llamacpp_head_row_seconds=Figure(head_row, f"{twins_head}, per row"),
+                llamacpp_head_gbps=Figure(head_gbps, f"{twins_head}, per byte"),
                 llamacpp_layer_seconds=per_layer, llamacpp_routed_layer_seconds=per_routed_layer,
                 llamacpp_expert_seconds=per_expert,
                 llamacpp_expert_gflops=RateTable("GFLOP/s", {ANY_TYPE: experts}),

@@ -100,14 +100,9 @@ class Operations:
         return Operations(self.copies * n, self.all_reduces * n, self.hops * n)
 
 
-def group_rows(spec: ModelSpec, g: Group) -> int:
-    """The matrix rows one decoded token reads of group g: none of the embedding (a row lookup);
-    of an expert stack, its chosen experts'."""
-    if g.kind == EMBD:
-        return 0
-    shapes = [spec.by_name[t].shape for t in g.tensors]
-    per_expert = spec.hparams.n_expert_used
-    return sum(s[0] if len(s) == 2 else s[1] * per_expert for s in shapes if len(s) >= 2)
+def matrix_rows(spec: ModelSpec, g: Group) -> int:
+    """The rows of group g's matrices (a head's: its vocabulary)."""
+    return sum(spec.by_name[t].shape[0] for t in g.tensors if len(spec.by_name[t].shape) == 2)
 
 
 def hops_between(a: int, b: int) -> int:
@@ -257,8 +252,6 @@ class CostModel:
         self.threads = workload.threads or profile.cpu.threads
         self.cell_nbytes = kv_cell_nbytes(spec, workload.kv_type)
         hp = spec.hparams
-        # the matrix rows a decoded token reads of each group (an expert stack's chosen experts)
-        self.decode_rows = {g.name: group_rows(spec, g) for g in self.groups}
         # activations crossing inside a layer: the wider of the residual and the FFN's inner rows
         self.hop_width = max(hp.n_embd, hp.n_ff_active)
 
@@ -308,6 +301,14 @@ class CostModel:
         matvec = (cpu.llamacpp_matvec_gbps if llama and cpu.llamacpp_matvec_gbps
                   else cpu.matvec_gbps)  # fmt: skip
         read = nbytes / (matvec.at(g.qtype, self.threads) * 1e9)
+        head_gbps = cpu.llamacpp_head_gbps if llama else cpu.head_gbps
+        head_row = cpu.llamacpp_head_row_seconds if llama else cpu.head_row_seconds
+        if g.kind == HEAD and tokens == 1 and head_gbps and head_row:
+            # the head apart (measured on Q8_0 heads, other types at their matvec's ratio to it):
+            # a head of many short rows pays each row's own start
+            ratio = matvec.at(g.qtype, self.threads) / matvec.at("Q8_0", self.threads)
+            read = (nbytes / (head_gbps.value * ratio * 1e9)
+                    + matrix_rows(self.spec, g) * head_row.value)  # fmt: skip
         if llama and g.kind == EXPERTS and cpu.llamacpp_expert_gbps:
             read = nbytes / (cpu.llamacpp_expert_gbps.value * 1e9)  # its mul_mat_id's, apart
         # a host-run layer's fixed cost (its calls, the graph's nodes), once per ubatch; a routed
@@ -326,8 +327,7 @@ class CostModel:
         fixed = fixed.value + per_expert if fixed and g.kind == ATTN_SIDE else 0.0
         if tokens == 1:  # the matvec's measured rate covers its arithmetic; the matmul rate,
             # measured from 64 tokens on and held below them, priced a decode token 3-6x slow
-            per_row = cpu.llamacpp_row_seconds if llama else cpu.row_seconds
-            return read + fixed + (self.decode_rows[g.name] * per_row.value if per_row else 0.0)
+            return read + fixed
         if g.kind == EXPERTS:  # each expert multiplies the tokens it drew
             touched = expected_distinct_experts(hp.n_expert, hp.n_expert_used, tokens)
             drawn = max(1, round(tokens * hp.n_expert_used / touched))

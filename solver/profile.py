@@ -145,11 +145,12 @@ class CPUProfile:
     # what a small model's decode feels most; ours, and llama.cpp's CPU backend's
     layer_seconds: Figure | None = None
     llamacpp_layer_seconds: Figure | None = None
-    # a matrix row's own cost in a decode (its dot product's start and final sum) beyond its
-    # bytes: what a head of 262144 short rows feels; where measured, the decode rates are of the
-    # bytes alone
-    row_seconds: Figure | None = None
-    llamacpp_row_seconds: Figure | None = None
+    # the output head in a decode (ours, llama.cpp's): its rows' own cost (each dot product's
+    # start and final sum), what a head of 262144 short rows feels, and its bytes' rate (Q8_0)
+    head_row_seconds: Figure | None = None
+    head_gbps: Figure | None = None
+    llamacpp_head_row_seconds: Figure | None = None
+    llamacpp_head_gbps: Figure | None = None
     # ours: a routed layer's fixed cost per decoded token (its two fused calls and the router in
     # Python between them), and the q8 row kernels' rate on several tokens (a routed stack's
     # experts at prefill, each on the tokens it drew), by type and token count

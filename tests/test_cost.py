@@ -486,24 +486,25 @@ def test_routed_experts_are_priced_at_their_own_measured_rates_and_starts():
         max(nbytes / 5e9, flops / (rates.at(experts.qtype, drawn) * 1e9)))
 
 
-def test_a_decode_pays_each_matrix_row_it_reads_where_measured():
-    """Where the profile measured a row's own cost, a decode token's group costs its rows at it
-    (the head its vocabulary's, a stack its chosen experts'), beside its bytes; a prompt does
-    not, and each system's own figure prices it."""
+def test_the_head_of_a_decode_is_priced_by_its_rows_and_bytes_where_measured():
+    """Where the profile measured the output head apart (its rows' own cost, its bytes' rate on
+    Q8_0), a decode token's head costs its rows at that cost and its bytes at that rate (scaled
+    by its type's matvec ratio to Q8_0), each system by its own figures; a layer's matrices and a
+    prompt's head are not priced by them."""
     f = lambda v: Figure(v, "toy")  # noqa: E731
     base = toy_profile()
-    measured = replace(base, cpu=replace(base.cpu, row_seconds=f(1e-9),
-                                         llamacpp_row_seconds=f(2e-8)))  # fmt: skip
-    hp, moe = DENSE.hparams, MOE.hparams
-    for spec, name, rows in ((DENSE, "output", hp.n_vocab), (DENSE, "blk.0.ffn_up", hp.n_ff),
-                             (DENSE, "blk.0.attn", (2 * hp.n_head + 2 * hp.n_head_kv) * hp.head_dim),
-                             (MOE, "blk.0.ffn_up_exps", moe.n_ff_exp * moe.n_expert_used)):
-        for target, each in (("refengine", 1e-9), ("llamacpp", 2e-8)):
-            with_rows, without = (CostModel(spec, p, W, target) for p in (measured, base))
-            g = next(g for g in with_rows.groups if g.name == name)
-            assert with_rows.cpu_seconds(g, 1) - without.cpu_seconds(g, 1) == pytest.approx(
-                rows * each), (name, target)
-            assert with_rows.cpu_seconds(g, 64) == without.cpu_seconds(g, 64)
+    measured = replace(base, cpu=replace(base.cpu, head_row_seconds=f(1e-9), head_gbps=f(40.0),
+                                         llamacpp_head_row_seconds=f(2e-8),
+                                         llamacpp_head_gbps=f(50.0)))  # fmt: skip
+    hp = DENSE.hparams
+    for target, each, gbps in (("refengine", 1e-9, 40.0), ("llamacpp", 2e-8, 50.0)):
+        with_head, without = (CostModel(DENSE, p, W, target) for p in (measured, base))
+        head = next(g for g in with_head.groups if g.name == "output")
+        assert with_head.cpu_seconds(head, 1) == pytest.approx(
+            head.nbytes / (gbps * 1e9) + hp.n_vocab * each), target  # Q8_0: ratio 1
+        assert with_head.cpu_seconds(head, 64) == without.cpu_seconds(head, 64)
+        up = next(g for g in with_head.groups if g.name == "blk.0.ffn_up")
+        assert with_head.cpu_seconds(up, 1) == without.cpu_seconds(up, 1)
 
 
 def test_twins_of_equal_bytes_and_unequal_rows_give_the_cost_per_byte_and_per_row(tmp_path):

@@ -140,8 +140,7 @@ def test_profile_measures_the_cpu_and_llama_cpps_rates_which_price_the_llamacpp_
     assert 0 < cpu.decode_score_seconds.at(ANY_TYPE, 128) < 1e-6
     assert cpu.routed_layer_seconds.value >= 0 and "qwen3moe" in cpu.routed_layer_seconds.source
     assert 0 <= cpu.expert_seconds.value < 1e-3 and "per expert" in cpu.expert_seconds.source
-    assert 0 <= cpu.row_seconds.value < 1e-6 and "rows' own cost" in (
-        cpu.matvec_gbps.rows["Q8_0"][cpu.threads].source)
+    assert 0 <= cpu.head_row_seconds.value < 1e-6 and cpu.head_gbps.value > 0.5
     assert cpu.q8_matmul_gflops.at("Q4_K", 8) > 1 and "q8 path" in (
         cpu.q8_matmul_gflops.rows["Q4_K"][64].source)
     # llama.cpp's own rows
@@ -152,7 +151,7 @@ def test_profile_measures_the_cpu_and_llama_cpps_rates_which_price_the_llamacpp_
     assert 0.1 < cpu.llamacpp_attention_gbps.value < 10 * cpu.memory_gbps.value
     assert "qwen3moe" in cpu.llamacpp_routed_layer_seconds.source
     assert 0 <= cpu.llamacpp_expert_seconds.value < 1e-3
-    assert 0 <= cpu.llamacpp_row_seconds.value < 1e-6
+    assert 0 <= cpu.llamacpp_head_row_seconds.value < 1e-6 and cpu.llamacpp_head_gbps.value > 0.5
     # its routed experts on a prompt, by the tokens an expert drew (8 experts, 2 used: 16 of 64)
     assert set(cpu.llamacpp_expert_gflops.rows[ANY_TYPE]) == {16, 128}
     assert cpu.llamacpp_expert_gflops.at(ANY_TYPE, 16) > 0.5
