@@ -178,27 +178,20 @@ def serialized(engine_class):
     streams, and no CUDA graphs: a case that agrees this way and not the other is an ordering
     race between streams or with the host, not arithmetic."""
 
+    def then_wait(method):
+        def run(self, *args, **kwargs):
+            method(self, *args, **kwargs)
+            self.synchronize()
+
+        return run
+
     class Serial(engine_class):
         def __init__(self, *args, **kwargs):
             super().__init__(*args, **kwargs)
             self.use_graphs = False
 
-        def _copy_unit(self, *args, **kwargs):
-            super()._copy_unit(*args, **kwargs)
-            self.synchronize()
-
-        def _copy_routed(self, *args, **kwargs):
-            super()._copy_routed(*args, **kwargs)
-            self.synchronize()
-
-        def _device_part(self, *args, **kwargs):
-            super()._device_part(*args, **kwargs)
-            self.synchronize()
-
-        def _segment(self, *args, **kwargs):
-            super()._segment(*args, **kwargs)
-            self.synchronize()
-
+    for name in ("_copy_unit", "_copy_routed", "_device_part", "_segment"):
+        setattr(Serial, name, then_wait(getattr(engine_class, name)))
     return Serial
 
 
