@@ -23,8 +23,7 @@ from typing import Callable
 from refengine.errors import UserError
 from refengine.spec import ModelSpec, load_spec
 from refengine.synthetic import SyntheticConfig, write_synthetic
-from solver.memory import kv_cell_nbytes
-from solver.memory import expected_distinct_experts
+from solver.memory import expected_distinct_experts, kv_cell_nbytes
 from solver.profile import ANY_TYPE, Figure, RateTable
 
 from .measure_cpu import (LAYER, MATMUL_TOKENS, MATVEC_TYPES, ROUTED, fixed_layer_seconds,
