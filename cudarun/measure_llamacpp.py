@@ -27,8 +27,8 @@ from solver.memory import expected_distinct_experts, kv_cell_nbytes
 from solver.profile import ANY_TYPE, Figure, RateTable
 
 from .measure_cpu import (LAYER, MATMUL_TOKENS, MATVEC_TYPES, ROUTED, fixed_layer_seconds,
-                          layer_config, layer_counts, routed_fixed, row_seconds_and_gbps,
-                          row_twin_config, row_twins)
+                          layer_config, layer_counts, layer_read_nbytes, routed_fixed,
+                          row_seconds_and_gbps, row_twin_config, row_twins)
 
 # wide enough that the matrices, not the per-op overheads, take the time; as deep as a 1B model,
 # so that a prompt runs for seconds over weights many times the last-level cache, as a real
@@ -153,10 +153,9 @@ def expert_rates(llama_bench: Path, threads: int, runs: int, tmp: Path,
         seconds.append({t: t / rates[f"pp{t}"] for t in MATMUL_TOKENS}
                        | {1: 1 / rates[f"tg{GEN_TOKENS}"]})  # fmt: skip
         spec = load_spec(str(path))
-        hp = spec.hparams
-        nbytes.append(sum(t.nbytes for t in spec.tensors if "_exps" in t.name)
-                      * hp.n_expert_used / hp.n_expert)  # fmt: skip
+        nbytes.append(layer_read_nbytes(spec) * n_layer)  # the twins differ in their experts'
         path.unlink()
+    hp = spec.hparams
     flops_per_token = (2.0 * 3 * hp.n_embd * (EXPERT_WIDTHS[1] - EXPERT_WIDTHS[0])
                        * hp.n_expert_used * n_layer)  # fmt: skip
     prompt = {}

@@ -116,9 +116,10 @@ class Out:
     def say(self, name: str, line: str) -> None:
         print(line, flush=True)
         if not self.path(name).exists():  # every table starts with the device it ran on
-            self.path(name).write_text(smi_line() + "\n")
+            device = smi_line()
+            self.path(name).write_text(device + "\n")
             if name == "call":
-                print(smi_line(), flush=True)
+                print(device, flush=True)
         for path in {self.path(name), self.path("call")}:
             with open(path, "a") as f:
                 f.write(line + "\n")
