@@ -57,7 +57,7 @@ from solver.cost import Workload  # noqa: E402
 from solver.solve import load_profile, solve_plan  # noqa: E402
 
 STAGES = ("agreement", "kernels", "vs-llamacpp", "gpu-tests", "agreement-1.5b", "eight-b",
-          "per-test", "agreement-serial")  # fmt: skip
+          "per-test", "agreement-serial", "where-8b")  # fmt: skip
 FIRST_CALL = STAGES[:4]
 # seconds a stage may take at most (None: what is left of the call)
 STAGE_SECONDS = {"agreement": 200, "kernels": 120}
@@ -441,6 +441,59 @@ def per_test(a, out: Out) -> None:
                 engine.close()
 
 
+def where_8b(a, out: Out) -> None:
+    """Where the all-pinned 8B-shaped prompt's time goes (measured 130-160x under its prediction
+    while its decode is 11x under): a pp512 and 32 decodes timed, then each again under cProfile,
+    with the prefill GEMM's panels of 256 rows (the plan's) and of 4096 rows, so that the panel
+    count's share shows by itself."""
+    import cProfile
+    import io
+    import pstats
+
+    import solver.workspace
+
+    if not model_written(a, out, "where-8b"):
+        return
+    default_rows = solver.workspace.PANEL_ROWS
+    rng = np.random.default_rng(3)
+    for rows in (default_rows, 4096):
+        solver.workspace.PANEL_ROWS = rows
+        with out.guard("where-8b", f"panels of {rows} rows"):
+            engine, _, _ = eight_b_engine(a, 1.5, None, 512, 32, 1024, [1, 512])
+            try:
+                ids = rng.integers(0, engine.spec.hparams.n_vocab, 512)
+                engine.prefill(ids)  # compiles
+
+                def fill():  # an empty cache, or 8 tokens and the tier switch's first decode
+                    engine.reset()
+                    if what == "tg32":
+                        engine.prefill(ids[:8])
+                        engine.decode(int(ids[8]))
+
+                for what, run in (("pp512", lambda: engine.prefill(ids)),
+                                  ("tg32", lambda: [engine.decode(int(t)) for t in ids[:32]])):
+                    seconds = []
+                    for _ in range(2):
+                        fill()
+                        start = time.perf_counter()
+                        run()
+                        seconds.append(time.perf_counter() - start)
+                    fill()
+                    prof = cProfile.Profile()
+                    prof.enable()
+                    run()
+                    prof.disable()
+                    text = io.StringIO()
+                    stats = pstats.Stats(prof, stream=text)
+                    stats.sort_stats("tottime").print_stats(22)
+                    stats.sort_stats("cumulative").print_stats(22)
+                    out.say("where-8b", f"panels of {rows} rows: {what} {seconds[0]:.3f} / "
+                                        f"{seconds[1]:.3f} s; under cProfile:\n{text.getvalue()}")
+            finally:
+                engine.close()
+    solver.workspace.PANEL_ROWS = default_rows
+
+
 def fresh_process(a, out: Out, stages: list[str], deadline: float) -> None:
     """This script again, in this process's place, for `stages`, with what is left of the call."""
     os.environ[DONE_ENV] = "\n".join(sorted(out.done))
@@ -489,7 +542,7 @@ def main() -> int:
     out = Out(device_name())
     out.say("call", f"device call {date.today()}: stages {', '.join(stages)}, "
                     f"{a.seconds:.0f} s, engine {a.engine}, profile {a.profile}")  # fmt: skip
-    eight_b_stages = {"vs-llamacpp", "eight-b", "per-test"}
+    eight_b_stages = {"vs-llamacpp", "eight-b", "per-test", "where-8b"}
     if os.environ.get(WRITER_ENV):
         a.writer = Adopted(int(os.environ[WRITER_ENV]))
     else:
@@ -500,7 +553,8 @@ def main() -> int:
            "gpu-tests": lambda: gpu_tests(a, out),
            "agreement-1.5b": lambda: agreement(a, out, ("qwen2-1.5b",)),
            "eight-b": lambda: eight_b(a, out), "per-test": lambda: per_test(a, out),
-           "agreement-serial": lambda: agreement(a, out, ("smollm2-135m",), serial=True)}  # fmt: skip
+           "agreement-serial": lambda: agreement(a, out, ("smollm2-135m",), serial=True),
+           "where-8b": lambda: where_8b(a, out)}  # fmt: skip
     for i, stage in enumerate(stages):
         left = deadline - time.monotonic()
         limit = min(STAGE_SECONDS.get(stage, left), left)
