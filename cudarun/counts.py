@@ -17,14 +17,13 @@ the simulator). So the counts of an 8B plan print without the model file or a GP
 
 from __future__ import annotations
 
-import math
 import threading
 from contextlib import contextmanager
 from dataclasses import dataclass, fields
 
 from refengine.spec import ModelSpec
 from solver.cost import STREAMED, Operations, TierPlacement, hops_between
-from solver.workspace import MAX_DECODE_TOKENS, PANEL_ROWS
+from solver.workspace import MAX_DECODE_TOKENS, matrix_launches
 
 from . import program
 from .schedule import Compute, Copy, Record, Wait, device_of
@@ -150,16 +149,6 @@ class Tally:
 # -- derived -------------------------------------------------------------------------------------
 
 
-def _mm(spec: ModelSpec, name: str, tokens: int) -> int:
-    """`DeviceMath.mm`: one matvec up to MAX_DECODE_TOKENS tokens; beyond, the activations to
-    fp16, then a dequantize and a cuBLAS product per panel of PANEL_ROWS rows; the bias add."""
-    t = spec.by_name[name]
-    if tokens <= MAX_DECODE_TOKENS:  # the bias in the matvec's epilogue
-        return 1
-    n = 1 + 2 * math.ceil(t.shape[0] / PANEL_ROWS)
-    return n + (name.replace(".weight", ".bias") in spec.by_name)
-
-
 def glu_layers(parts) -> frozenset[int]:
     """The layers whose gate and up products both run on the device (gate first, in program
     order): there the up product's epilogue gates (`DeviceMath.ffn_up`) and `ffn_down` does not."""
@@ -178,25 +167,26 @@ def part_launches(spec: ModelSpec, part, tokens: int, glu: frozenset[int] = froz
     if part.kind == "qkv":  # norm, Q, K, V (one launch up to the matvec tokens), Q/K norm + RoPE
         if tokens <= MAX_DECODE_TOKENS:
             return 3
-        return 1 + sum(_mm(spec, f"{p}attn_{m}.weight", tokens) for m in "qkv") + 1
+        return 1 + sum(matrix_launches(spec, f"{p}attn_{m}.weight", tokens, m != "q")
+                       for m in "qkv") + 1  # fmt: skip
     if part.kind == "kq":  # the KV store, then split-KV decode (partial + merge) or prefill
         return 1 + (2 if tokens <= MAX_DECODE_TOKENS else 1)
     if part.kind == "o":  # output product, post-norm, residual add, FFN norm (+ router, route)
-        router = _mm(spec, p + "ffn_gate_inp.weight", tokens) + 1 if tr.moe else 0
-        return _mm(spec, p + "attn_output.weight", tokens) + post + 2 + router
+        router = matrix_launches(spec, p + "ffn_gate_inp.weight", tokens) + 1 if tr.moe else 0
+        return matrix_launches(spec, p + "attn_output.weight", tokens) + post + 2 + router
     if part.kind == "ffn_gate":
-        return _mm(spec, p + "ffn_gate.weight", tokens)
+        return matrix_launches(spec, p + "ffn_gate.weight", tokens)
     if part.kind == "ffn_up":  # the gating: in the matvec's epilogue, after the panels' products
-        return _mm(spec, p + "ffn_up.weight", tokens) + (il in glu and tokens > MAX_DECODE_TOKENS)
+        return matrix_launches(spec, p + "ffn_up.weight", tokens) + (il in glu and tokens > MAX_DECODE_TOKENS)
     if part.kind == "ffn_down":  # gating (unless the up product did), product, post-norm, add
-        return (il not in glu) + _mm(spec, p + "ffn_down.weight", tokens) + post + 1
+        return (il not in glu) + matrix_launches(spec, p + "ffn_down.weight", tokens) + post + 1
     if part.kind in ("ffn_gate_exps", "ffn_up_exps"):
         return 1
     if part.kind == "ffn_down_exps":  # gating, experts, combine, post-norm, residual add
         return 3 + post + 1
     if part.kind == "output":
         head = "token_embd.weight" if spec.tied_output else "output.weight"
-        return 1 + _mm(spec, head, 1)
+        return 1 + matrix_launches(spec, head, 1)
     raise ValueError(f"unknown part kind {part.kind!r}")
 
 
@@ -225,7 +215,7 @@ def ubatch_counts(spec: ModelSpec, parts, segments: list[Segment], final_sync: b
     # a router's choice (or its prediction) read back on the device before the routed copies
     readbacks = {b for p in parts for b in (p.routed_by, p.predicted_by) if b}
     predicting = {p.predicted_by for p in parts if p.predicted_by}
-    launches += sum(2 + _mm(spec, f"{b.rsplit('.', 1)[0]}.ffn_gate_inp.weight", tokens)
+    launches += sum(2 + matrix_launches(spec, f"{b.rsplit('.', 1)[0]}.ffn_gate_inp.weight", tokens)
                     for b in predicting)  # norm, router, top-k  # fmt: skip
     return Counts(
         launches,

@@ -103,18 +103,21 @@ class Blas:
             self.bound = want
         return lib
 
-    def gemm_fp16(self, x16, w16, out) -> None:
-        """out [T, N] fp32 = x16 [T, K] fp16 times w16 [N, K] fp16 transposed, fp32 accumulation.
-        Row-major out is column-major out^T = w16 x16^T; out may be a column slice of a wider
-        array (its row stride is cuBLAS's ldc)."""
+    def gemm_fp16(self, x16, w16, out, out_columns: tuple[int, int] | None = None) -> None:
+        """out [T, N] fp32 = x16 [T, K] fp16 times w16 [N, K] fp16 transposed, fp32 accumulation,
+        or into out's columns first..first + N of a wider out when out_columns = (first, N).
+        Row-major out is column-major out^T = w16 x16^T; out's row stride is cuBLAS's ldc."""
         n_tokens, k = x16.shape
         n = w16.shape[0]
-        assert w16.shape[1] == k and out.shape == (n_tokens, n)
+        first, count = out_columns or (0, out.shape[1])
+        assert w16.shape[1] == k and out.shape[0] == n_tokens and count == n
+        assert 0 <= first and first + n <= out.shape[1]
         ldc = out.strides[0] // out.dtype.itemsize
+        c = pointer(out) + first * out.strides[1]
         check(self._ready().cublasGemmEx(
             self.handle, OP_T, OP_N, n, n_tokens, k, ctypes.byref(self.one),
             _P(pointer(w16)), R_16F, k, _P(pointer(x16)), R_16F, k, ctypes.byref(self.zero),
-            _P(pointer(out)), R_32F, ldc, COMPUTE_32F, GEMM_DEFAULT,
+            _P(c), R_32F, ldc, COMPUTE_32F, GEMM_DEFAULT,
         ), "cublasGemmEx")  # fmt: skip
 
     def close(self) -> None:

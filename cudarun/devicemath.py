@@ -51,9 +51,10 @@ class DeviceMath:
 
     # -- primitives ------------------------------------------------------------------------------
 
-    def mm(self, x, w: dict, name: str, out, ws, stream, gated=None) -> None:
+    def mm(self, x, w: dict, name: str, out, ws, stream, gated=None, half_ready=False) -> None:
         """out [T, n_out] = x [T, n_in] times the weight (+ its bias); gated = (gate, act,
-        use_gelu): act = act(gate) * out as well."""
+        use_gelu): act = act(gate) * out as well; half_ready: the workspace's x16 holds x (a
+        prompt's product only)."""
         t = self.spec.by_name[name]
         bias = name.replace(".weight", ".bias")
         if x.shape[0] <= MAX_DECODE_TOKENS:  # the bias and the gating in the product's epilogue
@@ -64,7 +65,7 @@ class DeviceMath:
             panel = ws["panel16"].reshape(-1)[: rows * n_in].reshape(rows, n_in)
             x16 = ws["x16"].reshape(-1)[: x.shape[0] * n_in].reshape(x.shape[0], n_in)
             prefill.matmul_prefill(w[name], x, out, t.qtype, t.shape, panel, x16, stream,
-                                   self.cublas(ws["cublas"]))  # fmt: skip
+                                   self.cublas(ws["cublas"]), half_ready)  # fmt: skip
             if bias in w:
                 glue.add_bias[x.shape[0], THREADS, stream](out, w[bias])
             if gated is not None:
@@ -122,9 +123,9 @@ class DeviceMath:
             matvec.matvec3_gpu([w[m] for m in names], h, outs,
                                [self.spec.by_name[m].qtype for m in names], h.shape[1],
                                [w.get(m.replace(".weight", ".bias")) for m in names], stream)  # fmt: skip
-        else:
-            for name, out in zip(names, outs):
-                self.mm(h, w, name, out, ws, stream)
+        else:  # h rounded to fp16 once for the three
+            for i, (name, out) in enumerate(zip(names, outs)):
+                self.mm(h, w, name, out, ws, stream, half_ready=i > 0)
         self.rope_qk(ws["q"][:n], ws["k"][:n], ws["pos"][:n], w, il, stream)
 
     def kq(self, ws, n, il, k_cache, v_cache, k_pos, write, window: int, ranges, stream) -> None:

@@ -273,8 +273,8 @@ def start_writer(a) -> subprocess.Popen | None:
     if model.exists():
         return None
     part = model.with_suffix(".part")
-    cmd = (f"nice -n 19 {sys.executable} -m refengine synth --preset llama3-8b --qtype Q4_K_M "
-           f"{part} && mv {part} {model}")  # fmt: skip
+    options = a.synth_8b.replace(",", " ")
+    cmd = f"nice -n 19 {sys.executable} -m refengine synth {options} {part} && mv {part} {model}"
     log = open(a.models / "synth.log", "w")
     return subprocess.Popen(["sh", "-c", cmd], stdout=log, stderr=subprocess.STDOUT,
                             cwd=ROOT, start_new_session=True)  # fmt: skip
@@ -443,55 +443,43 @@ def per_test(a, out: Out) -> None:
 
 def where_8b(a, out: Out) -> None:
     """Where the all-pinned 8B-shaped prompt's time goes (measured 130-160x under its prediction
-    while its decode is 11x under): a pp512 and 32 decodes timed, then each again under cProfile,
-    with the prefill GEMM's panels of 256 rows (the plan's) and of 4096 rows, so that the panel
-    count's share shows by itself."""
+    while its decode is 11x under): pp512 and tg32 measured beside predicted with the prefill
+    GEMM's panels as the plan sizes them and of 256 rows (the size before 2026-11-27), then a
+    prompt under cProfile."""
     import cProfile
     import io
     import pstats
 
     import solver.workspace
+    from cudarun.bench_plan import run_bench
 
     if not model_written(a, out, "where-8b"):
         return
-    default_rows = solver.workspace.PANEL_ROWS
-    rng = np.random.default_rng(3)
-    for rows in (default_rows, 4096):
-        solver.workspace.PANEL_ROWS = rows
-        with out.guard("where-8b", f"panels of {rows} rows"):
-            engine, _, _ = eight_b_engine(a, 1.5, None, 512, 32, 1024, [1, 512])
+    sized = solver.workspace.panel_rows
+    for label, rows in (("panels as sized", sized), ("panels of 256 rows", lambda spec: 256)):
+        solver.workspace.panel_rows = rows
+        with out.guard("where-8b", label):
+            engine, _, profile = eight_b_engine(a, 1.5, None, 512, 32, 1024, [1, 512])
             try:
-                ids = rng.integers(0, engine.spec.hparams.n_vocab, 512)
-                engine.prefill(ids)  # compiles
-
-                def fill():  # an empty cache, or 8 tokens and the tier switch's first decode
-                    engine.reset()
-                    if what == "tg32":
-                        engine.prefill(ids[:8])
-                        engine.decode(int(ids[8]))
-
-                for what, run in (("pp512", lambda: engine.prefill(ids)),
-                                  ("tg32", lambda: [engine.decode(int(t)) for t in ids[:32]])):
-                    seconds = []
-                    for _ in range(2):
-                        fill()
-                        start = time.perf_counter()
-                        run()
-                        seconds.append(time.perf_counter() - start)
-                    fill()
-                    prof = cProfile.Profile()
-                    prof.enable()
-                    run()
-                    prof.disable()
-                    text = io.StringIO()
-                    stats = pstats.Stats(prof, stream=text)
-                    stats.sort_stats("tottime").print_stats(22)
-                    stats.sort_stats("cumulative").print_stats(22)
-                    out.say("where-8b", f"panels of {rows} rows: {what} {seconds[0]:.3f} / "
-                                        f"{seconds[1]:.3f} s; under cProfile:\n{text.getvalue()}")
+                if hasattr(engine, "workspace"):  # the CUDA engine
+                    shape = engine.workspace(engine.tiers[512])["panel16"].shape
+                    out.say("where-8b", f"{label}: a panel is {shape[0]} x {shape[1]} fp16")
+                for r in run_bench(engine, profile, 512, 32, [0]):
+                    out.say("where-8b", f"  {r.test:<12} measured {r.tps:9.2f} t/s  predicted "
+                                        f"{r.tokens / r.predicted_seconds:9.2f}  measured/predicted "
+                                        f"{r.measured_seconds / r.predicted_seconds:.2f}")
+                ids = np.random.default_rng(3).integers(0, engine.spec.hparams.n_vocab, 512)
+                engine.reset()
+                prof = cProfile.Profile()
+                prof.enable()
+                engine.prefill(ids)
+                prof.disable()
+                text = io.StringIO()
+                pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(12)
+                out.say("where-8b", text.getvalue())
             finally:
                 engine.close()
-    solver.workspace.PANEL_ROWS = default_rows
+    solver.workspace.panel_rows = sized
 
 
 def fresh_process(a, out: Out, stages: list[str], deadline: float) -> None:
@@ -523,6 +511,9 @@ def main() -> int:
     ap.add_argument("--models", type=Path, default=Path(os.environ.get("REFENGINE_MODELS",
                                                                        "/tmp/models")))
     ap.add_argument("--model-8b", type=Path, help=f"(c)'s model (default: MODELS/{EIGHT_B})")
+    ap.add_argument("--synth-8b", default="--preset,llama3-8b,--qtype,Q4_K_M",
+                    help="`refengine synth` options, comma-separated, that write (c)'s model "
+                         "when it is missing")  # fmt: skip
     ap.add_argument("--llama-bin", type=Path, help="llama.cpp's bin (default: the CPU build's)")
     ap.add_argument("--rpc", help="an RPC server as llama.cpp's GPU 0 (no GPU here)")
     ap.add_argument("-p", type=int, default=512)

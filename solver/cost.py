@@ -61,6 +61,7 @@ from .groups import tensor_groups
 from .memory import expected_distinct_experts, kv_cell_nbytes
 from .profile import ANY_TYPE, PANEL_TYPE, HardwareProfile
 from .routing import RoutingStats, miss_ratio, prefetch_ratios
+from .workspace import MAX_DECODE_TOKENS, matrix_launches
 
 PINNED, STREAMED, CPU = "pinned", "streamed", "cpu"
 # an expert stack streamed in part: once the router has run, only the experts it chose are copied
@@ -254,6 +255,7 @@ class CostModel:
         hp = spec.hparams
         # activations crossing inside a layer: the wider of the residual and the FFN's inner rows
         self.hop_width = max(hp.n_embd, hp.n_ff_active)
+        self._panel_launches: dict[str, int] = {}
 
     def effective(self, g: Group, loc: Loc, tokens: int) -> Loc:
         """Where g really runs: llama.cpp copies CPU-held weights to the GPU for ubatches of 32
@@ -466,6 +468,9 @@ class CostModel:
             nbytes *= hp.n_head / hp.n_head_kv
             gbps = (cpu.llamacpp_attention_gbps.value if cpu.llamacpp_attention_gbps
                     else gbps * GGML_CPU_ATTENTION_EFFICIENCY)  # fmt: skip
+            if tokens > 1 and cpu.llamacpp_prompt_score_seconds:  # its prompt's, as measured
+                score = cpu.llamacpp_prompt_score_seconds.at(ANY_TYPE, hp.head_dim)
+                return np.maximum(nbytes / (gbps * 1e9), hp.n_head * tokens * keys * score)
         if (self.target != "llamacpp" and tokens >= HOST_PANEL_TOKENS
                 and cpu.attention_score_seconds and cpu.attention_row_seconds):  # fmt: skip
             # our host prefill scores every cell of its range, the later ones masked, and its
@@ -509,6 +514,21 @@ class CostModel:
             + 4.0 * tokens * width / (gpu.h2d_gbps.value * 1e9)
         )
 
+    def group_launches(self, g: Group, tokens: int) -> int:
+        """Launches of a group's products on our runtime: one a product, but past the matvec
+        tokens each product is a dequantize and a cuBLAS call per fp16 panel
+        (`workspace.matrix_launches`); the experts' pass is one launch either way."""
+        if self.target != "refengine" or g.kind == EXPERTS or tokens <= MAX_DECODE_TOKENS:
+            return 1
+        if g.name not in self._panel_launches:
+            by_name = self.spec.by_name
+            # Q, K and V round their one input to fp16 once
+            self._panel_launches[g.name] = sum(
+                matrix_launches(self.spec, n, tokens, n.endswith(("attn_k.weight", "attn_v.weight")))
+                for n in g.tensors if len(by_name[n].shape) == 2
+            )
+        return self._panel_launches[g.name]
+
     def launch_seconds(self, n_kernels: int, tokens: int, device: int = 0) -> float:
         gpu = self.profile.gpus[device]
         per = gpu.graph_kernel_seconds.value if tokens == 1 else gpu.launch_seconds.value
@@ -535,7 +555,7 @@ class CostModel:
             loc = self.effective(g, place.groups[g.name], tokens)
             if loc.on_gpu:
                 t.gpu += self.gpu_seconds(g, tokens, loc.device)
-                gpu_mats += 1
+                gpu_mats += self.group_launches(g, tokens)
                 if loc.kind == ROUTED:  # mostly after the router: nothing to hide it under
                     overlapped, waited = self.routed_terms(g, loc, tokens, cpu_busy)
                     t.copy += overlapped

@@ -133,6 +133,9 @@ class CPUProfile:
     llamacpp_matvec_gbps: RateTable | None = None  # weight bytes a generated token reads
     # its decode attention: the cache bytes its query heads read per second
     llamacpp_attention_gbps: Figure | None = None
+    # its prompt attention (flash attention over the f16 cache), per query head and key, by head
+    # size
+    llamacpp_prompt_score_seconds: RateTable | None = None
     # our host prefill's attention (scores by BLAS, masked, a row softmax, times V) and gated
     # activation, measured by `refengine profile`: beyond the matrices, what small models feel
     attention_score_seconds: RateTable | None = None  # per query head and key, by head size

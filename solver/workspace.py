@@ -15,7 +15,12 @@ from refengine.spec import ModelSpec
 from .memory import pad_cells
 
 ALIGN = 256
-PANEL_ROWS = 256  # rows of a weight dequantized to fp16 at a time for the prefill GEMM
+# the prefill GEMM dequantizes a weight to fp16 a panel of rows at a time: each panel is a
+# dequantize launch and a cuBLAS call from Python (~50 us of host time), so panels are large
+# (`panel_rows`); 256-row panels made an 8B-shaped pp512 host-bound at 3.5 s on an H200
+# (docs/measured/2026-11-27-h200-where-8b.txt)
+PANEL_NBYTES, PANEL_WEIGHTS_SHARE = 64 << 20, 32
+PANEL_ROW_STEP = 256
 CUBLAS_SPLITS = 32  # the split-K partial outputs cuBLAS's workspace holds (`cublas_nbytes`)
 MAX_DECODE_TOKENS = 16  # the matvec kernels' most tokens (cudarun.kernels.matvec.MAX_TOKENS)
 SPLIT_BLOCKS_PER_SM, SMS = 4, 132  # split-KV decode attention's target (kernels.attention)
@@ -34,7 +39,7 @@ def layout(spec: ModelSpec, tokens: int, logit_rows: int, n_ctx: int) -> dict[st
     context of n_ctx."""
     hp = spec.hparams
     t = tokens
-    d, q_dim = hp.n_embd, hp.n_head * hp.head_dim
+    d = hp.n_embd
     k_dim, v_dim = hp.n_head_kv * hp.head_dim, hp.n_head_kv * hp.head_dim_v
     used = max(hp.n_expert_used, 1)
     ff_rows, n_ff = (t * used, hp.n_ff_exp) if spec.arch.moe else (t, hp.n_ff)
@@ -70,12 +75,14 @@ def layout(spec: ModelSpec, tokens: int, logit_rows: int, n_ctx: int) -> dict[st
         want["pred"] = ((t, used), "int32")  # the experts a prefetch copies (predicted)
         want["gates"] = ((t, used), "float32")
         want["down"] = ((ff_rows, d), "float32")
-    if t <= MAX_DECODE_TOKENS:  # split-KV decode attention's partial results
-        splits = max_splits(hp.n_head_kv, t, n_ctx)
-        want["partial"] = ((t, splits, hp.n_head, hp.head_dim_v + 2), "float32")
-    else:  # the prefill GEMM's fp16 panels, and cuBLAS's workspace
-        widest = max(d, q_dim, v_dim, n_ff)
-        want["panel16"] = ((PANEL_ROWS, widest), "float16")
+    # split-KV decode attention's partial results: a prefill tier runs its short ubatches (a
+    # prompt's last few tokens, a short prompt) through the decode kernels too
+    decode_t = min(t, MAX_DECODE_TOKENS)
+    splits = max_splits(hp.n_head_kv, decode_t, n_ctx)
+    want["partial"] = ((decode_t, splits, hp.n_head, hp.head_dim_v + 2), "float32")
+    if t > MAX_DECODE_TOKENS:  # the prefill GEMM's fp16 panels, and cuBLAS's workspace
+        widest = panel_width(spec)
+        want["panel16"] = ((panel_rows(spec), widest), "float16")
         want["x16"] = ((t * max(used, 1), widest), "float16")
         want["cublas"] = ((cublas_nbytes(t),), "uint8")
     out, offset = {}, 0
@@ -87,9 +94,41 @@ def layout(spec: ModelSpec, tokens: int, logit_rows: int, n_ctx: int) -> dict[st
 
 def cublas_nbytes(tokens: int) -> int:
     """cuBLAS's workspace for the prefill products (cudarun.cublas): room for the fp32 partial
-    outputs of a split-K product of up to 32 splits over one [tokens, PANEL_ROWS] panel, within
+    outputs of a split-K product of up to 32 splits over a [tokens, PANEL_ROW_STEP] panel, within
     the 32 MiB cuBLAS's guide recommends on Hopper."""
-    return min(CUBLAS_SPLITS * tokens * PANEL_ROWS * 4, 32 << 20)
+    return min(CUBLAS_SPLITS * tokens * PANEL_ROW_STEP * 4, 32 << 20)
+
+
+def panel_width(spec: ModelSpec) -> int:
+    """The widest input of a product the prefill GEMM runs: the fp16 panel's row length."""
+    hp = spec.hparams
+    n_ff = hp.n_ff_exp if spec.arch.moe else hp.n_ff
+    return max(hp.n_embd, hp.n_head * hp.head_dim, hp.n_head_kv * hp.head_dim_v, n_ff)
+
+
+def panel_rows(spec: ModelSpec) -> int:
+    """Rows of a weight dequantized to fp16 at a time for the prefill GEMM: as many as
+    PANEL_NBYTES and 1/PANEL_WEIGHTS_SHARE of the weights allow (a panel takes from what a plan
+    could pin: a tight budget keeps its prefill tier), in steps of PANEL_ROW_STEP, at least one
+    step, and no more than the tallest layer matrix needs (the head, run at a prompt's every row
+    only when all logits are asked for, takes several)."""
+    tallest = max(t.shape[0] for t in spec.tensors if t.layer is not None and len(t.shape) == 2)
+    nbytes = min(PANEL_NBYTES, spec.weights_nbytes // PANEL_WEIGHTS_SHARE)
+    step = PANEL_ROW_STEP
+    fit = nbytes // (2 * panel_width(spec)) // step * step
+    return max(step, min(fit, -(-tallest // step) * step))
+
+
+def matrix_launches(spec: ModelSpec, name: str, tokens: int, half_ready: bool = False) -> int:
+    """What one product (`cudarun.devicemath.DeviceMath.mm`) launches: a matvec up to
+    MAX_DECODE_TOKENS tokens (the bias in its epilogue); beyond, the activations to fp16 (unless
+    an earlier product of the same input did: `half_ready`), then a dequantize and a cuBLAS
+    product per panel, and the bias add."""
+    if tokens <= MAX_DECODE_TOKENS:
+        return 1
+    rows = spec.by_name[name].shape[0]
+    panels = -(-rows // panel_rows(spec))
+    return (not half_ready) + 2 * panels + (name.replace(".weight", ".bias") in spec.by_name)
 
 
 def max_splits(n_kv_heads: int, tokens: int, n_ctx: int) -> int:

@@ -523,6 +523,23 @@ def test_twins_of_equal_bytes_and_unequal_rows_give_the_cost_per_byte_and_per_ro
     assert decode_rows(specs[0]) == 16384 + 4 * 128 + 2 * 256 + 128
 
 
+def test_llamacpp_prompt_attention_is_priced_per_query_head_and_key_as_measured():
+    """Where the profile measured llama.cpp's CPU prompt attention, a prompt's costs query heads x
+    tokens x keys (causal: depth + (tokens + 1) / 2 on average) x the head size's per-score time;
+    its decode and our prompts are not priced by it."""
+    f = lambda v: Figure(v, "toy")  # noqa: E731
+    base = toy_profile()
+    measured = replace(base, cpu=replace(base.cpu, llamacpp_prompt_score_seconds=RateTable(
+        "s", {ANY_TYPE: {64: f(2e-7), 256: f(4e-7)}})))  # head 128: 3e-7, log-midway
+    cpu, hp = Loc(CPU), DENSE.hparams
+    llama = CostModel(DENSE, measured, W, "llamacpp")
+    keys = 1000 + (512 + 1) / 2
+    assert llama.attention_seconds(0, 512, 1000, cpu) == pytest.approx(hp.n_head * 512 * keys * 3e-7)
+    for target, tokens in (("llamacpp", 1), ("refengine", 512)):
+        assert CostModel(DENSE, measured, W, target).attention_seconds(0, tokens, 1000, cpu) == (
+            CostModel(DENSE, base, W, target).attention_seconds(0, tokens, 1000, cpu))
+
+
 def test_our_decode_attention_is_priced_per_query_head_and_key_as_measured():
     """Where the profile measured our fused decode's attention, a decode token's costs query heads
     x keys x the head size's per-score time (here above the cache's read time); llama.cpp's and a

@@ -100,6 +100,23 @@ def test_a_prompt_of_one_token_ubatches_returns_its_last_tokens_logits(tiny):
     engine.close()
 
 
+def test_a_short_prompt_on_a_prefill_tier_takes_the_decode_kernels(tiny):
+    """Tiers 1 and 64: a prompt of 8 tokens runs at tier 64 but through the matvec and split-KV
+    decode kernels, whose partials that tier's workspace must hold (on the H200 an 8-token
+    prompt at tiers 1 and 512 raised KeyError 'partial')."""
+    spec, _ = tiny
+    w = Workload(n_ctx=64, prompt_tokens=8, gen_tokens=4, threads=2)
+    tiers = {t: p for t, p in zip((1, 64), placements(spec).values())}
+    prof = load_profile("h100")
+    plan = plan_json(spec, w, prof.name, [3 * spec.weights_nbytes + (8 << 20)], tiers,
+                     evaluate(tiers, spec, prof, w), "test", "refengine")  # fmt: skip
+    engine, reference = CudaEngine(spec, plan), NumpyEngine(spec, n_ctx=64)
+    ids = [5, 9, 2, 7, 1, 3, 8, 4]
+    err = normwise(engine.prefill(ids), reference.prefill(ids))
+    assert err <= engine.tolerance, f"{err:.2e}"
+    engine.close()
+
+
 @pytest.mark.gpu
 def test_prefill_beyond_the_matvec_tokens_runs_the_fp16_gemm_path(tiny):
     """A 40-token prompt at tier 64: the products go through fp16 panels and cuBLAS, attention

@@ -207,6 +207,7 @@ def test_cuda_engine_prefill_path_under_the_simulator(tmp_path, monkeypatch):
     from solver.plan import plan_json
     from solver.solve import load_profile
 
+    from solver import workspace
     from solver.workspace import cublas_nbytes
 
     def pointer(a):  # the simulator's device arrays wrap NumPy arrays
@@ -214,12 +215,16 @@ def test_cuda_engine_prefill_path_under_the_simulator(tmp_path, monkeypatch):
 
     workspaces = []
 
-    def gemm(x16, w16, out, blas):
+    def gemm(x16, w16, out, blas, out_columns):
         x, w = (a.copy_to_host().astype(np.float32) for a in (x16, w16))
-        out[:, :] = x @ w.T
+        first, count = out_columns
+        out[:, first : first + count] = x @ w.T
         workspaces.append((pointer(blas.region), blas.region.nbytes))
 
     monkeypatch.setattr(prefill, "gemm_fp16", gemm)
+    # panels of 16 rows: each product of 64 or more rows runs as several, each into its columns
+    monkeypatch.setattr(workspace, "PANEL_ROW_STEP", 16)
+    monkeypatch.setattr(workspace, "PANEL_NBYTES", 16 * 2 * 64)
     config = SyntheticConfig("gemma3", n_layer=1, n_embd=32, n_ff=64, n_head=2, n_head_kv=1,
                              head_dim=16, n_vocab=260, qtype="Q4_K", n_swa=6)  # fmt: skip
     spec = load_spec(str(write_synthetic(tmp_path / "m.gguf", config)))

@@ -110,14 +110,14 @@ def test_an_rpc_server_is_a_device_with_its_hosts_rates_and_the_links_copies():
 
 
 def test_profile_measures_the_cpu_and_llama_cpps_rates_which_price_the_llamacpp_target_only(
-        tmp_path, llama_bin, small_models):  # fmt: skip
+        tmp_path, llama_bin):  # fmt: skip
     """`profile --quick --llama-bin`: this CPU measured (the GPU side kept from another profile),
     and llama.cpp's own CPU matmul and decode rates by type (llama-bench on a synthetic model per
     type), which `--target llamacpp` prices CPU-held matrices at while our runtime keeps its own
     kernels' rates."""
     from dataclasses import replace
 
-    from refengine.spec import load_spec
+    from refengine.synthetic import SyntheticConfig, spec_from_hparams
     from solver.cpu_tests import cpu_cost_model, generation_seconds, prompt_seconds
 
     out = tmp_path / "me.json"
@@ -149,6 +149,7 @@ def test_profile_measures_the_cpu_and_llama_cpps_rates_which_price_the_llamacpp_
     assert cpu.llamacpp_matvec_gbps.at("Q4_K", cpu.threads) > 0.5
     assert 0 <= cpu.llamacpp_layer_seconds.value < 1e-3
     assert 0.1 < cpu.llamacpp_attention_gbps.value < 10 * cpu.memory_gbps.value
+    assert all(0 < cpu.llamacpp_prompt_score_seconds.at(ANY_TYPE, d) < 1e-6 for d in (64, 256))
     assert "qwen3moe" in cpu.llamacpp_routed_layer_seconds.source
     assert 0 <= cpu.llamacpp_expert_seconds.value < 1e-3
     assert 0 <= cpu.llamacpp_head_row_seconds.value < 1e-6 and cpu.llamacpp_head_gbps.value > 0.5
@@ -156,7 +157,9 @@ def test_profile_measures_the_cpu_and_llama_cpps_rates_which_price_the_llamacpp_
     assert set(cpu.llamacpp_expert_gflops.rows[ANY_TYPE]) == {16, 128}
     assert cpu.llamacpp_expert_gflops.at(ANY_TYPE, 16) > 0.5
     assert 0.1 < cpu.llamacpp_expert_gbps.value < 10 * cpu.memory_gbps.value
-    spec = load_spec(str(small_models["llama"]))  # Q8_0 matrices
+    # Q8_0 matrices wide enough that they, not the prompt's attention, take a prompt's time
+    spec = spec_from_hparams(SyntheticConfig("llama", n_layer=2, n_embd=1024, n_ff=4096,
+                                             n_head=8, n_head_kv=8, n_vocab=512, qtype="Q8_0"))
     mine = replace(cpu, llamacpp_matmul_gflops=RateTable("GFLOP/s", {"Q8_0": {512: Figure(
         cpu.llamacpp_matmul_gflops.at("Q8_0", 512) / 10, "test")}}))  # fmt: skip
     slower = replace(prof, cpu=mine)

@@ -72,20 +72,27 @@ def dequantize(raw, out, qtype, first_row: int = 0, stream=0) -> None:
     )
 
 
-def gemm_fp16(x16, w16, out, blas) -> None:
+def gemm_fp16(x16, w16, out, blas, out_columns: tuple[int, int] | None = None) -> None:
     """out [T, N] fp32 = x16 [T, K] fp16 times w16 [N, K] fp16 transposed, by cuBLAS on `blas`'s
-    stream (`cudarun.cublas.Blas`): a module function, so the launch count sees each product."""
-    blas.gemm_fp16(x16, w16, out)
+    stream (`cudarun.cublas.Blas`), into out's columns (first, count) where given: a module
+    function, so the launch count sees each product."""
+    blas.gemm_fp16(x16, w16, out, out_columns)
 
 
-def matmul_prefill(raw, x, out, qtype, shape, panel16, x16, stream, blas) -> None:
+def matmul_prefill(raw, x, out, qtype, shape, panel16, x16, stream, blas,
+                   half_ready: bool = False) -> None:  # fmt: skip
     """out [T, n_rows] fp32 = x [T, n_cols] fp32 times the quantized weight, through fp16 panels of
     panel16.shape[0] rows (`panel16`, `x16`: scratch device arrays from the memory map; `blas`:
-    cuBLAS on `stream`)."""
+    cuBLAS on `stream`; half_ready: x16 holds x already, rounded for an earlier product). No device array is sliced per panel: Numba's slicing of a strided
+    column block walks its rows in Python (2.8 M calls for one 8B-shaped pp512 on an H200)."""
     n_rows, n_cols = shape
-    to_half.forall(x.size, stream=stream)(x, x16)
+    if not half_ready:
+        to_half.forall(x.size, stream=stream)(x, x16)
     rows_per_panel = panel16.shape[0]
+    panels = {}  # the full panel and the last, shorter one
     for first in range(0, n_rows, rows_per_panel):
         rows = min(rows_per_panel, n_rows - first)
-        dequantize(raw, panel16[:rows], qtype, first, stream)
-        gemm_fp16(x16, panel16[:rows], out[:, first : first + rows], blas)
+        if rows not in panels:
+            panels[rows] = panel16[:rows]
+        dequantize(raw, panels[rows], qtype, first, stream)
+        gemm_fp16(x16, panels[rows], out, blas, (first, rows))
