@@ -554,3 +554,25 @@ def test_our_decode_attention_is_priced_per_query_head_and_key_as_measured():
     for target, tokens in (("llamacpp", 1), ("refengine", 512)):
         assert CostModel(DENSE, measured, W, target).attention_seconds(0, tokens, 1000, cpu) == (
             CostModel(DENSE, base, W, target).attention_seconds(0, tokens, 1000, cpu))
+
+
+def test_a_prompt_pays_a_dequantize_and_a_product_launch_per_fp16_panel(monkeypatch):
+    """Past the matvec tokens each product on our runtime dequantizes fp16 panels and calls cuBLAS
+    per panel, each a launch from Python (an 8B prompt on 256-row panels ran 10x slower than on
+    4096-row ones on an H200): smaller panels, two more launches for each panel more."""
+    import math
+
+    from solver import workspace
+
+    pinned = place(DENSE, lambda g: Loc(PINNED))
+    base = toy_profile()
+    prof = replace(base, gpus=(replace(base.gpus[0], launch_seconds=Figure(2e-5, "toy")),))
+    rows = [t.shape[0] for t in DENSE.tensors if t.layer == 0 and len(t.shape) == 2]
+    sized = workspace.panel_rows(DENSE)
+    latency = {}
+    for panel in (sized, 256):
+        monkeypatch.setattr(workspace, "panel_rows", lambda spec, r=panel: r)
+        latency[panel] = CostModel(DENSE, prof, W).layer_terms(0, pinned, 512, 0, False).latency
+    extra = sum(math.ceil(r / 256) - math.ceil(r / sized) for r in rows)
+    assert sized > 256 and extra > 0
+    assert latency[256] - latency[sized] == pytest.approx(2 * extra * prof.gpus[0].launch_seconds.value)
