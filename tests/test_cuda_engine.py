@@ -100,17 +100,21 @@ def test_a_prompt_of_one_token_ubatches_returns_its_last_tokens_logits(tiny):
     engine.close()
 
 
+def tiers_1_and_64(spec, prompt_tokens: int) -> dict:
+    """A plan of `placements`' two tiers as 1 and 64 tokens, over 64 cells."""
+    w = Workload(n_ctx=64, prompt_tokens=prompt_tokens, gen_tokens=4, threads=2)
+    tiers = {t: p for t, p in zip((1, 64), placements(spec).values())}
+    prof = load_profile("h100")
+    return plan_json(spec, w, prof.name, [3 * spec.weights_nbytes + (8 << 20)], tiers,
+                     evaluate(tiers, spec, prof, w), "test", "refengine")  # fmt: skip
+
+
 def test_a_short_prompt_on_a_prefill_tier_takes_the_decode_kernels(tiny):
     """Tiers 1 and 64: a prompt of 8 tokens runs at tier 64 but through the matvec and split-KV
     decode kernels, whose partials that tier's workspace must hold (on the H200 an 8-token
     prompt at tiers 1 and 512 raised KeyError 'partial')."""
     spec, _ = tiny
-    w = Workload(n_ctx=64, prompt_tokens=8, gen_tokens=4, threads=2)
-    tiers = {t: p for t, p in zip((1, 64), placements(spec).values())}
-    prof = load_profile("h100")
-    plan = plan_json(spec, w, prof.name, [3 * spec.weights_nbytes + (8 << 20)], tiers,
-                     evaluate(tiers, spec, prof, w), "test", "refengine")  # fmt: skip
-    engine, reference = CudaEngine(spec, plan), NumpyEngine(spec, n_ctx=64)
+    engine, reference = CudaEngine(spec, tiers_1_and_64(spec, 8)), NumpyEngine(spec, n_ctx=64)
     ids = [5, 9, 2, 7, 1, 3, 8, 4]
     err = normwise(engine.prefill(ids), reference.prefill(ids))
     assert err <= engine.tolerance, f"{err:.2e}"
@@ -123,12 +127,7 @@ def test_prefill_beyond_the_matvec_tokens_runs_the_fp16_gemm_path(tiny):
     through the prefill kernel (GPU only: the GEMM is CuPy's cuBLAS); the warm-up compiled every
     kernel the prompt and the decode run."""
     spec, _ = tiny
-    w = Workload(n_ctx=64, prompt_tokens=40, gen_tokens=4, threads=2)
-    tiers = {t: p for t, p in zip((1, 64), placements(spec).values())}
-    prof = load_profile("h100")
-    plan = plan_json(spec, w, prof.name, [3 * spec.weights_nbytes + (8 << 20)], tiers,
-                     evaluate(tiers, spec, prof, w), "test", "refengine")  # fmt: skip
-    engine, reference = CudaEngine(spec, plan), NumpyEngine(spec, n_ctx=64)
+    engine, reference = CudaEngine(spec, tiers_1_and_64(spec, 40)), NumpyEngine(spec, n_ctx=64)
     engine.warm_up()
     compiled = compiled_kernels()
     ids = list(np.random.default_rng(2).integers(0, spec.hparams.n_vocab, 40))
