@@ -177,7 +177,8 @@ def part_launches(spec: ModelSpec, part, tokens: int, glu: frozenset[int] = froz
     if part.kind == "ffn_gate":
         return matrix_launches(spec, p + "ffn_gate.weight", tokens)
     if part.kind == "ffn_up":  # the gating: in the matvec's epilogue, after the panels' products
-        return matrix_launches(spec, p + "ffn_up.weight", tokens) + (il in glu and tokens > MAX_DECODE_TOKENS)
+        gating = il in glu and tokens > MAX_DECODE_TOKENS
+        return matrix_launches(spec, p + "ffn_up.weight", tokens) + gating
     if part.kind == "ffn_down":  # gating (unless the up product did), product, post-norm, add
         return (il not in glu) + matrix_launches(spec, p + "ffn_down.weight", tokens) + post + 1
     if part.kind in ("ffn_gate_exps", "ffn_up_exps"):
@@ -215,7 +216,8 @@ def ubatch_counts(spec: ModelSpec, parts, segments: list[Segment], final_sync: b
     # a router's choice (or its prediction) read back on the device before the routed copies
     readbacks = {b for p in parts for b in (p.routed_by, p.predicted_by) if b}
     predicting = {p.predicted_by for p in parts if p.predicted_by}
-    launches += sum(2 + matrix_launches(spec, f"{b.rsplit('.', 1)[0]}.ffn_gate_inp.weight", tokens)
+    launches += sum(2 + matrix_launches(spec, f"{b.rsplit('.', 1)[0]}.ffn_gate_inp.weight",
+                                        tokens)
                     for b in predicting)  # norm, router, top-k  # fmt: skip
     return Counts(
         launches,

@@ -534,7 +534,8 @@ def test_llamacpp_prompt_attention_is_priced_per_query_head_and_key_as_measured(
     cpu, hp = Loc(CPU), DENSE.hparams
     llama = CostModel(DENSE, measured, W, "llamacpp")
     keys = 1000 + (512 + 1) / 2
-    assert llama.attention_seconds(0, 512, 1000, cpu) == pytest.approx(hp.n_head * 512 * keys * 3e-7)
+    want = hp.n_head * 512 * keys * 3e-7
+    assert llama.attention_seconds(0, 512, 1000, cpu) == pytest.approx(want)
     for target, tokens in (("llamacpp", 1), ("refengine", 512)):
         assert CostModel(DENSE, measured, W, target).attention_seconds(0, tokens, 1000, cpu) == (
             CostModel(DENSE, base, W, target).attention_seconds(0, tokens, 1000, cpu))
@@ -575,4 +576,5 @@ def test_a_prompt_pays_a_dequantize_and_a_product_launch_per_fp16_panel(monkeypa
         latency[panel] = CostModel(DENSE, prof, W).layer_terms(0, pinned, 512, 0, False).latency
     extra = sum(math.ceil(r / 256) - math.ceil(r / sized) for r in rows)
     assert sized > 256 and extra > 0
-    assert latency[256] - latency[sized] == pytest.approx(2 * extra * prof.gpus[0].launch_seconds.value)
+    launch_seconds = prof.gpus[0].launch_seconds.value
+    assert latency[256] - latency[sized] == pytest.approx(2 * extra * launch_seconds)

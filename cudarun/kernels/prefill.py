@@ -83,8 +83,9 @@ def matmul_prefill(raw, x, out, qtype, shape, panel16, x16, stream, blas,
                    half_ready: bool = False) -> None:  # fmt: skip
     """out [T, n_rows] fp32 = x [T, n_cols] fp32 times the quantized weight, through fp16 panels of
     panel16.shape[0] rows (`panel16`, `x16`: scratch device arrays from the memory map; `blas`:
-    cuBLAS on `stream`; half_ready: x16 holds x already, rounded for an earlier product). No device array is sliced per panel: Numba's slicing of a strided
-    column block walks its rows in Python (2.8 M calls for one 8B-shaped pp512 on an H200)."""
+    cuBLAS on `stream`; half_ready: x16 holds x already, rounded for an earlier product). No
+    device array is sliced per panel: Numba's slicing of a strided column block walks its rows
+    in Python (2.8 M calls for one 8B-shaped pp512 on an H200)."""
     n_rows, n_cols = shape
     if not half_ready:
         to_half.forall(x.size, stream=stream)(x, x16)
