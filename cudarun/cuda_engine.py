@@ -33,7 +33,7 @@ from . import counts, program
 from .device_hops import DeviceHops
 from .device_shards import DeviceShards
 from .devicemath import CACHE_SLOTS, CACHED, ROUTED_IDS, DeviceMath, device_tensors
-from .executor import PlanExecutor, Tier, group_bytes, local_name, weight_steps
+from .executor import PlanError, PlanExecutor, Tier, group_bytes, local_name, weight_steps
 from .expert_cache import Admission
 from .hostmath import Act, HostMath
 from .hostweights import cache_ranges, cache_stacks, routed_ranges
@@ -309,7 +309,10 @@ class CudaEngine(PlanExecutor):
                 slices["partial"] = replace(sl, shape=(sl.shape[0], min(sl.shape[1], whole),
                                                        *sl.shape[2:]))  # fmt: skip
             region = self.region(tier, local_name("workspace", d))
-            assert nbytes(slices) <= region.size, (d, nbytes(slices), region.size)
+            if nbytes(slices) > region.size:  # a plan solved by an earlier layout
+                raise PlanError(f"tier {tier.tier}: the plan reserves {region.size} B of "
+                                f"workspace on device {d} where this runtime needs "
+                                f"{nbytes(slices)} B; solve again")  # fmt: skip
             self.workspaces[tier.tier, d] = arrays(region, slices)
         return self.workspaces[tier.tier, d]
 

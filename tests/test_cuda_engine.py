@@ -121,6 +121,22 @@ def test_a_short_prompt_on_a_prefill_tier_takes_the_decode_kernels(tiny):
     engine.close()
 
 
+def test_a_plan_whose_workspace_is_too_small_says_solve_again(tiny):
+    """A plan saved by an earlier runtime whose layout needed less workspace: one line, not an
+    assertion deep in the engine."""
+    from cudarun.executor import PlanError
+
+    spec, _ = tiny
+    plan = tiers_1_and_64(spec, 8)
+    regions = plan["tiers"]["64"]["memory_map"]["0"]
+    workspace = next(r for r in regions if r[0] == "workspace")
+    workspace[2] //= 2
+    engine = CudaEngine(spec, plan)
+    with pytest.raises(PlanError, match="workspace on device 0 where this runtime needs .* solve"):
+        engine.prefill([5, 9, 2, 7, 1, 3, 8, 4])
+    engine.close()
+
+
 @pytest.mark.gpu
 def test_prefill_beyond_the_matvec_tokens_runs_the_fp16_gemm_path(tiny):
     """A 40-token prompt at tier 64: the products go through fp16 panels and cuBLAS, attention
