@@ -446,40 +446,47 @@ def where_8b(a, out: Out) -> None:
     while its decode is 11x under): pp512 and tg32 measured beside predicted with the prefill
     GEMM's panels as the plan sizes them and of 256 rows (the size before 2026-11-27), then a
     prompt under cProfile."""
-    import cProfile
-    import io
-    import pstats
-
     import solver.workspace
-    from cudarun.bench_plan import run_bench
 
     if not model_written(a, out, "where-8b"):
         return
     sized = solver.workspace.panel_rows
-    for label, rows in (("panels as sized", sized), ("panels of 256 rows", lambda spec: 256)):
-        solver.workspace.panel_rows = rows
-        with out.guard("where-8b", label):
-            engine, _, profile = eight_b_engine(a, 1.5, None, 512, 32, 1024, [1, 512])
-            try:
-                if hasattr(engine, "workspace"):  # the CUDA engine
-                    shape = engine.workspace(engine.tiers[512])["panel16"].shape
-                    out.say("where-8b", f"{label}: a panel is {shape[0]} x {shape[1]} fp16")
-                for r in run_bench(engine, profile, 512, 32, [0]):
-                    out.say("where-8b", f"  {r.test:<12} measured {r.tps:9.2f} t/s  predicted "
-                                        f"{r.tokens / r.predicted_seconds:9.2f}  measured/predicted "
-                                        f"{r.measured_seconds / r.predicted_seconds:.2f}")
-                ids = np.random.default_rng(3).integers(0, engine.spec.hparams.n_vocab, 512)
-                engine.reset()
-                prof = cProfile.Profile()
-                prof.enable()
-                engine.prefill(ids)
-                prof.disable()
-                text = io.StringIO()
-                pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(12)
-                out.say("where-8b", text.getvalue())
-            finally:
-                engine.close()
-    solver.workspace.panel_rows = sized
+    try:  # the next stage keeps the sized panels, even after a stage's time ran out here
+        for label, rows in (("panels as sized", sized), ("panels of 256 rows", lambda s: 256)):
+            solver.workspace.panel_rows = rows
+            with out.guard("where-8b", label):
+                where_8b_case(a, out, label)
+    finally:
+        solver.workspace.panel_rows = sized
+
+
+def where_8b_case(a, out: Out, label: str) -> None:
+    import cProfile
+    import io
+    import pstats
+
+    from cudarun.bench_plan import run_bench
+
+    engine, _, profile = eight_b_engine(a, 1.5, None, 512, 32, 1024, [1, 512])
+    try:
+        if hasattr(engine, "workspace"):  # the CUDA engine
+            shape = engine.workspace(engine.tiers[512])["panel16"].shape
+            out.say("where-8b", f"{label}: a panel is {shape[0]} x {shape[1]} fp16")
+        for r in run_bench(engine, profile, 512, 32, [0]):
+            out.say("where-8b", f"  {r.test:<12} measured {r.tps:9.2f} t/s  predicted "
+                                f"{r.tokens / r.predicted_seconds:9.2f}  measured/predicted "
+                                f"{r.measured_seconds / r.predicted_seconds:.2f}")  # fmt: skip
+        ids = np.random.default_rng(3).integers(0, engine.spec.hparams.n_vocab, 512)
+        engine.reset()
+        prof = cProfile.Profile()
+        prof.enable()
+        engine.prefill(ids)
+        prof.disable()
+        text = io.StringIO()
+        pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(12)
+        out.say("where-8b", text.getvalue())
+    finally:
+        engine.close()
 
 
 def fresh_process(a, out: Out, stages: list[str], deadline: float) -> None:

@@ -15,7 +15,10 @@
 #     CALL_SECONDS=<left - 30> STAGES=agreement-1.5b,eight-b,per-test bash scripts/device_session.sh
 #     (carry [".whl"] again: a fresh machine has none of the first calls' files)
 # CALL_ARGS go to device_call.py as they are (e.g. "--agreement-models smollm2-135m"); STAGES may
-# name agreement-serial, the SmolLM2-shaped cases with a wait after every operation.
+# name agreement-serial, the SmolLM2-shaped cases with a wait after every operation, or where-8b,
+# the all-pinned 8B-shaped prompt timed and profiled (a smaller file written in a short call:
+# CALL_ARGS="--synth-8b=--preset,llama3-8b,--layers,8,--vocab,32000,--qtype,Q4_K_M
+# --model-8b /tmp/models/l8b-8.gguf").
 set -uo pipefail
 cd "$(dirname "$0")/.."
 started=$(date +%s)
