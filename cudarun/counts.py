@@ -167,8 +167,7 @@ def part_launches(spec: ModelSpec, part, tokens: int, glu: frozenset[int] = froz
     if part.kind == "qkv":  # norm, Q, K, V (one launch up to the matvec tokens), Q/K norm + RoPE
         if tokens <= MAX_DECODE_TOKENS:
             return 3
-        return 1 + sum(matrix_launches(spec, f"{p}attn_{m}.weight", tokens, m != "q")
-                       for m in "qkv") + 1  # fmt: skip
+        return 1 + sum(matrix_launches(spec, f"{p}attn_{m}.weight", tokens) for m in "qkv") + 1
     if part.kind == "kq":  # the KV store, then split-KV decode (partial + merge) or prefill
         return 1 + (2 if tokens <= MAX_DECODE_TOKENS else 1)
     if part.kind == "o":  # output product, post-norm, residual add, FFN norm (+ router, route)

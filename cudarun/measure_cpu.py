@@ -165,6 +165,18 @@ def attention_costs(quick: bool, runs: int) -> tuple[dict[int, float], float]:
     return per_score, per_row
 
 
+SCORE_HEADS = 8  # query heads of the attention twins, over 2 KV heads
+
+
+def score_twin_config(n_layer: int, head_dim: int, n_ctx: int):
+    """A synthetic llama whose time at depth is its attention: small matrices, SCORE_HEADS query
+    heads over 2 KV heads of `head_dim`, a 512-token vocabulary."""
+    from refengine.synthetic import SyntheticConfig
+
+    return SyntheticConfig("llama", n_layer=n_layer, n_embd=256, n_ff=256, n_head=SCORE_HEADS,
+                           n_head_kv=2, head_dim=head_dim, n_vocab=512, n_ctx_train=n_ctx)
+
+
 def decode_attention_costs(threads: int, quick: bool) -> dict[int, float]:
     """{head size: seconds per query head and key} of our decode's attention as the cpu engine
     runs it (the fused layer's, cell by cell): tiny synthetic llamas, 8 query heads over 2 KV
@@ -175,17 +187,16 @@ def decode_attention_costs(threads: int, quick: bool) -> dict[int, float]:
     import numpy as np
 
     from refengine.spec import load_spec
-    from refengine.synthetic import SyntheticConfig, write_synthetic
+    from refengine.synthetic import write_synthetic
 
     from .cpu_engine import CpuEngine
 
-    depth, tokens, n_layer, n_head = (512, 8, 2, 8) if quick else (4096, 48, 4, 8)
+    depth, tokens, n_layer = (512, 8, 2) if quick else (4096, 48, 4)
     per_score = {}
     with tempfile.TemporaryDirectory(prefix="refengine-attention-") as tmp:
         for dim in ATTENTION_DIMS:
-            path = write_synthetic(Path(tmp) / f"{dim}.gguf", SyntheticConfig(
-                "llama", n_layer=n_layer, n_embd=256, n_ff=256, n_head=n_head, n_head_kv=2,
-                head_dim=dim, n_vocab=512, n_ctx_train=2 * depth))  # fmt: skip
+            path = write_synthetic(Path(tmp) / f"{dim}.gguf",
+                                   score_twin_config(n_layer, dim, 2 * depth))  # fmt: skip
             engine = CpuEngine(load_spec(str(path)), threads=threads, n_ctx=depth + 2 * tokens)
             engine.warm_up()
             seconds = []
@@ -193,7 +204,7 @@ def decode_attention_costs(threads: int, quick: bool) -> dict[int, float]:
                 engine.reset()
                 engine.prefill(np.arange(fill) % 512)
                 seconds.append(_median_seconds(lambda: engine.decode(7), tokens))
-            per_score[dim] = max((seconds[1] - seconds[0]) / (n_layer * n_head * depth), 0.0)
+            per_score[dim] = max((seconds[1] - seconds[0]) / (n_layer * SCORE_HEADS * depth), 0.0)
     return per_score
 
 

@@ -27,8 +27,9 @@ from solver.memory import expected_distinct_experts, kv_cell_nbytes
 from solver.profile import ANY_TYPE, Figure, RateTable
 
 from .measure_cpu import (ATTENTION_DIMS, LAYER, MATMUL_TOKENS, MATVEC_TYPES, ROUTED,
-                          fixed_layer_seconds, layer_config, layer_counts, layer_read_nbytes,
-                          routed_fixed, row_seconds_and_gbps, row_twin_config, row_twins)
+                          SCORE_HEADS, fixed_layer_seconds, layer_config, layer_counts,
+                          layer_read_nbytes, routed_fixed, row_seconds_and_gbps, row_twin_config,
+                          row_twins, score_twin_config)
 
 # wide enough that the matrices, not the per-op overheads, take the time; as deep as a 1B model,
 # so that a prompt runs for seconds over weights many times the last-level cache, as a real
@@ -130,6 +131,9 @@ def attention_gbps(llama_bench: Path, threads: int, runs: int, tmp: Path,
     return nbytes / max(deeper_seconds, 1e-9) / 1e9
 
 
+PROMPT_SCORE_LAYERS = 4
+
+
 def prompt_score_seconds(llama_bench: Path, threads: int, runs: int, tmp: Path,
                          quick: bool = False) -> dict[int, float]:  # fmt: skip
     """{head size: seconds per query head and key} of llama.cpp's CPU prompt attention: for each
@@ -137,17 +141,14 @@ def prompt_score_seconds(llama_bench: Path, threads: int, runs: int, tmp: Path,
     size) runs a prompt at a depth and at 0; the difference per layer, query head, token and key.
     (Priced as our F16 BLAS rate instead, SmolLM2's prompt at depth 4096 ran 0.68 of predicted.)"""
     depth, tokens = (ATTENTION_DEPTH // 8, 64) if quick else (ATTENTION_DEPTH, 512)
-    n_layer, n_head = 4, 8
     per_score = {}
     for dim in ATTENTION_DIMS:
         path = tmp / f"prompt-{dim}.gguf"
-        write_synthetic(path, SyntheticConfig(
-            "llama", n_layer=n_layer, n_embd=256, n_ff=256, n_head=n_head, n_head_kv=2,
-            head_dim=dim, n_vocab=512, n_ctx_train=2 * (depth + tokens)))  # fmt: skip
+        write_synthetic(path, score_twin_config(PROMPT_SCORE_LAYERS, dim, 2 * (depth + tokens)))
         rates = bench(llama_bench, path, threads, runs, (tokens,), 0, (0, depth))
         path.unlink()
         deeper_seconds = (1.0 / rates[f"pp{tokens}@{depth}"] - 1.0 / rates[f"pp{tokens}"])
-        per_score[dim] = max(deeper_seconds / (n_layer * n_head * depth), 0.0)
+        per_score[dim] = max(deeper_seconds / (PROMPT_SCORE_LAYERS * SCORE_HEADS * depth), 0.0)
     return per_score
 
 
@@ -255,9 +256,10 @@ def measure_llamacpp_cpu(
         progress("llama.cpp's prompt attention")
         scores = prompt_score_seconds(llama_bench, threads, runs, Path(tmp), quick)
         prompt_attention = RateTable("s", {ANY_TYPE: {
-            dim: Figure(x, f"{short}; synthetic llamas of 4 layers, 8 query heads over 2 KV heads "
-                           f"of {dim}, a prompt at depth {depth} and 0: the difference per layer, "
-                           "query head, token and key")
+            dim: Figure(x, f"{short}; synthetic llamas of {PROMPT_SCORE_LAYERS} layers, "
+                           f"{SCORE_HEADS} query heads over 2 KV heads of {dim}, a prompt at "
+                           f"depth {depth} and 0: the difference per layer, query head, token "
+                           "and key")
             for dim, x in scores.items()}})  # fmt: skip
     return dict(llamacpp_matmul_gflops=RateTable("GFLOP/s", matmul),
                 llamacpp_matvec_gbps=RateTable("GB/s", matvec),

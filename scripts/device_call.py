@@ -408,6 +408,13 @@ def eight_b(a, out: Out) -> None:
                                    f" {p['ttft_seconds']:14.2f} {p['e2e_seconds']:14.2f}")
 
 
+def bench_line(r) -> str:
+    """A `bench_plan.run_bench` row: measured beside predicted and the bound."""
+    return (f"{r.test:<14} measured {r.tps:9.2f} t/s  predicted "
+            f"{r.tokens / r.predicted_seconds:9.2f}  bound {r.tokens / r.bound_seconds:9.2f}  "
+            f"measured/predicted {r.measured_seconds / r.predicted_seconds:.2f}")
+
+
 def per_test(a, out: Out) -> None:
     """The all-pinned and half-streamed plans of the 8B-shaped model, tiers 1 and 512 at depths 0
     and 4096, measured beside predicted; the half-streamed decode traced with its overlap."""
@@ -425,10 +432,7 @@ def per_test(a, out: Out) -> None:
                 if trace:
                     engine.trace_events = []
                 for r in run_bench(engine, profile, 512, 128, [0, 4096]):
-                    out.say("per-test", f"{label:<14} {r.test:<14} measured {r.tps:9.2f} t/s  "
-                                        f"predicted {r.tokens / r.predicted_seconds:9.2f}  bound "
-                                        f"{r.tokens / r.bound_seconds:9.2f}  measured/predicted "
-                                        f"{r.measured_seconds / r.predicted_seconds:.2f}")
+                    out.say("per-test", f"{label:<14} {bench_line(r)}")
                 for line in engine.memory_report() + engine.launch_report(
                     profile.gpus[0].launch_seconds.value
                 ):
@@ -473,9 +477,7 @@ def where_8b_case(a, out: Out, label: str) -> None:
             shape = engine.workspace(engine.tiers[512])["panel16"].shape
             out.say("where-8b", f"{label}: a panel is {shape[0]} x {shape[1]} fp16")
         for r in run_bench(engine, profile, 512, 32, [0]):
-            out.say("where-8b", f"  {r.test:<12} measured {r.tps:9.2f} t/s  predicted "
-                                f"{r.tokens / r.predicted_seconds:9.2f}  measured/predicted "
-                                f"{r.measured_seconds / r.predicted_seconds:.2f}")  # fmt: skip
+            out.say("where-8b", f"  {bench_line(r)}")
         ids = np.random.default_rng(3).integers(0, engine.spec.hparams.n_vocab, 512)
         engine.reset()
         prof = cProfile.Profile()

@@ -82,7 +82,6 @@ GGML_CPU_ATTENTION_EFFICIENCY = 0.42
 # pageable host memory, 4-13 GB/s (PSHARD.md reason 4); the middle of that range.
 PSHARD_PAGEABLE_H2D_GBPS = 8.5
 ELEMENTWISE_KERNELS_PER_LAYER = 8
-SHARED_HALF = ("attn_k.weight", "attn_v.weight")  # products whose fp16 input Q's rounded
 OBJECTIVES = ("e2e", "tps", "ttft")
 
 
@@ -523,10 +522,9 @@ class CostModel:
             return 1
         if g.name not in self._panel_launches:
             by_name = self.spec.by_name
-            # Q, K and V round their one input to fp16 once (for Q)
             self._panel_launches[g.name] = sum(
-                matrix_launches(self.spec, n, tokens, n.endswith(SHARED_HALF))
-                for n in g.tensors if len(by_name[n].shape) == 2
+                matrix_launches(self.spec, n, tokens) for n in g.tensors
+                if len(by_name[n].shape) == 2
             )
         return self._panel_launches[g.name]
 

@@ -21,6 +21,8 @@ ALIGN = 256
 # (docs/measured/2026-11-27-h200-where-8b.txt)
 PANEL_NBYTES, PANEL_WEIGHTS_SHARE = 64 << 20, 32
 PANEL_ROW_STEP = 256
+# products whose fp16 input the Q product before them rounded (`DeviceMath.qkv`)
+SHARED_HALF = ("attn_k.weight", "attn_v.weight")
 CUBLAS_SPLITS = 32  # the split-K partial outputs cuBLAS's workspace holds (`cublas_nbytes`)
 MAX_DECODE_TOKENS = 16  # the matvec kernels' most tokens (cudarun.kernels.matvec.MAX_TOKENS)
 SPLIT_BLOCKS_PER_SM, SMS = 4, 132  # split-KV decode attention's target (kernels.attention)
@@ -119,16 +121,17 @@ def panel_rows(spec: ModelSpec) -> int:
     return max(step, min(fit, -(-tallest // step) * step))
 
 
-def matrix_launches(spec: ModelSpec, name: str, tokens: int, half_ready: bool = False) -> int:
+def matrix_launches(spec: ModelSpec, name: str, tokens: int) -> int:
     """What one product (`cudarun.devicemath.DeviceMath.mm`) launches: a matvec up to
     MAX_DECODE_TOKENS tokens (the bias in its epilogue); beyond, the activations to fp16 (unless
-    an earlier product of the same input did: `half_ready`), then a dequantize and a cuBLAS
+    an earlier product of the same input did: SHARED_HALF), then a dequantize and a cuBLAS
     product per panel, and the bias add."""
     if tokens <= MAX_DECODE_TOKENS:
         return 1
     rows = spec.by_name[name].shape[0]
     panels = -(-rows // panel_rows(spec))
-    return (not half_ready) + 2 * panels + (name.replace(".weight", ".bias") in spec.by_name)
+    rounds = not name.endswith(SHARED_HALF)
+    return rounds + 2 * panels + (name.replace(".weight", ".bias") in spec.by_name)
 
 
 def max_splits(n_kv_heads: int, tokens: int, n_ctx: int) -> int:
