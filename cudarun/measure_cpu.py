@@ -84,13 +84,17 @@ def measure_cpu(
     score, row = attention_costs(quick, runs)
     decode_score = decode_attention_costs(threads, quick)
     glu, gelu = (glu_seconds(quick, runs, act) for act in ("silu", "gelu"))
-    rope = rope_seconds(quick, runs)
+    rope_angle, rope = rope_seconds(quick, runs)
+    rope_twins = (f"cpu_ops.rope, serial, over {128 if quick else 512} tokens x "
+                  f"{' and '.join(map(str, ROPE_HEADS))} heads of 128")
     progress("a layer's fixed cost")
     layer_gbps = matvec[LAYER["qtype"]][threads].value if LAYER["qtype"] in matvec else (
         memory_gbps.value)  # fmt: skip
     per_layer = layer_seconds(threads, quick, layer_gbps)
     per_routed_layer, per_expert = routed_fixed(
         lambda kind: layer_seconds(threads, quick, layer_gbps, kind))
+    q8_gflops = (q8[LAYER["qtype"]] if LAYER["qtype"] in q8 else matmul[types[0]])[Q8_TOKENS[-1]]
+    slot = routed_slot_seconds(threads, quick, q8_gflops.value, glu)
     layers = " and ".join(map(str, layer_counts(quick)))
     width = TINY["n_embd"] if quick else LAYER["n_embd"]
     twins = ("the cpu engine decoding synthetic llamas of one layer whose Q8_0 heads hold the "
@@ -113,9 +117,10 @@ def measure_cpu(
                            f"{dim}, at depth {'512' if quick else '4096'} and 0, the per-score "
                            "difference")
             for dim, x in decode_score.items()}}),  # fmt: skip
-        glu_element_seconds=Figure(glu, f"{src}; cpu_ops.gated (SiLU) over 512 x 8192"),
-        gelu_element_seconds=Figure(gelu, f"{src}; cpu_ops.gated (GELU) over 512 x 8192"),
-        rope_element_seconds=Figure(rope, f"{src}; cpu_ops.rope over 512 tokens x 16 x 128"),
+        glu_element_seconds=Figure(glu, f"{src}; cpu_ops.gated (SiLU) over 512 x 8192, serial"),
+        gelu_element_seconds=Figure(gelu, f"{src}; cpu_ops.gated (GELU) over 512 x 8192, serial"),
+        rope_angle_seconds=Figure(rope_angle, f"{src}; {rope_twins}, the intercept per angle"),
+        rope_element_seconds=Figure(rope, f"{src}; {rope_twins}, the slope per element"),
         head_row_seconds=Figure(head_row, f"{src}; {twins}, per row"),
         head_gbps=Figure(head_gbps, f"{src}; {twins}, per byte"),
         layer_seconds=Figure(per_layer, f"{src}; the cpu engine decoding synthetic Q8_0 llamas "
@@ -127,6 +132,10 @@ def measure_cpu(
         expert_seconds=Figure(per_expert, f"{src}; the same qwen3moe, the slope per expert "
                                           "used"),
         q8_matmul_gflops=RateTable("GFLOP/s", q8),
+        routed_slot_seconds=Figure(slot, f"{src}; the cpu engine's prompts of {SLOT_LAYERS}-layer "
+                                         "qwen3moe twins (8 experts 64 wide, 2 and 6 used), the "
+                                         "slope per slot less its products and activation, per "
+                                         "element of the token's and the expert's widths"),
         sync_seconds=Figure(
             20e-6,
             "derived: typical CUDA event wait + launch of a copy, "
@@ -209,26 +218,41 @@ def decode_attention_costs(threads: int, quick: bool) -> dict[int, float]:
 
 
 def glu_seconds(quick: bool, runs: int, act: str = "silu") -> float:
-    """Seconds per element of the gated activation act(gate) * up."""
+    """Seconds per element of the gated activation act(gate) * up, run as a prompt's ubatch runs
+    it: serially, beside BLAS's threads (`hostmath._numba_owns`)."""
     import numpy as np
 
     from .kernels import cpu_ops
 
     shape = (128, 2048) if quick else (512, 8192)
     gate, up = (np.random.default_rng(1).standard_normal(shape).astype(np.float32) for _ in "gu")
-    return _median_seconds(lambda: cpu_ops.gated(gate, up, act == "gelu"), runs) / gate.size
+    return _median_seconds(lambda: cpu_ops.gated(gate, up, act == "gelu", parallel=False),
+                           runs) / gate.size  # fmt: skip
 
 
-def rope_seconds(quick: bool, runs: int) -> float:
-    """Seconds per element of RoPE over a [tokens, heads, 128] block (NeoX halves)."""
+ROPE_HEADS = (1, 16)  # the twins: the angles' cost is the same, the rotated elements' 16x
+
+
+def rope_seconds(quick: bool, runs: int) -> tuple[float, float]:
+    """RoPE as a prompt's ubatch runs it (serially, beside BLAS), on [tokens, heads, 128] blocks
+    (NeoX halves) of 1 and 16 heads: (seconds per token and rotated pair — its angle's sine and
+    cosine, which a call computes once for all its heads —, seconds per rotated element). A
+    per-element figure alone, measured on 16 heads, priced Gemma-3's one KV head 6x cheap."""
     import numpy as np
 
     from .kernels import cpu_ops
 
-    x = np.random.default_rng(2).standard_normal((128 if quick else 512, 16, 128))
-    x, positions = x.astype(np.float32), np.arange(x.shape[0])
-    return _median_seconds(lambda: cpu_ops.rope(x, positions, 128, 1e4, 1.0, True),
-                           runs) / x.size  # fmt: skip
+    tokens, dim = (128 if quick else 512), 128
+    seconds = []
+    for heads in ROPE_HEADS:
+        x = np.random.default_rng(2).standard_normal((tokens, heads, dim)).astype(np.float32)
+        positions = np.arange(tokens)
+        seconds.append(_median_seconds(
+            lambda: cpu_ops.rope(x, positions, dim, 1e4, 1.0, True, parallel=False), runs))
+    few, many = ROPE_HEADS
+    per_element = max((seconds[1] - seconds[0]) / (tokens * (many - few) * dim), 0.0)
+    per_angle = max((seconds[0] - tokens * few * dim * per_element) / (tokens * dim // 2), 0.0)
+    return per_angle, per_element
 
 
 # a layer's fixed cost is measured where a real model's layers run: 512 wide, the weights of the
@@ -266,6 +290,49 @@ def routed_fixed(fixed_at: Callable[[dict], float]) -> tuple[float, float]:
     a, b = fixed_at(ROUTED), fixed_at(MORE_USED)
     per_expert = max((b - a) / (k1 - k0), 0.0)
     return max(a - k0 * per_expert, 0.0), per_expert
+
+
+# a prompt's routed FFN on our host, beyond its products and act(gate) * up: each (token, slot)'s
+# rows grouped by expert, gathered, scattered back, and weighted into the sum. Twins of 2 and 6
+# slots at experts narrow enough (64) that these, not the products, are most of the difference
+SLOT_TWIN = dict(ROUTED, n_ff_exp=64)
+SLOT_LAYERS = 8
+
+
+def routed_slot_seconds(threads: int, quick: bool, q8_gflops: float, act_seconds: float) -> float:
+    """Seconds per (token, slot) and element of the token's width and its expert's of our host's
+    routed FFN on a prompt's ubatch (the BLAS tier), beyond the products (at `q8_gflops`, the
+    profile's q8 rate) and the gated activation (`act_seconds` per element)."""
+    import tempfile
+
+    import numpy as np
+
+    from refengine.spec import load_spec
+    from refengine.synthetic import SyntheticConfig, write_synthetic
+
+    from .cpu_engine import CpuEngine
+
+    tokens, shape = (64, TINY) if quick else (512, LAYER)
+    seconds = []
+    with tempfile.TemporaryDirectory(prefix="refengine-slots-") as tmp:
+        for used in (ROUTED["n_expert_used"], MORE_USED["n_expert_used"]):
+            config = SyntheticConfig(n_layer=SLOT_LAYERS, **{"arch": "llama", **shape,
+                                     **dict(SLOT_TWIN, n_expert_used=used)})  # fmt: skip
+            spec = load_spec(str(write_synthetic(Path(tmp) / f"{used}.gguf", config)))
+            engine = CpuEngine(spec, threads=threads, n_ctx=2 * tokens)
+            engine.warm_up()
+            ids = np.arange(tokens) % 512
+
+            def prompt():
+                engine.reset()
+                engine.prefill(ids)
+
+            seconds.append(_median_seconds(prompt, 3 if quick else 7))
+    hp = spec.hparams
+    slots = SLOT_LAYERS * tokens * (MORE_USED["n_expert_used"] - ROUTED["n_expert_used"])
+    products = 3 * 2 * hp.n_embd * hp.n_ff_exp / (q8_gflops * 1e9)
+    per_slot = (seconds[1] - seconds[0]) / slots - products - hp.n_ff_exp * act_seconds
+    return max(per_slot / (hp.n_embd + hp.n_ff_exp), 0.0)
 
 
 def layer_counts(quick: bool) -> tuple[int, int]:

@@ -12,6 +12,11 @@ fitted on the first three only; the last two are held out (marked *).
     python scripts/predictions_vs_runs.py --profile P.json [--rounds 3] [--models a,b]
         [--raw raw.json] [--out docs/measured/DATE-predictions-vs-runs.txt]
 
+`--profile-each-round` measures the profile too, once at the start of every round (`refengine
+profile`, written beside P as P's stem + `.round-R.json`), and writes P as their median, figure by
+figure; rounds then go model after model, so every cell's runs and the profile's figures sample
+the same hour of a shared host whose memory bandwidth drifts by a fifth over tens of minutes.
+
 `--raw` keeps every run's figures (appended as measured; a rerun with the same file reuses them
 and measures only what is missing), so the prediction side can be recomputed after a model fix
 without running anything again (`--predict-only`).
@@ -109,6 +114,27 @@ def predicted(name: str, path: str, profile, threads: int, depth: int) -> dict[s
     return out
 
 
+def median_profile(profiles: list[dict]) -> dict:
+    """Figure by figure (every {"value", "source"}), the median of the profiles' values."""
+    first = profiles[0]
+    if isinstance(first, dict) and "value" in first and "source" in first:
+        value = statistics.median(p["value"] for p in profiles)
+        return {**first, "value": value,
+                "source": f"median of {len(profiles)} profiles; {first['source']}"}  # fmt: skip
+    if isinstance(first, dict):
+        return {k: median_profile([p[k] for p in profiles]) if all(k in p for p in profiles)
+                else v for k, v in first.items()}  # fmt: skip
+    if isinstance(first, list) and all(len(p) == len(first) for p in profiles):
+        return [median_profile(list(items)) for items in zip(*profiles)]
+    return first
+
+
+def measure_profile(out: Path, threads: int, bin_dir: Path, gpu_from: str) -> None:
+    subprocess.run([sys.executable, "-m", "refengine", "profile", "-o", str(out), "--gpu-from",
+                    gpu_from, "--threads", str(threads), "--llama-bin", str(bin_dir)],
+                   check=True, cwd=ROOT)  # fmt: skip
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--profile", required=True, help="measured here by `refengine profile`")
@@ -118,16 +144,42 @@ def main() -> int:
     ap.add_argument("--llama-bin", type=Path)
     ap.add_argument("--raw", type=Path, help="every run's figures, kept and reused (JSON lines)")
     ap.add_argument("--predict-only", action="store_true", help="measure nothing: --raw's runs")
+    ap.add_argument("--profile-each-round", action="store_true",
+                    help="measure the profile each round; --profile: their median, written")
+    ap.add_argument("--gpu-from", default="h100", help="the GPU side of measured profiles")
     ap.add_argument("--synthetic-dir", type=Path, default=Path("/tmp/refengine-predictions"))
     ap.add_argument("--out", type=Path)
     a = ap.parse_args()
-    profile = load_profile(a.profile)
     a.synthetic_dir.mkdir(parents=True, exist_ok=True)
     names = [n.strip() for n in a.models.split(",") if n.strip()]
     runs = []  # (model, system, round, {cell: t/s})
     if a.raw and a.raw.exists():
         runs = [tuple(json.loads(line)) for line in a.raw.read_text().splitlines() if line]
     bin_dir = None if a.predict_only else llama_bin(a.llama_bin)
+    paths = {name: model_file(name, a.synthetic_dir) for name in names}
+    rounds = [Path(a.profile).with_suffix(f".round-{r}.json") for r in range(a.rounds)]
+    for r in range(a.rounds):
+        if a.profile_each_round and not rounds[r].exists() and not a.predict_only:
+            measure_profile(rounds[r], a.threads, bin_dir, a.gpu_from)
+        bench_profile = str(rounds[r] if a.profile_each_round else a.profile)
+        for name in names:
+            depth = DEPTH.get(name, 2048)
+            for system in ("llama.cpp", "ours"):
+                if a.predict_only or any(m == name and s == system and k == r
+                                         for m, s, k, _ in runs):  # fmt: skip
+                    continue
+                got = (run_llamacpp(bin_dir, paths[name], a.threads, depth)
+                       if system == "llama.cpp"
+                       else run_ours(paths[name], a.threads, depth, bench_profile))  # fmt: skip
+                runs.append((name, system, r, got))
+                print(name, system, r, got, flush=True)
+                if a.raw:
+                    with open(a.raw, "a") as f:
+                        f.write(json.dumps([name, system, r, got]) + "\n")
+    if a.profile_each_round:
+        merged = median_profile([json.loads(p.read_text()) for p in rounds if p.exists()])
+        Path(a.profile).write_text(json.dumps(merged, indent=1) + "\n")
+    profile = load_profile(a.profile)
     lines = [f"predictions vs runs, {date.today()}, {a.threads} threads, profile {profile.name} "
              f"({a.profile}); medians of {a.rounds} alternated rounds; ratio = measured / "
              "predicted t/s; * held out of any fit"]  # fmt: skip
@@ -135,21 +187,7 @@ def main() -> int:
                  f"{'ratio':>6s}")  # fmt: skip
     worst = (0.0, "")
     for name in names:
-        path = model_file(name, a.synthetic_dir)
-        depth = DEPTH.get(name, 2048)
-        for r in range(a.rounds):
-            for system in ("llama.cpp", "ours"):
-                if any(m == name and s == system and k == r for m, s, k, _ in runs):
-                    continue
-                if a.predict_only:
-                    continue
-                got = (run_llamacpp(bin_dir, path, a.threads, depth) if system == "llama.cpp"
-                       else run_ours(path, a.threads, depth, a.profile))  # fmt: skip
-                runs.append((name, system, r, got))
-                print(name, system, r, got, flush=True)
-                if a.raw:
-                    with open(a.raw, "a") as f:
-                        f.write(json.dumps([name, system, r, got]) + "\n")
+        path, depth = paths[name], DEPTH.get(name, 2048)
         pred = predicted(name, path, profile, a.threads, depth)
         held = name in SYNTHETIC and SYNTHETIC[name][1]
         for system in ("llama.cpp", "ours"):

@@ -347,19 +347,30 @@ class CostModel:
             qtype = PANEL_TYPE  # our host multiplies the fp32 panels it keeps, at BLAS's rate
         seconds = max(read, flops / (rates.at(qtype, at) * 1e9)) + fixed
         if not llama:  # our host's element-wise work beside the matrices, where measured
-            seconds += tokens * self.host_elementwise_seconds(g)
+            seconds += tokens * self.host_elementwise_seconds(g, tokens)
         return seconds
 
-    def host_elementwise_seconds(self, g: Group) -> float:
+    def host_elementwise_seconds(self, g: Group, tokens: int) -> float:
         """A token's element-wise work on our host that rides with group g: act(gate) * up with
-        ffn_up (dense layers; the experts' is small), RoPE over q and k with the attention side."""
+        ffn_up (each slot's with a routed stack's up), RoPE over q and k with the attention side
+        (each of the two calls computes its angles once for all its heads). Measured as a
+        prompt's ubatch runs them, serially beside BLAS; below HOST_PANEL_TOKENS, where the
+        products are Numba's own, its thread team shares them."""
         cpu, hp = self.profile.cpu, self.spec.hparams
+        share = 1 if tokens >= HOST_PANEL_TOKENS else max(1, self.threads)
         act = cpu.gelu_element_seconds if self.spec.arch.ffn_act == "gelu" else (
             cpu.glu_element_seconds)  # fmt: skip
         if act and g.name.endswith(".ffn_up"):
-            return hp.n_ff * act.value
+            return hp.n_ff * act.value / share
+        if act and g.name.endswith(".ffn_up_exps"):  # each slot's act; from the BLAS tier on,
+            # the rows' bookkeeping around the stack's products (below it, one fused call)
+            slot = cpu.routed_slot_seconds.value if cpu.routed_slot_seconds else 0.0
+            rows = (hp.n_embd + hp.n_ff_exp) * slot if tokens >= HOST_PANEL_TOKENS else 0.0
+            return hp.n_expert_used * (hp.n_ff_exp * act.value / share + rows)
         if cpu.rope_element_seconds and g.kind == ATTN_SIDE:
-            return (hp.n_head + hp.n_head_kv) * hp.head_dim * cpu.rope_element_seconds.value
+            angles = hp.n_rot * cpu.rope_angle_seconds.value if cpu.rope_angle_seconds else 0.0
+            elements = (hp.n_head + hp.n_head_kv) * hp.n_rot * cpu.rope_element_seconds.value
+            return (angles + elements) / share
         return 0.0
 
     def copy_seconds(self, nbytes: float, device: int, cpu_busy: bool) -> float:

@@ -141,9 +141,14 @@ class CPUProfile:
     attention_score_seconds: RateTable | None = None  # per query head and key, by head size
     attention_row_seconds: Figure | None = None  # per query head and token
     decode_score_seconds: RateTable | None = None  # our decode's, per query head and key
+    # element-wise work, as a prompt's ubatch runs it: serially, BLAS's threads holding the cores
     glu_element_seconds: Figure | None = None  # SiLU(gate) * up, per element
     gelu_element_seconds: Figure | None = None  # GELU(gate) * up (tanh form), per element
-    rope_element_seconds: Figure | None = None  # RoPE over q and k, per element
+    rope_angle_seconds: Figure | None = None  # RoPE, per token and pair: its angle, all heads'
+    rope_element_seconds: Figure | None = None  # RoPE over q and k, per rotated element
+    # a prompt's routed FFN, per (token, slot) and element of n_embd + n_ff_exp: the rows'
+    # grouping by expert, gathers, scatters and weighted sum
+    routed_slot_seconds: Figure | None = None
     # a host-run layer's fixed cost per ubatch, whatever its width (the calls, the graph's nodes):
     # what a small model's decode feels most; ours, and llama.cpp's CPU backend's
     layer_seconds: Figure | None = None

@@ -214,6 +214,7 @@ def test_our_host_prefill_prices_its_attention_and_gated_activation_as_measured(
             64: Figure(4e-9, "toy"), 256: Figure(8e-9, "toy")}}),  # head 128: 6e-9, log-midway
         attention_row_seconds=Figure(1e-6, "toy"), glu_element_seconds=Figure(3e-9, "toy"),
         gelu_element_seconds=Figure(9e-9, "toy"), rope_element_seconds=Figure(5e-9, "toy"),
+        rope_angle_seconds=Figure(2e-8, "toy"),
         layer_seconds=Figure(3e-5, "toy"), llamacpp_layer_seconds=Figure(2e-5, "toy")))
     cpu = Loc(CPU)
     ours, roofline = CostModel(DENSE, measured, W), CostModel(DENSE, base, W)
@@ -228,9 +229,25 @@ def test_our_host_prefill_prices_its_attention_and_gated_activation_as_measured(
     assert ours.cpu_seconds(up, 512) - roofline.cpu_seconds(up, 512) == pytest.approx(
         512 * hp.n_ff * 3e-9)
     assert ours.cpu_seconds(gate, 512) == roofline.cpu_seconds(gate, 512)
-    attn = next(g for g in ours.groups if g.name == "blk.0.attn")  # RoPE over q and k
+    attn = next(g for g in ours.groups if g.name == "blk.0.attn")  # RoPE over q and k: the
+    # angles once a call (two calls), the elements of every head
     assert ours.cpu_seconds(attn, 512) - roofline.cpu_seconds(attn, 512) == pytest.approx(
-        512 * (hp.n_head + hp.n_head_kv) * hp.head_dim * 5e-9 + 3e-5)
+        512 * hp.n_rot * (2e-8 + (hp.n_head + hp.n_head_kv) * 5e-9) + 3e-5)
+    # measured serial (a prompt's, beside BLAS); below the BLAS path Numba's threads share them
+    threads = ours.threads
+    assert threads > 1
+    assert ours.cpu_seconds(up, 4) - roofline.cpu_seconds(up, 4) == pytest.approx(
+        4 * hp.n_ff * 3e-9 / threads)
+    # a routed stack's up carries each slot's act(gate) * up and, from the BLAS tier on, its
+    # rows' bookkeeping per element of the token's and the expert's widths
+    moe = replace(measured, cpu=replace(measured.cpu, routed_slot_seconds=Figure(4e-9, "toy")))
+    routed, plain = CostModel(MOE, moe, W), CostModel(MOE, base, W)
+    mp = MOE.hparams
+    up_exps = next(g for g in routed.groups if g.name == "blk.0.ffn_up_exps")
+    assert routed.cpu_seconds(up_exps, 512) - plain.cpu_seconds(up_exps, 512) == pytest.approx(
+        512 * mp.n_expert_used * (mp.n_ff_exp * 3e-9 + (mp.n_embd + mp.n_ff_exp) * 4e-9))
+    assert routed.cpu_seconds(up_exps, 4) - plain.cpu_seconds(up_exps, 4) == pytest.approx(
+        4 * mp.n_expert_used * mp.n_ff_exp * 3e-9 / threads)
     # a host-run layer's fixed cost, once a ubatch, each system its own
     assert ours.cpu_seconds(attn, 1) - roofline.cpu_seconds(attn, 1) == pytest.approx(3e-5)
     llama = CostModel(DENSE, measured, W, "llamacpp")

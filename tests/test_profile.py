@@ -135,10 +135,12 @@ def test_profile_measures_the_cpu_and_llama_cpps_rates_which_price_the_llamacpp_
     # our host prefill's attention and gated activation, beyond the matrices; our decode's
     # attention, a layer's and a routed layer's fixed cost, the q8 rows on several tokens
     assert 0 < cpu.attention_score_seconds.at(ANY_TYPE, 64) < 1e-6
-    assert 0 < cpu.glu_element_seconds.value < 1e-6
+    assert 0 < cpu.glu_element_seconds.value < 1e-6 and "serial" in cpu.glu_element_seconds.source
+    assert 0 < cpu.rope_angle_seconds.value < 1e-6 and 0 < cpu.rope_element_seconds.value < 1e-6
     assert 0 <= cpu.layer_seconds.value < 1e-3 and "slope per layer" in cpu.layer_seconds.source
     assert 0 < cpu.decode_score_seconds.at(ANY_TYPE, 128) < 1e-6
     assert cpu.routed_layer_seconds.value >= 0 and "qwen3moe" in cpu.routed_layer_seconds.source
+    assert 0 <= cpu.routed_slot_seconds.value < 1e-6 and "per slot" in cpu.routed_slot_seconds.source
     assert 0 <= cpu.expert_seconds.value < 1e-3 and "per expert" in cpu.expert_seconds.source
     assert 0 <= cpu.head_row_seconds.value < 1e-6 and cpu.head_gbps.value > 0.5
     assert cpu.q8_matmul_gflops.at("Q4_K", 8) > 1 and "q8 path" in (
