@@ -91,6 +91,10 @@ def measure_cpu(
     layer_gbps = matvec[LAYER["qtype"]][threads].value if LAYER["qtype"] in matvec else (
         memory_gbps.value)  # fmt: skip
     per_layer = layer_seconds(threads, quick, layer_gbps)
+    per_type = {LAYER["qtype"]: per_layer} | {
+        t: layer_seconds(threads, quick, matvec[t][threads].value, qtype=t)
+        for t in types if t != LAYER["qtype"] and t in matvec and not quick}
+    per_type[ANY_TYPE] = per_layer
     per_routed_layer, per_expert = routed_fixed(
         lambda kind: layer_seconds(threads, quick, layer_gbps, kind))
     q8_gflops = (q8[LAYER["qtype"]] if LAYER["qtype"] in q8 else matmul[types[0]])[Q8_TOKENS[-1]]
@@ -126,6 +130,10 @@ def measure_cpu(
         layer_seconds=Figure(per_layer, f"{src}; the cpu engine decoding synthetic Q8_0 llamas "
                                         f"{width} wide of {layers} layers, the slope per layer "
                                         "less its bytes at the Q8_0 matvec rate"),  # fmt: skip
+        layer_type_seconds=RateTable("s", {t: {threads: Figure(x, f"{src}; the same twins with "
+                                                               f"every matrix {t}, less their "
+                                                               f"bytes at {t}'s matvec rate")}
+                                           for t, x in per_type.items()}),  # fmt: skip
         routed_layer_seconds=Figure(per_routed_layer, f"{src}; the same with synthetic "
                                                       "qwen3moe (8 experts, 2 and 6 used), the "
                                                       "intercept at none used"),
@@ -270,16 +278,18 @@ TINY = dict(n_embd=64, n_ff=128, n_head=4, n_head_kv=2, n_vocab=512, qtype="Q8_0
 TINY_ROUTED = dict(ROUTED, n_ff_exp=64)
 
 
-def layer_config(n_layer: int, kind: dict | None = None, quick: bool = False):
+def layer_config(n_layer: int, kind: dict | None = None, quick: bool = False,
+                 qtype: str | None = None):  # fmt: skip
     """A llama of `n_layer` layers at a real model's width (`quick`: tiny), or, `kind`: ROUTED,
-    a qwen3moe."""
+    a qwen3moe; `qtype`: every matrix of that type instead of LAYER's."""
     from refengine.synthetic import SyntheticConfig
 
     shape, routed = (TINY, TINY_ROUTED) if quick else (LAYER, ROUTED)
     if kind:
         routed = dict(routed, n_expert_used=kind["n_expert_used"])
     return SyntheticConfig(n_layer=n_layer, **{"arch": "llama", **shape,
-                                               **(routed if kind else {})})  # fmt: skip
+                                               **(routed if kind else {}),
+                                               **({"qtype": qtype} if qtype else {})})  # fmt: skip
 
 
 def routed_fixed(fixed_at: Callable[[dict], float]) -> tuple[float, float]:
@@ -427,9 +437,11 @@ def our_head_rates(threads: int, quick: bool) -> tuple[float, float]:
     return row_seconds_and_gbps(tuple(seconds), specs)
 
 
-def layer_seconds(threads: int, quick: bool, gbps: float, kind: dict | None = None) -> float:
+def layer_seconds(threads: int, quick: bool, gbps: float, kind: dict | None = None,
+                  qtype: str | None = None) -> float:  # fmt: skip
     """Our cpu engine's fixed cost of a layer per decoded token (`fixed_layer_seconds`): a dense
-    llama's, or (`ROUTED`) a routed layer's; `gbps`: the profile's matvec rate of LAYER's type."""
+    llama's, or (`ROUTED`) a routed layer's; `gbps`: the profile's matvec rate of LAYER's type
+    (of `qtype`, the twins' type, when given)."""
     import tempfile
 
     import numpy as np
@@ -442,7 +454,7 @@ def layer_seconds(threads: int, quick: bool, gbps: float, kind: dict | None = No
     tokens, per_token, counts = (8 if quick else 48), [], layer_counts(quick)
     with tempfile.TemporaryDirectory(prefix="refengine-layers-") as tmp:
         for n_layer in counts:
-            config = layer_config(n_layer, kind, quick)
+            config = layer_config(n_layer, kind, quick, qtype)
             path = write_synthetic(Path(tmp) / f"{n_layer}.gguf", config)
             spec = load_spec(str(path))
             engine = CpuEngine(spec, threads=threads, n_ctx=4 * tokens)

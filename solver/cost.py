@@ -59,7 +59,7 @@ from refengine.spec import ModelSpec
 from .groups import ATTN_SIDE, EMBD, EXPERTS, FFN_ORDER, HEAD, Group, expert_nbytes, routed_nbytes
 from .groups import tensor_groups
 from .memory import expected_distinct_experts, kv_cell_nbytes
-from .profile import ANY_TYPE, PANEL_TYPE, HardwareProfile
+from .profile import ANY_TYPE, PANEL_TYPE, Figure, HardwareProfile
 from .routing import RoutingStats, miss_ratio, prefetch_ratios
 from .workspace import MAX_DECODE_TOKENS, matrix_launches
 
@@ -326,6 +326,8 @@ class CostModel:
             if each:  # each expert the ubatch's tokens chose starts its own products
                 per_expert = each.value * expected_distinct_experts(hp.n_expert,
                                                                     hp.n_expert_used, tokens)
+        if fixed and g.kind == ATTN_SIDE and not llama and not hp.n_expert:
+            fixed = self.our_layer_fixed(g.layer) or fixed
         fixed = fixed.value + per_expert if fixed and g.kind == ATTN_SIDE else 0.0
         if tokens == 1:  # the matvec's measured rate covers its arithmetic; the matmul rate,
             # measured from 64 tokens on and held below them, priced a decode token 3-6x slow
@@ -349,6 +351,17 @@ class CostModel:
         if not llama:  # our host's element-wise work beside the matrices, where measured
             seconds += tokens * self.host_elementwise_seconds(g, tokens)
         return seconds
+
+    def our_layer_fixed(self, il: int) -> Figure | None:
+        """Our decode layer's cost beyond its bytes, by its matrices' types as the profile
+        measured them, weighted by each type's share of the layer's bytes."""
+        table = self.profile.cpu.layer_type_seconds
+        mats = [g for g in self.by_layer[il] if g.nbytes]
+        total = sum(g.nbytes for g in mats)
+        if not table or not total:
+            return None
+        seconds = sum(g.nbytes * table.at(g.qtype, self.threads) for g in mats) / total
+        return Figure(seconds, "the layer's types' fixed costs, by their bytes")
 
     def host_elementwise_seconds(self, g: Group, tokens: int) -> float:
         """A token's element-wise work on our host that rides with group g: act(gate) * up with

@@ -153,6 +153,9 @@ class CPUProfile:
     # what a small model's decode feels most; ours, and llama.cpp's CPU backend's
     layer_seconds: Figure | None = None
     llamacpp_layer_seconds: Figure | None = None
+    # ours by type, on twins whose every matrix is of the type: a narrow layer's rows cost beyond
+    # their bytes by type (Q8_0's ~40 us, Q5_0's ~110 on 512-wide twins); by threads
+    layer_type_seconds: RateTable | None = None
     # the output head in a decode (ours, llama.cpp's): its rows' own cost (each dot product's
     # start and final sum), what a head of 262144 short rows feels, and its bytes' rate (Q8_0)
     head_row_seconds: Figure | None = None

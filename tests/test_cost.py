@@ -256,6 +256,29 @@ def test_our_host_prefill_prices_its_attention_and_gated_activation_as_measured(
     assert ours.cpu_seconds(up, 1) == roofline.cpu_seconds(up, 1)
 
 
+def test_our_decode_layer_pays_its_types_fixed_costs_by_their_bytes():
+    """Where the profile measured our decode layer's cost beyond its bytes per type (twins whose
+    every matrix is of the type), a layer pays each type's figure for the share of its bytes that
+    type holds, a type not measured the '*' row; llama.cpp's target keeps its own figure."""
+    mixed = spec_from_hparams(SyntheticConfig("llama", n_layer=2, n_embd=1024, n_ff=4096,
+                                              n_head=8, n_head_kv=8, n_vocab=32000,
+                                              qtype="Q4_K_M"))  # fmt: skip
+    base = toy_profile()
+    plain = replace(base, cpu=replace(base.cpu, layer_seconds=Figure(2e-5, "toy")))
+    table = RateTable("s", {"Q4_K": {8: Figure(1e-4, "toy")}, ANY_TYPE: {8: Figure(2e-5, "toy")}})
+    measured = replace(plain, cpu=replace(plain.cpu, layer_type_seconds=table))
+    cm, before = CostModel(mixed, measured, W), CostModel(mixed, plain, W)
+    groups = cm.by_layer[1]
+    q4k, total = sum(g.nbytes for g in groups if g.qtype == "Q4_K"), sum(g.nbytes for g in groups)
+    assert 0 < q4k < total  # the mix's layer 1 holds Q6_K matrices too
+    attn = groups[0]
+    assert cm.cpu_seconds(attn, 1) - before.cpu_seconds(attn, 1) == pytest.approx(
+        (q4k * 1e-4 + (total - q4k) * 2e-5) / total - 2e-5)
+    assert cm.cpu_seconds(groups[1], 1) == before.cpu_seconds(groups[1], 1)  # once a layer
+    llama = CostModel(mixed, measured, W, "llamacpp")
+    assert llama.cpu_seconds(attn, 1) == CostModel(mixed, plain, W, "llamacpp").cpu_seconds(attn, 1)
+
+
 def test_attention_at_real_depth_and_token_count():
     cm = CostModel(DENSE, toy_profile(), W)
     hp = DENSE.hparams
