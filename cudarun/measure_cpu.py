@@ -194,6 +194,19 @@ def score_twin_config(n_layer: int, head_dim: int, n_ctx: int):
                            n_head_kv=2, head_dim=head_dim, n_vocab=512, n_ctx_train=n_ctx)
 
 
+def twin_engine(path: Path, config, threads: int, n_ctx: int):
+    """The cpu engine, warmed up, on a synthetic file written from `config` at `path`."""
+    from refengine.spec import load_spec
+    from refengine.synthetic import write_synthetic
+
+    from .cpu_engine import CpuEngine
+
+    engine = CpuEngine(load_spec(str(write_synthetic(path, config))), threads=threads,
+                       n_ctx=n_ctx)  # fmt: skip
+    engine.warm_up()
+    return engine
+
+
 def decode_attention_costs(threads: int, quick: bool) -> dict[int, float]:
     """{head size: seconds per query head and key} of our decode's attention as the cpu engine
     runs it (the fused layer's, cell by cell): tiny synthetic llamas, 8 query heads over 2 KV
@@ -203,19 +216,13 @@ def decode_attention_costs(threads: int, quick: bool) -> dict[int, float]:
 
     import numpy as np
 
-    from refengine.spec import load_spec
-    from refengine.synthetic import write_synthetic
-
-    from .cpu_engine import CpuEngine
-
     depth, tokens, n_layer = (512, 8, 2) if quick else (4096, 48, 4)
     per_score = {}
     with tempfile.TemporaryDirectory(prefix="refengine-attention-") as tmp:
         for dim in ATTENTION_DIMS:
-            path = write_synthetic(Path(tmp) / f"{dim}.gguf",
-                                   score_twin_config(n_layer, dim, 2 * depth))  # fmt: skip
-            engine = CpuEngine(load_spec(str(path)), threads=threads, n_ctx=depth + 2 * tokens)
-            engine.warm_up()
+            engine = twin_engine(Path(tmp) / f"{dim}.gguf",
+                                 score_twin_config(n_layer, dim, 2 * depth), threads,
+                                 depth + 2 * tokens)  # fmt: skip
             seconds = []
             for fill in (4, depth):
                 engine.reset()
@@ -317,10 +324,7 @@ def routed_slot_seconds(threads: int, quick: bool, q8_gflops: float, act_seconds
 
     import numpy as np
 
-    from refengine.spec import load_spec
-    from refengine.synthetic import SyntheticConfig, write_synthetic
-
-    from .cpu_engine import CpuEngine
+    from refengine.synthetic import SyntheticConfig
 
     tokens, shape = (64, TINY) if quick else (512, LAYER)
     seconds = []
@@ -328,9 +332,7 @@ def routed_slot_seconds(threads: int, quick: bool, q8_gflops: float, act_seconds
         for used in (ROUTED["n_expert_used"], MORE_USED["n_expert_used"]):
             config = SyntheticConfig(n_layer=SLOT_LAYERS, **{"arch": "llama", **shape,
                                      **dict(SLOT_TWIN, n_expert_used=used)})  # fmt: skip
-            spec = load_spec(str(write_synthetic(Path(tmp) / f"{used}.gguf", config)))
-            engine = CpuEngine(spec, threads=threads, n_ctx=2 * tokens)
-            engine.warm_up()
+            engine = twin_engine(Path(tmp) / f"{used}.gguf", config, threads, 2 * tokens)
             ids = np.arange(tokens) % 512
 
             def prompt():
@@ -338,7 +340,7 @@ def routed_slot_seconds(threads: int, quick: bool, q8_gflops: float, act_seconds
                 engine.prefill(ids)
 
             seconds.append(_median_seconds(prompt, 3 if quick else 7))
-    hp = spec.hparams
+    hp = engine.spec.hparams
     slots = SLOT_LAYERS * tokens * (MORE_USED["n_expert_used"] - ROUTED["n_expert_used"])
     products = 3 * 2 * hp.n_embd * hp.n_ff_exp / (q8_gflops * 1e9)
     per_slot = (seconds[1] - seconds[0]) / slots - products - hp.n_ff_exp * act_seconds
@@ -420,18 +422,12 @@ def our_head_rates(threads: int, quick: bool) -> tuple[float, float]:
 
     import numpy as np
 
-    from refengine.spec import load_spec
-    from refengine.synthetic import write_synthetic
-
-    from .cpu_engine import CpuEngine
-
     seconds, specs = [], []
     with tempfile.TemporaryDirectory(prefix="refengine-rows-") as tmp:
         for width, vocab in row_twins(quick):
-            path = write_synthetic(Path(tmp) / f"{width}.gguf", row_twin_config(width, vocab))
-            specs.append(load_spec(str(path)))
-            engine = CpuEngine(specs[-1], threads=threads, n_ctx=64)
-            engine.warm_up()
+            engine = twin_engine(Path(tmp) / f"{width}.gguf", row_twin_config(width, vocab),
+                                 threads, 64)  # fmt: skip
+            specs.append(engine.spec)
             engine.prefill(np.arange(4))
             seconds.append(_median_seconds(lambda: engine.decode(7), 8 if quick else 32))
     return row_seconds_and_gbps(tuple(seconds), specs)
@@ -446,26 +442,19 @@ def layer_seconds(threads: int, quick: bool, gbps: float, kind: dict | None = No
 
     import numpy as np
 
-    from refengine.spec import load_spec
-    from refengine.synthetic import write_synthetic
-
-    from .cpu_engine import CpuEngine
-
     tokens, per_token, counts = (8 if quick else 48), [], layer_counts(quick)
     with tempfile.TemporaryDirectory(prefix="refengine-layers-") as tmp:
         for n_layer in counts:
-            config = layer_config(n_layer, kind, quick, qtype)
-            path = write_synthetic(Path(tmp) / f"{n_layer}.gguf", config)
-            spec = load_spec(str(path))
-            engine = CpuEngine(spec, threads=threads, n_ctx=4 * tokens)
-            engine.warm_up()
+            engine = twin_engine(Path(tmp) / f"{n_layer}.gguf",
+                                 layer_config(n_layer, kind, quick, qtype), threads,
+                                 4 * tokens)  # fmt: skip
             engine.prefill(np.arange(4))
 
             def decode():
                 engine.decode(7)
 
             per_token.append(_median_seconds(decode, tokens, fastest=True))
-    return fixed_layer_seconds(tuple(per_token), counts, spec, gbps)
+    return fixed_layer_seconds(tuple(per_token), counts, engine.spec, gbps)
 
 
 def _median_seconds(run: Callable[[], object], runs: int, fastest: bool = False) -> float:
