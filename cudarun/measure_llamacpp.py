@@ -61,23 +61,67 @@ def token_nbytes(spec: ModelSpec) -> int:
     return sum(t.nbytes for t in matrices(spec))
 
 
-def bench(llama_bench: Path, model: Path, threads: int, runs: int,
-          prompts: tuple[int, ...] = MATMUL_TOKENS, gen: int = GEN_TOKENS,
-          depths: tuple[int, ...] = (0,)) -> dict[str, float]:  # fmt: skip
-    """{"pp64": t/s, "pp512": t/s, "tg16": t/s} of one llama-bench run (no prompt test when
-    `prompts` is (0,)); a test at a depth past 0 is keyed "tg16@4096"."""
+def bench_runs(llama_bench: Path, model: Path, threads: int, runs: int,
+               prompts: tuple[int, ...] = MATMUL_TOKENS, gen: int = GEN_TOKENS,
+               depths: tuple[int, ...] = (0,)) -> dict[str, list[dict]]:  # fmt: skip
+    """llama-bench's JSON records of one run, by test: "pp64", "pp512", "tg16" (no prompt test
+    when `prompts` is (0,)); a test at a depth past 0 is keyed "tg16@4096"."""
     cmd = [str(llama_bench), "-m", str(model), "-t", str(threads), "-p",
            ",".join(map(str, prompts)), "-n", str(gen), "-d", ",".join(map(str, depths)), "-r",
            str(runs), "-o", "json"]  # fmt: skip
     out = subprocess.run(cmd, capture_output=True, text=True)
     if out.returncode != 0:
         raise UserError(f"llama-bench failed on {model.name}: {out.stderr.strip()[-300:]}")
-    rates = {}
+    records = {}
     for r in json.loads(out.stdout):
         test = f"pp{r['n_prompt']}" if r["n_prompt"] else f"tg{r['n_gen']}"
         depth = int(r.get("n_depth", 0))
-        rates[f"{test}@{depth}" if depth else test] = float(r["avg_ts"])
-    return rates
+        records[f"{test}@{depth}" if depth else test] = r
+    return records
+
+
+def bench(*args, **kwargs) -> dict[str, float]:
+    """{test: tokens per second} of `bench_runs`: llama-bench's mean over its runs."""
+    return {test: float(r["avg_ts"]) for test, r in bench_runs(*args, **kwargs).items()}
+
+
+def token_seconds(record: dict) -> list[float]:
+    """A llama-bench record's seconds per token, run by run."""
+    return [1.0 / ts for ts in record["samples_ts"]]
+
+
+# a rate over a difference of two timings is unbounded as the difference nears its noise (a quick
+# profile on a loaded machine once put llama.cpp's experts at 626688 GB/s): a difference counts
+# when it stands this many standard errors above zero, over at least DIFFERENCE_RUNS runs a side
+DIFFERENCE_SIGMAS = 3.0
+DIFFERENCE_RUNS = 3
+
+
+def difference_seconds(slow: list[float], fast: list[float]) -> float | None:
+    """The mean of `slow` less the mean of `fast` (two twins' runs), or None where it is not
+    DIFFERENCE_SIGMAS standard errors above zero."""
+    from statistics import fmean, variance
+
+    difference = fmean(slow) - fmean(fast)
+    error = math.sqrt(variance(slow) / len(slow) + variance(fast) / len(fast))
+    return difference if difference > DIFFERENCE_SIGMAS * error else None
+
+
+def measured_differences(twins: Callable[[int], tuple[dict, dict]], runs: int
+                         ) -> dict[str, float | None]:  # fmt: skip
+    """{test: seconds per token} the slow twin's runs take beyond the fast twin's, both from
+    `twins(runs)` (their llama-bench records by test); a test whose difference is lost in the
+    noise is run again with twice the runs, its samples pooled, and is None if it still is."""
+    runs = max(runs, DIFFERENCE_RUNS)
+    slow, fast = ({t: token_seconds(r) for t, r in side.items()} for side in twins(runs))
+    differences = {t: difference_seconds(slow[t], fast[t]) for t in slow}
+    if any(d is None for d in differences.values()):
+        more_slow, more_fast = twins(2 * runs)
+        for t in [t for t, d in differences.items() if d is None]:
+            slow[t] += token_seconds(more_slow[t])
+            fast[t] += token_seconds(more_fast[t])
+            differences[t] = difference_seconds(slow[t], fast[t])
+    return differences
 
 
 def layer_seconds(llama_bench: Path, threads: int, runs: int, tmp: Path, gbps: float,
@@ -116,19 +160,24 @@ ATTENTION_DEPTH = 4096
 
 
 def attention_gbps(llama_bench: Path, threads: int, runs: int, tmp: Path,
-                   depth: int = ATTENTION_DEPTH) -> float:  # fmt: skip
+                   depth: int = ATTENTION_DEPTH) -> float | None:  # fmt: skip
     """llama.cpp's CPU decode attention as the rate it reads the cache at, counted as the cost
     model counts it (each query head reads its KV head's cells: fp16 K and V): a generated
-    token's time at `depth` less its time at 0, over those bytes."""
+    token's time at `depth` less its time at 0, over those bytes; None where that difference is
+    lost in the noise (`measured_differences`)."""
     path = tmp / "attention.gguf"
     write_synthetic(path, SyntheticConfig("llama", **ATTENTION_SHAPE))
     spec = load_spec(str(path))
-    rates = bench(llama_bench, path, threads, runs, (0,), GEN_TOKENS, (0, depth))
     generated = f"tg{GEN_TOKENS}"
-    deeper_seconds = 1.0 / rates[f"{generated}@{depth}"] - 1.0 / rates[generated]
+
+    def twins(n: int) -> tuple[dict, dict]:
+        records = bench_runs(llama_bench, path, threads, n, (0,), GEN_TOKENS, (0, depth))
+        return {generated: records[f"{generated}@{depth}"]}, {generated: records[generated]}
+
+    deeper_seconds = measured_differences(twins, runs)[generated]
     hp = spec.hparams
     nbytes = hp.n_layer * depth * kv_cell_nbytes(spec, "f16") * hp.n_head / hp.n_head_kv
-    return nbytes / max(deeper_seconds, 1e-9) / 1e9
+    return nbytes / deeper_seconds / 1e9 if deeper_seconds else None
 
 
 PROMPT_SCORE_LAYERS = 4
@@ -159,23 +208,28 @@ EXPERT_WIDTHS = (256, 1024)
 
 
 def expert_rates(llama_bench: Path, threads: int, runs: int, tmp: Path,
-                 quick: bool = False) -> tuple[dict[int, float], float]:  # fmt: skip
+                 quick: bool = False) -> tuple[dict[int, float], float | None]:  # fmt: skip
     """({tokens an expert draws: GFLOP/s} on a prompt, decode GB/s) of llama.cpp's routed
     experts: qwen3moe models (ROUTED, LAYER's width) whose experts are EXPERT_WIDTHS wide run pp64,
     pp512 and tg16; the difference of their times over the difference of their expert FLOPs (a
-    prompt) or of the expert bytes a token reads (a decode)."""
+    prompt) or of the expert bytes a token reads (a decode). A difference lost in the noise
+    (`measured_differences`) gives no rate: that prompt's row is left out, the decode's is None."""
     from dataclasses import replace
 
     n_layer = layer_counts(quick)[0]
-    seconds, nbytes = [], []
+    paths, nbytes = [], []
     for width in EXPERT_WIDTHS:
-        path = tmp / f"experts-{width}.gguf"
-        write_synthetic(path, replace(layer_config(n_layer, ROUTED, quick), n_ff_exp=width))
-        rates = bench(llama_bench, path, threads, runs)
-        seconds.append({t: t / rates[f"pp{t}"] for t in MATMUL_TOKENS}
-                       | {1: 1 / rates[f"tg{GEN_TOKENS}"]})  # fmt: skip
-        spec = load_spec(str(path))
+        paths.append(tmp / f"experts-{width}.gguf")
+        write_synthetic(paths[-1], replace(layer_config(n_layer, ROUTED, quick), n_ff_exp=width))
+        spec = load_spec(str(paths[-1]))
         nbytes.append(layer_read_nbytes(spec) * n_layer)  # the twins differ in their experts'
+
+    def twins(n: int) -> tuple[dict, dict]:
+        narrow, wide = (bench_runs(llama_bench, path, threads, n) for path in paths)
+        return wide, narrow
+
+    differences = measured_differences(twins, runs)
+    for path in paths:
         path.unlink()
     hp = spec.hparams
     flops_per_token = (2.0 * 3 * hp.n_embd * (EXPERT_WIDTHS[1] - EXPERT_WIDTHS[0])
@@ -183,9 +237,10 @@ def expert_rates(llama_bench: Path, threads: int, runs: int, tmp: Path,
     prompt = {}
     for t in MATMUL_TOKENS:
         drawn = t * hp.n_expert_used / expected_distinct_experts(hp.n_expert, hp.n_expert_used, t)
-        prompt[round(drawn)] = flops_per_token * t / max(seconds[1][t] - seconds[0][t], 1e-9) / 1e9
-    decode = (nbytes[1] - nbytes[0]) / max(seconds[1][1] - seconds[0][1], 1e-9) / 1e9
-    return prompt, decode
+        if differences[f"pp{t}"]:
+            prompt[round(drawn)] = flops_per_token / differences[f"pp{t}"] / 1e9
+    decode_seconds = differences[f"tg{GEN_TOKENS}"]
+    return prompt, (nbytes[1] - nbytes[0]) / decode_seconds / 1e9 if decode_seconds else None
 
 
 def measure_llamacpp_cpu(
@@ -243,16 +298,18 @@ def measure_llamacpp_cpu(
         prompt, decode = expert_rates(llama_bench, threads, runs, Path(tmp), quick)
         twins = (f"{short}; synthetic qwen3moe (8 experts, 2 used) with experts "
                  f"{' and '.join(map(str, EXPERT_WIDTHS))} wide")  # fmt: skip
+        noise = (f" (at least {max(runs, DIFFERENCE_RUNS)} runs a side, the difference "
+                 f"{DIFFERENCE_SIGMAS:g} standard errors above 0)")
         experts = {drawn: Figure(x, f"{twins}, pp64 and pp512: the difference, {drawn} tokens "
-                                    "an expert")
+                                    f"an expert{noise}")
                    for drawn, x in prompt.items()}  # fmt: skip
         progress("llama.cpp's decode attention")
         depth = ATTENTION_DEPTH // (8 if quick else 1)
-        attention = Figure(attention_gbps(llama_bench, threads, runs, Path(tmp), depth),
-                           f"{short}; a synthetic llama of "
-                           f"{ATTENTION_SHAPE['n_layer']} layers, 8 query heads over 2 KV heads "
-                           f"of 64, generating at depth {depth} and 0: the cache bytes its query "
-                           "heads read over the difference")  # fmt: skip
+        attention = attention_gbps(llama_bench, threads, runs, Path(tmp), depth)
+        attention = attention and Figure(
+            attention, f"{short}; a synthetic llama of {ATTENTION_SHAPE['n_layer']} layers, 8 "
+                       f"query heads over 2 KV heads of 64, generating at depth {depth} and 0: "
+                       f"the cache bytes its query heads read over the difference{noise}")
         progress("llama.cpp's prompt attention")
         scores = prompt_score_seconds(llama_bench, threads, runs, Path(tmp), quick)
         prompt_attention = RateTable("s", {ANY_TYPE: {
@@ -267,8 +324,9 @@ def measure_llamacpp_cpu(
                 llamacpp_head_gbps=Figure(head_gbps, f"{twins_head}, per byte"),
                 llamacpp_layer_seconds=per_layer, llamacpp_routed_layer_seconds=per_routed_layer,
                 llamacpp_expert_seconds=per_expert,
-                llamacpp_expert_gflops=RateTable("GFLOP/s", {ANY_TYPE: experts}),
-                llamacpp_expert_gbps=Figure(decode, f"{twins}, tg{GEN_TOKENS}: the difference of "
-                                                    "the expert bytes a token reads over the "
-                                                    "difference of the times"),
+                llamacpp_expert_gflops=(RateTable("GFLOP/s", {ANY_TYPE: experts}) if experts
+                                        else None),  # fmt: skip
+                llamacpp_expert_gbps=decode and Figure(
+                    decode, f"{twins}, tg{GEN_TOKENS}: the difference of the expert bytes a token "
+                            f"reads over the difference of the times{noise}"),
                 llamacpp_attention_gbps=attention, llamacpp_prompt_score_seconds=prompt_attention)

@@ -24,6 +24,39 @@ def test_rate_table_interpolates_in_log_tokens_and_falls_back_to_any_type():
         RateTable("TFLOP/s", {"Q4_K": {1: Figure(1.0, "x")}}).at("Q8_0", 1)
 
 
+def test_a_rate_over_a_difference_of_twins_needs_the_difference_above_its_noise():
+    from cudarun.measure_llamacpp import difference_seconds, measured_differences
+
+    assert difference_seconds([2.0, 2.1, 1.9], [1.0, 1.1, 0.9]) == pytest.approx(1.0)
+    # a loaded machine: the slow twin's runs spread over the fast one's
+    assert difference_seconds([1.3, 0.9, 1.2], [1.0, 1.4, 0.8]) is None
+    assert difference_seconds([1.0, 1.1, 0.9], [1.0, 1.1, 0.9]) is None
+
+    def record(*seconds):
+        return {"samples_ts": [1.0 / s for s in seconds]}
+
+    calls = []
+
+    def twins(runs):  # tg's difference is clear; pp's is lost in the first runs, not the second
+        calls.append(runs)
+        spread = (1.0, 1.3, 0.7) if len(calls) == 1 else (1.0, 1.05, 0.95)
+        pp = [1.5 * s for s in spread] * (runs // 3)
+        return ({"tg": record(*[2.0] * runs), "pp": record(*pp)},
+                {"tg": record(*[1.0] * runs), "pp": record(*[1.0] * runs)})
+
+    differences = measured_differences(twins, 1)
+    assert calls == [3, 6]  # at least three runs a side, then twice as many, pooled
+    assert differences["tg"] == pytest.approx(1.0)
+    assert differences["pp"] == pytest.approx(0.5)
+    calls.clear()
+
+    def noisy(runs):
+        calls.append(runs)
+        return {"tg": record(*[1.0, 1.6, 0.4] * (runs // 3))}, {"tg": record(*[1.0] * runs)}
+
+    assert measured_differences(noisy, 3) == {"tg": None} and calls == [3, 6]
+
+
 @pytest.mark.parametrize("path", SHIPPED, ids=lambda p: p.stem)
 def test_shipped_profiles_load_round_trip_and_cite_every_figure(path):
     prof = HardwareProfile.load(path)
@@ -141,7 +174,8 @@ def test_profile_measures_the_cpu_and_llama_cpps_rates_which_price_the_llamacpp_
     assert cpu.layer_type_seconds.at("Q8_0", cpu.threads) == cpu.layer_seconds.value  # its twins
     assert 0 < cpu.decode_score_seconds.at(ANY_TYPE, 128) < 1e-6
     assert cpu.routed_layer_seconds.value >= 0 and "qwen3moe" in cpu.routed_layer_seconds.source
-    assert 0 <= cpu.routed_slot_seconds.value < 1e-6 and "per slot" in cpu.routed_slot_seconds.source
+    slot = cpu.routed_slot_seconds
+    assert 0 <= slot.value < 1e-6 and "per slot" in slot.source
     assert 0 <= cpu.expert_seconds.value < 1e-3 and "per expert" in cpu.expert_seconds.source
     assert 0 <= cpu.head_row_seconds.value < 1e-6 and cpu.head_gbps.value > 0.5
     assert cpu.q8_matmul_gflops.at("Q4_K", 8) > 1 and "q8 path" in (
@@ -151,7 +185,9 @@ def test_profile_measures_the_cpu_and_llama_cpps_rates_which_price_the_llamacpp_
     assert "llama-bench" in cpu.llamacpp_matmul_gflops.rows["Q4_K"][512].source
     assert cpu.llamacpp_matvec_gbps.at("Q4_K", cpu.threads) > 0.5
     assert 0 <= cpu.llamacpp_layer_seconds.value < 1e-3
-    assert 0.1 < cpu.llamacpp_attention_gbps.value < 10 * cpu.memory_gbps.value
+    # (rates over a difference of twins: None where it was lost in the noise, as on a busy CI)
+    attention = cpu.llamacpp_attention_gbps
+    assert attention is None or 0.1 < attention.value < 10 * cpu.memory_gbps.value
     # (a difference of two quick runs: on CI's two busy cores it can clamp at 0)
     assert all(0 <= cpu.llamacpp_prompt_score_seconds.at(ANY_TYPE, d) < 1e-6 for d in (64, 256))
     assert "per layer, query head, token and key" in (
@@ -160,9 +196,10 @@ def test_profile_measures_the_cpu_and_llama_cpps_rates_which_price_the_llamacpp_
     assert 0 <= cpu.llamacpp_expert_seconds.value < 1e-3
     assert 0 <= cpu.llamacpp_head_row_seconds.value < 1e-6 and cpu.llamacpp_head_gbps.value > 0.5
     # its routed experts on a prompt, by the tokens an expert drew (8 experts, 2 used: 16 of 64)
-    assert set(cpu.llamacpp_expert_gflops.rows[ANY_TYPE]) == {16, 128}
-    assert cpu.llamacpp_expert_gflops.at(ANY_TYPE, 16) > 0.5
-    assert 0.1 < cpu.llamacpp_expert_gbps.value < 10 * cpu.memory_gbps.value
+    experts = cpu.llamacpp_expert_gflops.rows[ANY_TYPE] if cpu.llamacpp_expert_gflops else {}
+    assert set(experts) <= {16, 128} and all(x.value > 0.5 for x in experts.values())
+    decode = cpu.llamacpp_expert_gbps
+    assert decode is None or 0.1 < decode.value < 10 * cpu.memory_gbps.value
     # Q8_0 matrices wide enough that they, not the prompt's attention, take a prompt's time
     spec = spec_from_hparams(SyntheticConfig("llama", n_layer=2, n_embd=1024, n_ff=4096,
                                              n_head=8, n_head_kv=8, n_vocab=512, qtype="Q8_0"))
