@@ -2,7 +2,7 @@
 of at least 1 GiB on the same threads (what a weight-streaming kernel cannot beat).
 
 Weights rotate over distinct tensors whose bytes exceed twice the last-level cache and the
-activations are fresh per call, so no rate is a cache hit (PSHARD.md, reason 2). Each figure is
+activations are fresh per call, so no rate is a cache hit (docs/pshard.md, reason 2). Each figure is
 the median of `runs` timed passes over the rotation.
 """
 

@@ -1,6 +1,6 @@
 """GPU kernel and transfer rates, each beside a ceiling measured in the same run (issue 9):
 
-- the device-to-device copy of at least 1 GiB, counting bytes read plus written (GPU_NOTES.md);
+- the device-to-device copy of at least 1 GiB, counting bytes read plus written (docs/toolchain.md);
 - the library's fp16 GEMM (cuBLAS, `cudarun.cublas`) at the prefill shape;
 - the kernels: matvec per type and token count, prefill (and its dequantization alone), decode
   and prefill attention;

@@ -1,7 +1,8 @@
-"""The one numpy/numba compatibility shim (GPU_NOTES.md). numba-cuda 0.30.4 calls `numpy.row_stack`,
-which numpy 2.5 removed, at the first kernel compile; the alias restores it. Every module that
-imports numba.cuda imports this first, so it is also where numba's launch-time settings live and
-where the CUDA simulator gets what it lacks (warp shuffles, a fused fma, race-free shared arrays).
+"""The one numpy/numba compatibility shim (docs/toolchain.md). numba-cuda 0.30.4 calls
+`numpy.row_stack`, which numpy 2.5 removed, at the first kernel compile; the alias restores it.
+Every module that imports numba.cuda imports this first, so it is also where numba's launch-time
+settings live and where the CUDA simulator gets what it lacks (warp shuffles, a fused fma, race-free
+shared arrays).
 
 It leaves the kernels alone: the simulator runs the same kernel code as the GPU."""
 

@@ -81,7 +81,7 @@ def all_cpu(spec: ModelSpec) -> TierPlacement:
 
 class CpuEngine(SequenceCalls):
     name = "cpu"
-    tolerance = 5e-2  # CONTRACTS.md: the named int8 path
+    tolerance = 5e-2  # docs/contracts.md: the named int8 path
     path = "int8"
 
     def __init__(self, spec: ModelSpec, plan: dict | None = None, threads: int = 0,

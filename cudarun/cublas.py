@@ -1,7 +1,7 @@
 """cuBLAS through ctypes, for the prefill path's fp16 GEMM: one handle per stream, bound to that
 stream once, its workspace a region of our own memory (`cublasSetWorkspace`). cuBLAS then
-allocates no workspace pool of its own, so the budget holds it (CONTRACTS.md, Budget): the memory
-map reserves `solver.workspace.cublas_nbytes` in each prefill tier's workspace.
+allocates no workspace pool of its own, so the budget holds it (docs/contracts.md, Budget): the
+memory map reserves `solver.workspace.cublas_nbytes` in each prefill tier's workspace.
 
 The library is the CUDA toolkit's or the nvidia-cublas wheel's, found by cuda.pathfinder (which
 numba-cuda depends on). CuPy is not needed: its wrappers rebind the handle's stream on every call,

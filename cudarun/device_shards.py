@@ -1,7 +1,7 @@
-"""A tensor split on the CUDA engine (seed 002): each device (a virtual device of one GPU, or a
-real one) holds its shares of every layer and of the head in its arena and runs its parts of a
-ubatch (`tensor_program`) on its compute stream, with the kernels of `devicemath` over the shapes
-of its shares (`shards.shard_spec`); the host sums the partial outputs in pinned memory.
+"""A tensor split on the CUDA engine (llama.cpp #19378): each device (a virtual device of one GPU,
+or a real one) holds its shares of every layer and of the head in its arena and runs its parts of a
+ubatch (`tensor_program`) on its compute stream, with the kernels of `devicemath` over the shapes of
+its shares (`shards.shard_spec`); the host sums the partial outputs in pinned memory.
 
 A device part begins by taking in the host's latest sum (the embedding's rows for the first
 layer): the sum goes up on the part's stream, then the bias added after a sum, the post-norm and

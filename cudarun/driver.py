@@ -2,12 +2,12 @@
 
 Every call goes through `check`, which turns a CUresult other than success into a `CudaError`
 naming the call and the error. Without the NVIDIA driver, cuda-python raises
-`DynamicLibNotFoundError` (a RuntimeError) at the first call (NOTES.md); `init` turns that, and a
-machine whose driver sees no device, into one `UserError` line. The objects here own driver
+`DynamicLibNotFoundError` (a RuntimeError) at the first call (docs/toolchain.md); `init` turns that,
+and a machine whose driver sees no device, into one `UserError` line. The objects here own driver
 handles: streams (non-blocking), events, device buffers and views into them at byte offsets (the
 runtime carves weights, ring and KV out of one arena), pinned host buffers (allocated or
-registered), async copies, free/total memory, and stream capture into a graph and its launch.
-Numba kernels run on these streams and read these buffers (`numba_stream`, `DeviceBuffer.array`).
+registered), async copies, free/total memory, and stream capture into a graph and its launch. Numba
+kernels run on these streams and read these buffers (`numba_stream`, `DeviceBuffer.array`).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The runtime: executes a solver plan through the Engine API of CONTRACTS.md.
+"""The runtime: executes a solver plan through the Engine API of docs/contracts.md.
 
 Per ubatch it takes the smallest tier covering its tokens, switches the arena to that tier's
 memory map when the tier changes, and issues the tier's schedule (`pipeline_schedule` over the
@@ -207,9 +207,10 @@ class PlanExecutor(SequenceCalls):
     host_alloc = None  # pinned host memory on a GPU
 
     def part_path(self, tier: Tier, part) -> str:
-        """The named path (CONTRACTS.md, Tolerances) of one part's arithmetic in a tier: a matmul
-        on the CPU quantizes its activations to 8 bits ("int8"); the token rows and the attention
-        over the fp16 KV are exact anywhere, and so is the stand-in device (reference ops)."""
+        """The named path (docs/contracts.md, Tolerances) of one part's arithmetic in a tier: a
+        matmul on the CPU quantizes its activations to 8 bits ("int8"); the token rows and the
+        attention over the fp16 KV are exact anywhere, and so is the stand-in device (reference
+        ops)."""
         if part.kind in EXACT_PARTS:
             return "fp32"
         return "int8" if part.queue == "cpu" else self.device_path(tier.tier, part.kind)
@@ -228,7 +229,7 @@ class PlanExecutor(SequenceCalls):
 
     @property
     def tolerance(self) -> float:
-        """CONTRACTS.md's end-to-end logits tolerance of this plan's path."""
+        """docs/contracts.md's end-to-end logits tolerance of this plan's path."""
         return PATHS[self.path].normwise
 
     def region(self, tier: Tier, name: str):

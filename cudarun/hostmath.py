@@ -8,7 +8,7 @@ Two flavours, one code:
   is given): a wrong, stale or poisoned slot fails loudly, and the math is the reference's.
 - not exact: the CPU kernels a plan's CPU-placed tensors run on a real machine (int8-activation
   `q8` matmuls where the type has one, `cpu_ops` norms, RoPE, attention over the fp16 cache and
-  gating) — the named int8 path of CONTRACTS.md.
+  gating) — the named int8 path of docs/contracts.md.
 
 The activations live in an `Act`, which the executor hands from part to part (and, on a GPU, from
 device to host and back). `w` is the group's tensors as `hostweights.tensors_of` gives them.

@@ -70,7 +70,7 @@ class KVCells:
     (`refengine.sequences.Sequences`). Per-sequence streams: sequence s holds position p in cell
     s * n_ctx_seq + p and reads only its own stream. Unified (llama.cpp's -kvu): each new token
     takes the lowest free cell, and every token scans all cells up to the highest one in use,
-    masked by sequence — the cross-sequence work seed 003 removes."""
+    masked by sequence — the cross-sequence work llama.cpp #14363 removes."""
 
     def __init__(self, seqs, n_swa: int = 0):
         self.seqs, self.n_swa = seqs, n_swa

@@ -2,7 +2,7 @@
 the runtime with its own CPU kernels (`cudarun.kernels.cpu`): the q8 matvec (int8 activations, as
 llama.cpp) for 1 token and the dequantized-panel BLAS product for prefill token counts. The memory
 figure is a Numba parallel read of at least 1 GiB on the same threads. Weights rotate over more
-than twice the last-level cache and inputs are fresh, so no rate is a cache hit (PSHARD.md,
+than twice the last-level cache and inputs are fresh, so no rate is a cache hit (docs/pshard.md,
 reason 2).
 """
 

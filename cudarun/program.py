@@ -6,11 +6,10 @@ the CPU. The parts, in order:
 - `embed` (group token_embd): the token rows, scaled for gemma3;
 - per layer: `qkv` (group blk.i.attn): the attention norm, Q/K/V with biases, Q/K norms, RoPE;
   `kq` (the layer's KV): K and V stored at their positions, the attention over the cache — it runs
-  where the KV lives (CONTRACTS.md); `o` (group blk.i.attn): the output projection, the post-norm,
-  the residual add, the FFN norm and, for MoE, the router;
-  then one part per FFN group (`ffn_gate`, `ffn_up`, `ffn_down`, or their `_exps` stacks): the
-  gate and up products, then the gated activation, the down product, the post-norm and the
-  residual add;
+  where the KV lives (docs/contracts.md); `o` (group blk.i.attn): the output projection, the
+  post-norm, the residual add, the FFN norm and, for MoE, the router; then one part per FFN group
+  (`ffn_gate`, `ffn_up`, `ffn_down`, or their `_exps` stacks): the gate and up products, then the
+  gated activation, the down product, the post-norm and the residual add;
 - `output` (group output): the final norm and the head.
 
 Streamed units are the groups themselves and, for a layer whose KV is streamed, `kv:i`. A routed

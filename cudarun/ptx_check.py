@@ -31,7 +31,7 @@ from numba import types as t
 
 from . import compat  # noqa: F401  (before numba.cuda)
 
-CC = (9, 0)  # the H100 of GPU_NOTES.md
+CC = (9, 0)  # the H100 of docs/toolchain.md
 ARCH = f"sm_{CC[0]}{CC[1]}"
 
 

@@ -14,8 +14,8 @@ PLAN_ENGINES = ("cpu", "cuda", "standin")
 
 
 def measure_free(engine: str):
-    """How the engine's free device memory is measured (CONTRACTS.md: no budget given, free memory
-    less llama.cpp's margin; `solver.budget.plan_budgets` takes the margin off)."""
+    """How the engine's free device memory is measured (docs/contracts.md: no budget given, free
+    memory less llama.cpp's margin; `solver.budget.plan_budgets` takes the margin off)."""
     if engine != "cuda":
 
         def no_memory() -> int:

@@ -1,5 +1,5 @@
-"""The forward pass of one ubatch under a tensor split (seed 002), as parts on every device's
-compute queue and the host's, and its schedule.
+"""The forward pass of one ubatch under a tensor split (llama.cpp #19378), as parts on every
+device's compute queue and the host's, and its schedule.
 
 In order: `embed` (the host: the token rows); per layer, `blk.i.attn@d` on each device that takes
 part (the residual's update by the previous sum, the attention norm, its query heads' Q, its KV

@@ -1,9 +1,9 @@
-"""Agreement of an engine with the reference along a greedy continuation (CONTRACTS.md,
+"""Agreement of an engine with the reference along a greedy continuation (docs/contracts.md,
 Tolerances): both are fed the reference's greedy tokens; before the first near-tie every top-1
 must agree (so the greedy continuations are identical), from it on the comparison is
 teacher-forced: top-1 agreement and mean KL(reference || engine) per position.
 
-The bounds follow the path (`PATHS`; CONTRACTS.md, Tolerances): an engine against the NumPy reference
+The bounds follow the path (`PATHS`; docs/contracts.md, Tolerances): an engine against the NumPy reference
 keeps top-1 >= 99% and mean KL < 1e-3, with the final logits within 1e-3 normwise on fp32 paths
 and 5e-2 on the named fp16 path (tensor-core GEMMs on fp16 panels); the int8 path (8-bit
 activations: llama.cpp's own CPU arithmetic) keeps the bounds the reference keeps to llama.cpp,
@@ -23,7 +23,7 @@ import numpy as np
 
 @dataclass(frozen=True)
 class PathBounds:
-    """CONTRACTS.md's bounds of a named path."""
+    """docs/contracts.md's bounds of a named path."""
 
     path: str
     top1: float  # least teacher-forced top-1 agreement

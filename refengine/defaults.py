@@ -24,7 +24,7 @@ TOP_K = 40
 TOP_P = 0.95
 SEED = 0
 
-# Plan fingerprint inputs (CONTRACTS.md), shared by solve, run and bench.
+# Plan fingerprint inputs (docs/contracts.md), shared by solve, run and bench.
 KV_TYPE = "f16"  # llama.cpp's default cache type
 FLASH_ATTN = True  # llama.cpp's default (auto) turns it on where supported
 THREADS = 0  # 0: the profile's CPU thread count

@@ -1,11 +1,11 @@
 """The NumPy reference engine: the oracle every other engine is judged against.
 
-It implements the Engine interface of CONTRACTS.md — `reset()`, `prefill(tokens, all_logits=False,
-record=None)`, `decode(token, record=None)`, `n_past` — with the public operations of
-`refengine.reference`, in fp32 from dequantized weights (fp64 inside norms, RoPE and softmax). It
-does not imitate llama.cpp's f16 KV cache or 8-bit activation quantization. Several sequences,
-each with its own cache, extend the API (`add_sequence`, `remove_sequence`, `process`,
-`decode_batch`: docs/sequences.md); the single-sequence calls are sequence 0's.
+It implements the Engine interface of docs/contracts.md — `reset()`, `prefill(tokens,
+all_logits=False, record=None)`, `decode(token, record=None)`, `n_past` — with the public operations
+of `refengine.reference`, in fp32 from dequantized weights (fp64 inside norms, RoPE and softmax). It
+does not imitate llama.cpp's f16 KV cache or 8-bit activation quantization. Several sequences, each
+with its own cache, extend the API (`add_sequence`, `remove_sequence`, `process`, `decode_batch`:
+docs/sequences.md); the single-sequence calls are sequence 0's.
 
 With `record={names}` a call returns `(logits, activations)`, the activations float32 and keyed by
 `blk.{i}.out` (residual stream after block i, [n_tokens, n_embd]), `output_norm` ([n_tokens,

@@ -90,7 +90,7 @@ def quantize(values: np.ndarray, t: GGMLQuantizationType) -> np.ndarray:
     """Raw bytes (uint8, rows last) of `values` in type `t`, via gguf-py where it can quantize.
 
     gguf-py cannot quantize the K-quants; `synthetic.random_kquant_blocks` makes valid blocks for
-    those instead (NOTES.md).
+    those instead (docs/toolchain.md).
     """
     q = qtype(t)
     values = np.ascontiguousarray(values, dtype=np.float32)

@@ -1,8 +1,8 @@
 """The public reference operations: plain NumPy, fp32 storage with fp64 where it is cheap.
 
-Every GPU and CPU kernel of the project is tested against these functions (CONTRACTS.md), and the
-NumPy engine is built from them. Shapes use T = tokens, S = key/value positions, H = query heads,
-Hkv = key/value heads, D = head size, d = model width. Semantics are llama.cpp's.
+Every GPU and CPU kernel of the project is tested against these functions (docs/contracts.md), and
+the NumPy engine is built from them. Shapes use T = tokens, S = key/value positions, H = query
+heads, Hkv = key/value heads, D = head size, d = model width. Semantics are llama.cpp's.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
-"""Token sampling, outside the engines (CONTRACTS.md): greedy, or seeded sampling with top-k, then
-top-p, then temperature, in llama.cpp's order (its default chain also has a min-p step, which we
-leave out)."""
+"""Token sampling, outside the engines (docs/contracts.md): greedy, or seeded sampling with top-k,
+then top-p, then temperature, in llama.cpp's order (its default chain also has a min-p step, which
+we leave out)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
-"""Several sequences in one engine (seed 003's high-throughput mode): which sequences exist, how
-far each has come, the room the KV cache has for them, and how a call's tokens are laid out in
+"""Several sequences in one engine (llama.cpp #14363's high-throughput mode): which sequences exist,
+how far each has come, the room the KV cache has for them, and how a call's tokens are laid out in
 ubatches. Every engine keeps one `Sequences` and builds its ubatches with `ubatches`; the API it
 serves is written in docs/sequences.md.
 

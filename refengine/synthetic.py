@@ -7,7 +7,7 @@ Weights are seeded and scaled so activations stay O(1): matrices ~ N(0, 1/n_in),
 `SyntheticConfig.bigram_logit`). A matrix whose rows are not whole blocks of the asked type falls
 back to Q8_0 (then F32), as llama-quantize does. K-quant tensors (which gguf-py cannot quantize)
 are random valid blocks whose fp16 scale fields are set so the values have the same spread and
-zero mean (NOTES.md).
+zero mean (docs/toolchain.md).
 The vocabulary is the 256 GPT-2 byte characters, letter-pair merges and two control tokens, so the
 file tokenizes text like a real byte-level BPE model.
 """

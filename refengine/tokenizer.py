@@ -1,11 +1,11 @@
 """The tokenizer, built from the GGUF file's own vocabulary with the `tokenizers` library.
 
 transformers' GGUF converter turns the `tokenizer.ggml.*` fields into a `tokenizers` object whose
-ids equal llama.cpp's (NOTES.md; tests/test_golden.py checks them against recorded llama.cpp
-ids). Its own metadata reader imports torch, so we hand it the fields from our reader. Conversion
-takes seconds (11 s for Gemma-3's SentencePiece vocabulary, whose merges are rebuilt), so the
-result is cached as `tokenizer.json` keyed by the model file's identity; a cached tokenizer loads
-without importing transformers.
+ids equal llama.cpp's (docs/toolchain.md; tests/test_golden.py checks them against recorded
+llama.cpp ids). Its own metadata reader imports torch, so we hand it the fields from our reader.
+Conversion takes seconds (11 s for Gemma-3's SentencePiece vocabulary, whose merges are rebuilt), so
+the result is cached as `tokenizer.json` keyed by the model file's identity; a cached tokenizer
+loads without importing transformers.
 
 BOS/EOS follow llama.cpp: `tokenizer.ggml.add_bos_token` when the file says, else BOS for a
 SentencePiece (`llama`) vocabulary and none for a byte-level BPE (`gpt2`) one.

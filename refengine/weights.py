@@ -2,7 +2,7 @@
 
 `GGUFWeights.raw(name)` is a tensor's quantized bytes straight from the file (rows last, as
 `(*rows, row_nbytes)` uint8); `dense(name)` is its float32 value, dequantized once through
-gguf-py and cached, because dequantizing per token would cost seconds (NOTES.md).
+gguf-py and cached, because dequantizing per token would cost seconds (docs/toolchain.md).
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
-"""Budgets and tiers as the user writes them (CONTRACTS.md): `12000` (MiB, llama.cpp's -mva habit),
-`12000MiB`, `12GiB`, or one per device, `24GiB,6GiB`; tiers as `1,16,512`.
+"""Budgets and tiers as the user writes them (docs/contracts.md): `12000` (MiB, llama.cpp's -mva
+habit), `12000MiB`, `12GiB`, or one per device, `24GiB,6GiB`; tiers as `1,16,512`.
 
 `plan_budgets` is the one place a plan's budgets are decided, for `solve` and for the plan engines
 alike: the default (free memory, or the profile's GPU memory, less llama.cpp's 1024 MiB margin),
@@ -26,11 +26,12 @@ if TYPE_CHECKING:
 UNITS = {"": 2**20, "mib": 2**20, "m": 2**20, "gib": 2**30, "g": 2**30, "mb": 10**6, "gb": 10**9}
 LLAMACPP_MARGIN_BYTES = 1024 * 2**20  # llama.cpp --fit's default margin per device
 DEFAULT_N_BATCH = 2048  # llama.cpp's -b
-# What our CUDA runtime allocates outside its arena, which the budget covers too (CONTRACTS.md):
-# cuBLAS's handle and the kernels it loads, once a tier takes the prefill path, and our kernels'
-# code, streams, events and graphs. Measured as the drop in free memory after the context was
-# created, on an H200 with CUDA 13.0 (docs/measured/2026-11-27-h200-agreement.txt and -vs-llamacpp):
-# 64.0-75.0 MiB outside the arena on engines with a prefill tier, 1.9-3.9 MiB on decode-only ones.
+# What our CUDA runtime allocates outside its arena, which the budget covers too
+# (docs/contracts.md): cuBLAS's handle and the kernels it loads, once a tier takes the prefill path,
+# and our kernels' code, streams, events and graphs. Measured as the drop in free memory after the
+# context was created, on an H200 with CUDA 13.0 (docs/measured/2026-11-27-h200-agreement.txt and
+# -vs-llamacpp): 64.0-75.0 MiB outside the arena on engines with a prefill tier, 1.9-3.9 MiB on
+# decode-only ones.
 CUDA_RUNTIME_NBYTES = 80 * 2**20
 
 
@@ -49,7 +50,8 @@ def parse_budget(text: str) -> list[int]:
 
 
 def apply_reserve(budgets: list[int], reserve: str) -> list[int]:
-    """The budgets less `--reserve` (CONTRACTS.md): one size for every device, or one per device."""
+    """The budgets less `--reserve` (docs/contracts.md): one size for every device, or one per
+    device."""
     reserves = parse_budget(reserve)
     if len(reserves) not in (1, len(budgets)):
         raise UserError(f"give one --reserve for every device or one per device ({len(budgets)})")
@@ -63,7 +65,7 @@ MANY_USERS_DECODE_TIERS = (1, 4, 16, 32, 64)
 def default_tiers(n_ctx: int, users: int = 1, n_batch: int = DEFAULT_N_BATCH) -> list[int]:
     """Decode {1, 16}; with several users {1, 4, 16, 32, 64} up to the first that holds a step of
     all of them (8 users: 1, 4, 16); then prefill 512 * 2^k up to min(max(n_batch, 16384), n_ctx)
-    (PSHARD.md)."""
+    (docs/pshard.md)."""
     if users == 1:
         tiers = [1, 16]
     else:

@@ -1,12 +1,12 @@
 """The cost model: time of every tensor group in every location, per tier and context depth, and
-`evaluate`, the one function that scores any plan (CONTRACTS.md).
+`evaluate`, the one function that scores any plan (docs/contracts.md).
 
 Formulas (every rate from the HardwareProfile; M = tokens in the ubatch, the tier):
 
 1. A weight group on a GPU (pinned or streamed) computes in
    max(bytes_read / gpu.matvec_gbps, flops / gpu.matmul_tflops(type, M)),
    flops = 2 * params * M. For an expert stack, bytes_read = nbytes * D / E with
-   D = E * (1 - (1 - k/E)^M) distinct experts touched (PSHARD.md reason 5), and
+   D = E * (1 - (1 - k/E)^M) distinct experts touched (docs/pshard.md reason 5), and
    flops = 2 * (params / E) * k * M. The output head computes only the rows that need logits
    (one per sequence per ubatch); the embedding is a row gather.
 2. On the CPU the same with cpu.matvec_gbps(type, threads) and cpu.matmul_gflops(type, M).
@@ -17,12 +17,12 @@ Formulas (every rate from the HardwareProfile; M = tokens in the ubatch, the tie
 4. Attention at context depth d (per sequence; S sequences share the ubatch): each of the M
    tokens attends to d + (M/S + 1)/2 keys (causal; a sliding layer to at most n_swa), costing
    4 * n_head * head_dim flops per key, and S * d + M cached cells are read; it runs where the
-   layer's KV lives. That is a KV stream per sequence (seed 003); with one cache shared by the
-   sequences (unified, llama.cpp's -kvu, which a llamacpp plan exports) each token scores all
-   S * d + M cells, the other sequences' masked. Under llama.cpp a CPU-held layer's attention runs on the GPU for ubatches of
-   32 tokens and more (its scheduler places it between the op-offloaded matmuls), copying the
-   cells it reads up first; on the CPU, ggml's kernel reads the cells once per query head
-   (n_head / n_head_kv times).
+   layer's KV lives. That is a KV stream per sequence (llama.cpp #14363); with one cache shared by
+   the sequences (unified, llama.cpp's -kvu, which a llamacpp plan exports) each token scores
+   all S * d + M cells, the other sequences' masked. Under llama.cpp a CPU-held layer's attention
+   runs on the GPU for ubatches of 32 tokens and more (its scheduler places it between the
+   op-offloaded matmuls), copying the cells it reads up first; on the CPU, ggml's kernel reads the
+   cells once per query head (n_head / n_head_kv times).
 5. Every change of device along the ops (embedding -> each layer's attention side -> attention ->
    FFN matrices -> next layer ... -> head) is a hop: sync + copy latency + activation bytes over
    PCIe (residual rows between layers, the wider FFN rows inside one); GPU to GPU is two (through
@@ -70,8 +70,8 @@ OP_OFFLOAD_MIN_TOKENS = 32  # llama.cpp's GGML_OP_OFFLOAD_MIN_BATCH
 # from this many tokens on our host matmul is BLAS on cached fp32 panels (cudarun.kernels.cpu's
 # BLAS_TOKENS; below it the q8 row kernels)
 HOST_PANEL_TOKENS = 8
-# Calibrated, each on one cell of seed 000 (Qwen3-32B-Q4 at 256K on the RTX 5080 machine), which
-# examples/compare_seeds.py then leaves out of its medians:
+# Calibrated, each on one cell of llama.cpp #22692 (Qwen3-32B-Q4 at 256K on the RTX 5080 machine),
+# which examples/compare_seeds.py then leaves out of its medians:
 # - flash attention on a GPU reaches this fraction of the profile's matmul rate (its softmax runs
 #   on the scalar units, between two small matmuls per key block); from the TTFT cell;
 GPU_ATTENTION_EFFICIENCY = 0.37
@@ -79,7 +79,7 @@ GPU_ATTENTION_EFFICIENCY = 0.37
 #   bandwidth over the bytes it reads; from the TPS cell.
 GGML_CPU_ATTENTION_EFFICIENCY = 0.42
 # pshard's runtime as measured (target "pshard", for predicting its results only): it streamed from
-# pageable host memory, 4-13 GB/s (PSHARD.md reason 4); the middle of that range.
+# pageable host memory, 4-13 GB/s (docs/pshard.md reason 4); the middle of that range.
 PSHARD_PAGEABLE_H2D_GBPS = 8.5
 ELEMENTWISE_KERNELS_PER_LAYER = 8
 OBJECTIVES = ("e2e", "tps", "ttft")
@@ -160,7 +160,7 @@ class Workload:
     flash_attn: bool = True
     threads: int = 0  # 0: the profile's CPU thread count
     # the users share one cache and attention runs over all of its cells, masked (llama.cpp's
-    # -kvu); else a KV stream per user of n_ctx / users cells (seed 003)
+    # -kvu); else a KV stream per user of n_ctx / users cells (llama.cpp #14363)
     unified: bool = False
     # the routers' measured habits on the user's prompts (`solver.routing`); None: uniform
     routing: "RoutingStats | None" = None

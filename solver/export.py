@@ -2,17 +2,17 @@
 placement, and the inverse -- llama.cpp's own placement rules applied to flags -- that the tests use
 to prove it.
 
-Flags (LLAMACPP.md, common/arg.cpp): `-fit off` (else --fit would move things), an explicit `-c`
-(the plan's cells, the total over all sequences: `-np N -kvu` shares one cache among N users, which
-is what the plan priced), `-ngl K` (the output layer plus the last K-1 repeating layers go to the
-GPU, and a layer's KV follows it), integer `-ts` counts over several GPUs, `-sm layer`, `-b`/`-ub`
-(the plan's largest ubatch), `-fa`, `-ctk/-ctv`, `-dev CUDA0[,CUDA1...]`; then the tensors whose
-plan location differs from that: `--cpu-moe` / `--n-cpu-moe N` where the routed experts of the
-first N layers are on the CPU, and `-ot` patterns, one per set of layers and destination, for the
-rest. Every override joins one list in command-line order and the first search match wins, so the
-`-ot` exceptions come before the MoE flag. A tensor-split plan is `-sm tensor`. llama.cpp cannot
-express streamed execution, per-tier plans, a KV placement other than its layer's, or a quantized V
-cache without flash attention: a plan needing those is refused with the reason.
+Flags (docs/llamacpp.md, common/arg.cpp): `-fit off` (else --fit would move things), an explicit
+`-c` (the plan's cells, the total over all sequences: `-np N -kvu` shares one cache among N users,
+which is what the plan priced), `-ngl K` (the output layer plus the last K-1 repeating layers go to
+the GPU, and a layer's KV follows it), integer `-ts` counts over several GPUs, `-sm layer`,
+`-b`/`-ub` (the plan's largest ubatch), `-fa`, `-ctk/-ctv`, `-dev CUDA0[,CUDA1...]`; then the
+tensors whose plan location differs from that: `--cpu-moe` / `--n-cpu-moe N` where the routed
+experts of the first N layers are on the CPU, and `-ot` patterns, one per set of layers and
+destination, for the rest. Every override joins one list in command-line order and the first search
+match wins, so the `-ot` exceptions come before the MoE flag. A tensor-split plan is `-sm tensor`.
+llama.cpp cannot express streamed execution, per-tier plans, a KV placement other than its layer's,
+or a quantized V cache without flash attention: a plan needing those is refused with the reason.
 """
 
 from __future__ import annotations

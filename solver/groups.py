@@ -1,7 +1,7 @@
 """Tensor groups: the units the planner places.
 
 Per layer, the attention side (Q/K/V/O with their biases, the norms of the layer, and the MoE
-router — pshard's "attention side", PSHARD.md) is one group, but for the norm applied after the
+router — pshard's "attention side", docs/pshard.md) is one group, but for the norm applied after the
 FFN, which goes with the down matrix (the runtime applies it right after that product); each
 FFN matrix (gate, up, down, or their expert stacks) is a group of its own, because llama.cpp's `--fit` and pshard move them one
 at a time. Globally, `token_embd` and the output head (with `output_norm`) are groups. The plan

@@ -1,4 +1,4 @@
-"""Memory terms: KV cache per layer, compute buffers, and the scratch ring (LLAMACPP.md).
+"""Memory terms: KV cache per layer, compute buffers, and the scratch ring (docs/llamacpp.md).
 
 - KV bytes of a layer = cells x (row bytes of K + row bytes of V), K/V rows of head_dim x n_head_kv
   values in the KV type (f16: 2 B per value; q8_0: 34 B per 32). llama.cpp pads n_ctx to 256
@@ -154,7 +154,7 @@ def llamacpp_compute_nbytes(
 
 def expected_distinct_experts(n_expert: int, n_used: int, tokens: int) -> float:
     """Experts a ubatch of `tokens` touches when each picks n_used of n_expert uniformly:
-    E * (1 - (1 - k/E)^M) (PSHARD.md, reason 5)."""
+    E * (1 - (1 - k/E)^M) (docs/pshard.md, reason 5)."""
     if n_expert == 0:
         return 0.0
     return n_expert * (1.0 - (1.0 - n_used / n_expert) ** tokens)

@@ -1,5 +1,5 @@
 """The Plan: versioned JSON that says, per tier, where every tensor and every layer's KV lives,
-the device memory map, and what the cost model predicts (CONTRACTS.md, Plan).
+the device memory map, and what the cost model predicts (docs/contracts.md, Plan).
 
 The memory map of a device in a tier lists regions (name, offset_bytes, nbytes) in arena order:
 weights pinned in every tier first (so a tier switch leaves them in place), then this tier's

@@ -11,8 +11,8 @@ tensor at `tokens` as max(bytes / read rate, 2 * params * tokens / compute rate)
 carries a weight-read rate (`matvec_gbps`, what a 1..16-token matvec achieves) and a compute rate
 by token count (`matmul_tflops`). A type missing from a table falls back to the `*` row.
 
-Who measures what (CONTRACTS.md): the planner issue owns this schema and the CPU side; the kernels
-issue measures the GPU side into the same schema.
+Who measures what (docs/contracts.md): the planner issue owns this schema and the CPU side; the
+kernels issue measures the GPU side into the same schema.
 """
 
 from __future__ import annotations

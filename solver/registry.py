@@ -1,5 +1,5 @@
 """pshard's registry file (`<model>.gguf.tensor_overrides.pshard_registry`), in the grammar and
-with the fingerprint of PSHARD.md, so pshard's runtime can load a refengine plan.
+with the fingerprint of docs/pshard.md, so pshard's runtime can load a refengine plan.
 
 Placement ids: 0 pinned on the GPU, 1 and 2 the two streaming lanes (alternating by layer parity,
 so layer i+1's copy does not overwrite layer i's weights), 3 the CPU; every entry names the host
@@ -45,7 +45,7 @@ def _id(loc, layer: int | None) -> int:
     return 1 + (layer or 0) % 2  # streamed: lane by layer parity
 
 
-# pshard's partial boundary layers (PSHARD.md): what stays pinned of layer n_pinned
+# pshard's partial boundary layers (docs/pshard.md): what stays pinned of layer n_pinned
 OVERFLOWS = (  # in pshard's order, which also breaks ties (MOE keeps what ATTN does without
     # shared experts)
     ("ATTN", lambda base: base == "attn"),  # the whole FFN moved
@@ -125,7 +125,7 @@ def registry_text(
 
 
 def parse_registry(text: str) -> dict:
-    """The registry back, by PSHARD.md's grammar: entries split on ',', then the first '=',
+    """The registry back, by docs/pshard.md's grammar: entries split on ',', then the first '=',
     then the last ':'."""
     out = {"tiers": {}}
     tier = None

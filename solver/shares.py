@@ -1,5 +1,5 @@
-"""Shares of a tensor split in our runtime (seed 002): which part of each matrix, of each layer's KV
-and of the head a device holds, by the plan's (possibly uneven) ratios.
+"""Shares of a tensor split in our runtime (llama.cpp #19378): which part of each matrix, of each
+layer's KV and of the head a device holds, by the plan's (possibly uneven) ratios.
 
 Three dimensions are cut, each into contiguous ranges, one a device:
 - `heads`: the query heads, whole KV groups of them. A device holds their rows of Q, the rows of K

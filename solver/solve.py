@@ -26,7 +26,7 @@ from .tensor_split import tensor_split_nbytes
 from .usage import device_usage, fits_budgets, kv_shape
 
 SHIPPED_PROFILES = Path(__file__).resolve().parents[1] / "examples" / "profiles"
-PREFILL_MIN_TOKENS = 512  # the smallest prefill tier (PSHARD.md's 512 * 2^k)
+PREFILL_MIN_TOKENS = 512  # the smallest prefill tier (docs/pshard.md's 512 * 2^k)
 SPLIT_MODES = ("layer", "tensor")  # llama.cpp's -sm over several GPUs
 
 
@@ -108,7 +108,8 @@ def solve(
     # The prompt runs in ubatches of the plan's largest tier. A smaller one can be faster where a
     # large tier's workspace crowds out pinned weights (pshard's cache_ubatch), so each largest
     # prefill tier is a candidate, each optimized with an equal share of the time limit; a GPU
-    # too small for one layer, its KV and that tier's workspace takes no part in it (seed 004).
+    # too small for one layer, its KV and that tier's workspace takes no part in it (llama.cpp
+    # #14484).
     fit_plan = next(b.tiers for b in baselines if b.name == "fit")
     fit_ours = fit_for_runtime(Problem(spec, profile, w, tuple(tiers), first), fit_plan)
     starts = {**ours, "fit": fit_ours} if target == "refengine" else {}
@@ -330,7 +331,8 @@ def _plan_fits(spec: ModelSpec, w: Workload, plan: dict, budgets, target: str) -
 
 
 def excluded_devices(spec: ModelSpec, w: Workload, tier: int, budgets: list[int]) -> dict:
-    """Devices too small for one layer, its KV and a workspace (seed 004), with what they lack."""
+    """Devices too small for one layer, its KV and a workspace (llama.cpp #14484), with what they
+    lack."""
     groups = tensor_groups(spec)
     kv = kv_shape(w, tier)
     need = minimum_budget_bytes(spec, w, tier) + min(

@@ -1,14 +1,14 @@
-"""The named placements (CONTRACTS.md): llama.cpp's `--fit` and pshard's five strategies, as plain
-functions from a Problem to one TierPlacement per tier. They are the baselines the optimizer must
-beat under the same cost model, and its warm starts.
+"""The named placements (docs/contracts.md): llama.cpp's `--fit` and pshard's five strategies, as
+plain functions from a Problem to one TierPlacement per tier. They are the baselines the optimizer
+must beat under the same cost model, and its warm starts.
 
-- `fit` (LLAMACPP.md): dense models get whole layers back to front (the output layer first, as
+- `fit` (docs/llamacpp.md): dense models get whole layers back to front (the output layer first, as
   `-ngl` counts it); MoE models first get every layer "dense-only" (experts on the CPU), back to
   front, then front to back whole layers, plus one partial layer (GATE: gate + up kept, down
   moved; else UP: up kept). token_embd stays on the CPU. The placement is static and marks
   CPU-held weights `cpu`; llama.cpp's op-offload of them at >= 32 tokens is priced by the cost
-  model (target "llamacpp"), as CONTRACTS.md's llamacpp plans require.
-- pshard (PSHARD.md), per tier: `pshard-fitparams` is fit filled front to back, without
+  model (target "llamacpp"), as docs/contracts.md's llamacpp plans require.
+- pshard (docs/pshard.md), per tier: `pshard-fitparams` is fit filled front to back, without
   op-offload; the streaming strategies pin the first n_pinned layers (at most n_layer - 1), then
   try one partial layer (ATTN, UP, GATE, MOE in that order, keeping the last that fits), and put
   token_embd and the output head on the CPU:
@@ -177,7 +177,7 @@ class _Slice:
     spill: int = -1  # the device the first partial layer's moved tensors go to (-1: the CPU)
 
 
-# what each partial-layer kind keeps on its GPU (LLAMACPP.md; the router sits in the attention
+# what each partial-layer kind keeps on its GPU (docs/llamacpp.md; the router sits in the attention
 # side here, so ATTN keeps it)
 _KEEPS = {
     "MOE": lambda g: g.kind != EXPERTS,
@@ -295,7 +295,7 @@ def _fit_devices(p: Problem, groups: list[Group], tier: int) -> TierPlacement:
 
 
 def fit_for_runtime(p: Problem, placements: dict[int, TierPlacement]) -> dict[int, TierPlacement]:
-    """The `fit` placement run by our runtime as llama.cpp runs it (CONTRACTS.md): the CPU-held
+    """The `fit` placement run by our runtime as llama.cpp runs it (docs/contracts.md): the CPU-held
     weights computed on the CPU below 32 tokens and copied to the GPU per ubatch (op-offload,
     here: streamed) at 32 and above — where the ring of streamed weights fits the budget."""
     groups = tensor_groups(p.spec)
@@ -452,7 +452,7 @@ STRATEGIES: dict[str, Callable[[Problem], dict[int, TierPlacement]]] = {
     "ffncpu-attnstream": ffncpu_attnstream,
     "attnprio": attnprio,
 }
-# pshard's registry names (PSHARD.md); `optimal` is written REFENGINE_OPTIMAL there
+# pshard's registry names (docs/pshard.md); `optimal` is written REFENGINE_OPTIMAL there
 PSHARD_NAMES = {
     "pshard-fitparams": "STATIC_FITPARAMS_DENSEPRIO_MOEONLY",
     "layerpin-layerstream": "GPUONLY_LAYERPIN_LAYERSTREAM",

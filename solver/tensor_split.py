@@ -1,8 +1,8 @@
-"""Tensor split (llama.cpp `-sm tensor`, seed 002): every weight matrix and every layer's KV split
-evenly across the GPUs (llama.cpp ignores `-ts` under `-sm tensor`), attention split by heads, and
-two all-reduces per layer — after the attention and after the FFN — each exchanging the residual
+"""Tensor split (llama.cpp `-sm tensor`, llama.cpp #19378): every weight matrix and every layer's KV
+split evenly across the GPUs (llama.cpp ignores `-ts` under `-sm tensor`), attention split by heads,
+and two all-reduces per layer — after the attention and after the FFN — each exchanging the residual
 rows (tokens x n_embd x 4 bytes) between the GPUs through the host. It needs flash attention and
-every layer on the GPUs. Planned and exported, not run by our runtime (CONTRACTS.md).
+every layer on the GPUs. Planned, exported, and run by our runtime (docs/runtime.md).
 
 Per ubatch (M tokens, depth d), with the rates of the cost model (target llamacpp, so CPU-side
 terms are llama.cpp's): each layer takes max over GPUs i of (sum of its groups' GPU time on i +

@@ -1,6 +1,6 @@
 """Device memory a placement needs in one tier, under our runtime or under llama.cpp.
 
-Ours (the arena of CONTRACTS.md): pinned weights, a scratch ring of PREFETCH_DEPTH slots, each
+Ours (the arena of docs/contracts.md): pinned weights, a scratch ring of PREFETCH_DEPTH slots, each
 as large as the largest unit streamed (a tensor group, or a layer's KV where pshard's scheme
 streams it) — the runtime copies the next unit while the current one computes —, the workspace (the compute buffer
 of memory.py) and the KV of the layers whose KV lives there. llama.cpp's: the weights it holds on
@@ -86,8 +86,8 @@ def device_usage(
     rows = 0
     if here(mine["output"]):
         rows = min(tier, w.users) if target == "refengine" else tier
-    # a workspace on every device that computes something (seed 004: a device holding a layer
-    # holds a compute buffer too); llama.cpp's op-offload computes on the first GPU
+    # a workspace on every device that computes something (llama.cpp #14484: a device holding a
+    # layer holds a compute buffer too); llama.cpp's op-offload computes on the first GPU
     holds = any(here(loc) for loc in mine.values()) or any(here(loc) for loc in place.kv.values())
     offloads = (
         op_offload and target == "llamacpp" and device == 0 and tier >= OP_OFFLOAD_MIN_TOKENS

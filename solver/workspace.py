@@ -1,5 +1,5 @@
 """Our runtime's workspace: every device array one ubatch needs, laid out in the memory map's
-`workspace` region, so the engine allocates nothing after warm-up (CONTRACTS.md, Budget). The
+`workspace` region, so the engine allocates nothing after warm-up (docs/contracts.md, Budget). The
 memory model of a `refengine` plan reserves exactly this (`memory.compute_nbytes`), and cudarun
 carves its arrays from it (`arrays`): one layout, so the two cannot disagree.
 """

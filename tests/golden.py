@@ -3,7 +3,7 @@
 Shared by scripts/record_golden.py (which writes the fixtures with llama.cpp) and
 tests/test_golden.py (which replays llama.cpp's tokens through the NumPy engine).
 
-The comparison follows CONTRACTS.md: our engine is fed llama.cpp's tokens; its top-1 must equal
+The comparison follows docs/contracts.md: our engine is fed llama.cpp's tokens; its top-1 must equal
 llama.cpp's greedy token at every continuation position up to the first near-tie (llama.cpp's top
 two logits closer than max(0.01, 2 * TOL * max|logit|), TOL = 1e-2 because llama.cpp quantizes
 activations to 8 bits); over every position, top-1 agreement and the mean KL(llama.cpp || ours).

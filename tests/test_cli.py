@@ -283,7 +283,7 @@ def test_gpu_from_takes_a_shipped_profile_name(tmp_path):
 
 
 def test_threads_reach_the_plan_of_run(small_models, tmp_path):
-    """--threads is a fingerprint input (CONTRACTS.md): the plan run solves names it."""
+    """--threads is a fingerprint input (docs/contracts.md): the plan run solves names it."""
     import shutil
 
     model = shutil.copy(small_models["llama"], tmp_path / "m.gguf")

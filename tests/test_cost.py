@@ -301,7 +301,7 @@ def test_several_users_attend_over_their_own_stream_or_the_whole_unified_cache()
     """A decode step of 32 users at depth 2000 on the CPU (20 GB/s, 100 GFLOP/s). With a KV
     stream per user each token scores its own 2000 + 1 keys; with one unified cache (and always
     under llama.cpp, whose plans export -kvu) each scores all 32 x 2000 + 32 cells, the other
-    users' masked: 32x the flops, the waste seed 003 removes. Both read the same cells."""
+    users' masked: 32x the flops, the waste llama.cpp #14363 removes. Both read the same cells."""
     hp, users, depth = DENSE.hparams, 32, 2000
     w = Workload(n_ctx=32 * 4096, prompt_tokens=2000, gen_tokens=100, users=users)
     streams, unified, llama = (

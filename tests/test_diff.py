@@ -1,4 +1,4 @@
-"""`refengine diff` judges a plan by the bounds of its named path (CONTRACTS.md, Tolerances):
+"""`refengine diff` judges a plan by the bounds of its named path (docs/contracts.md, Tolerances):
 teacher-forced top-1 with near-ties excused and mean KL decide, the normwise error is printed beside.
 The judging on logits built to agree or disagree, then the command on a tiny synthetic model: a
 hybrid plan on the int8 path meets its bounds, and the same plan with a weight slot holding the

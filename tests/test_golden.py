@@ -1,9 +1,9 @@
 """The reference engine against llama.cpp's recorded runs (scripts/record_golden.py).
 
-Fed llama.cpp's tokens, the engine's logits must agree with llama.cpp's (CONTRACTS.md): wherever
-the top-1 differs, llama.cpp's own top two were a near-tie (so its greedy continuation is ours up
-to a near-tie, and teacher-forced after); over the long prompt, top-1 agreement >= 98% and mean
-KL(llama.cpp || ours) < 5e-3. The `-f32` fixtures are llama.cpp on an F32 copy of the same
+Fed llama.cpp's tokens, the engine's logits must agree with llama.cpp's (docs/contracts.md):
+wherever the top-1 differs, llama.cpp's own top two were a near-tie (so its greedy continuation is
+ours up to a near-tie, and teacher-forced after); over the long prompt, top-1 agreement >= 98% and
+mean KL(llama.cpp || ours) < 5e-3. The `-f32` fixtures are llama.cpp on an F32 copy of the same
 weights, without its 8-bit activations, and must agree far more tightly.
 """
 

@@ -1,5 +1,5 @@
 """Kernels against the reference operations on fresh random inputs, outputs poisoned with NaN so
-an unwritten element fails (CONTRACTS.md tolerances: normwise max|a-b|/max|b| < 1e-3 in fp32).
+an unwritten element fails (docs/contracts.md tolerances: normwise max|a-b|/max|b| < 1e-3 in fp32).
 Without a GPU the CUDA kernels run on the Numba simulator at tiny shapes; `gpu` tests run the
 driver layer and real shapes on a GPU."""
 
@@ -91,7 +91,7 @@ def test_gpu_matvec3_makes_q_k_and_v_of_three_types_in_one_launch():
         assert normwise(out.copy_to_host(), want) < 1e-3, q.name
 
 
-# CPU paths and their tolerances (CONTRACTS.md): int8 activations 1e-2, fp32 1e-3
+# CPU paths and their tolerances (docs/contracts.md): int8 activations 1e-2, fp32 1e-3
 CPU_TOLERANCE = {"q8": 1e-2, "f16": 1e-3, "f32": 1e-3, "blas": 1e-3}
 
 

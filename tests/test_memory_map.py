@@ -55,7 +55,7 @@ def test_tensor_split_regions_are_aligned_under_odd_budgets(smollm2):
 
 def test_the_runtime_own_memory_comes_out_of_the_budget(smollm2):
     """On a GPU, cuBLAS's handle and the kernels' code live outside the arena and inside the
-    budget (CONTRACTS.md): the arena, and every region, gets the budget less them."""
+    budget (docs/contracts.md): the arena, and every region, gets the budget less them."""
     from solver.budget import CUDA_RUNTIME_NBYTES
 
     budget = int(0.4 * smollm2.weights_nbytes) + CUDA_RUNTIME_NBYTES

@@ -10,7 +10,7 @@ from .test_strategies import PROFILE
 
 
 def test_fingerprint_matches_pshards_test_vector():
-    # PSHARD.md: values (4096, 1, 8, -1, 1, 1, 123456789, -1) -> 0xebbb9f302b757df5
+    # docs/pshard.md: values (4096, 1, 8, -1, 1, 1, 123456789, -1) -> 0xebbb9f302b757df5
     assert fingerprint([4096, 1, 8, -1, 1, 1, 123456789, -1]) == 0xEBBB9F302B757DF5
 
 

@@ -124,7 +124,7 @@ def test_cpu_engine_sequences_equal_their_own_runs(small_models, arch, unified):
     """The fused decode layer takes a step's tokens together (`cpu.row_dots`) and each attends over
     its own cells only. The row intrinsics of different token counts round differently in the last
     bit (~3e-7), which can flip an int8 activation a layer later (~4e-4 in the logits on gemma3),
-    so the bound is the int8 path's kernel bound, 1e-2 (CONTRACTS.md), far below what a token
+    so the bound is the int8 path's kernel bound, 1e-2 (docs/contracts.md), far below what a token
     attending over another sequence's cells would cost."""
     from cudarun.cpu_engine import CpuEngine
 

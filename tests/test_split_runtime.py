@@ -1,6 +1,7 @@
-"""Tensor split in our runtime (issue 20, seed 002): each device holds its shares of every matrix,
-of the KV heads and of the head, by ratios the budgets allow; two sums a layer over host memory.
-Checked against the NumPy engine on the stand-in, with every cross-queue wait shown needed."""
+"""Tensor split in our runtime (issue 20, llama.cpp #19378): each device holds its shares of every
+matrix, of the KV heads and of the head, by ratios the budgets allow; two sums a layer over host
+memory. Checked against the NumPy engine on the stand-in, with every cross-queue wait shown
+needed."""
 
 from __future__ import annotations
 

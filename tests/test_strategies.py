@@ -1,5 +1,5 @@
 """The named placements: each respects the budget in every tier and has the shape its system gives
-it (LLAMACPP.md for fit, PSHARD.md for pshard's)."""
+it (docs/llamacpp.md for fit, docs/pshard.md for pshard's)."""
 
 import pytest
 
@@ -107,7 +107,7 @@ def test_layerstream_pins_the_front_and_streams_the_rest():
     assert pinned == list(range(len(pinned))) and len(pinned) < DENSE.hparams.n_layer
     last = DENSE.hparams.n_layer - 1
     assert place.groups[f"blk.{last}.ffn_up"].kind == STREAMED
-    assert place.groups["output"].kind == CPU  # PSHARD.md reason 8
+    assert place.groups["output"].kind == CPU  # docs/pshard.md reason 8
 
 
 def test_streaming_beats_cpu_prefill_for_a_model_that_does_not_fit():

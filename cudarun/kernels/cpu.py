@@ -1,7 +1,7 @@
 """CPU kernels for the tensors a plan computes on the host: matrix x activations reading the GGUF
 blocks in place, on a chosen number of threads.
 
-The paths, named by what they compute (CONTRACTS.md tolerances):
+The paths, named by what they compute (docs/contracts.md tolerances):
 - `q8` (every quantized type): the activations are quantized to int8 with a scale per 32 values
   and each row's blocks are dotted in integers (`simd.row_*`), as llama.cpp's CPU backend does;
   normwise error <= 1e-2. This is the fast path.

@@ -1,5 +1,5 @@
 """Matrix x activations for large token counts (prefill): the path named "fp16 tensor-core"
-(CONTRACTS.md tolerance 1e-2).
+(docs/contracts.md tolerance 1e-2).
 
 A Numba kernel dequantizes the weight's GGUF blocks into an fp16 panel, the activations are
 rounded to fp16, and cuBLAS multiplies them on the tensor cores with fp32 accumulation and an fp32

@@ -3,7 +3,7 @@
 Numba's auto-vectorizer turns a scalar loop over 4-bit or 8-bit quants into float conversions and
 FMAs, 8 values per instruction: on a two-core host that decoded Q4_K at a quarter of llama.cpp's
 rate. These intrinsics do what ggml's CPU kernels do, with activations quantized to int8 (the
-"q8" path; CONTRACTS.md tolerance for int8 activation dot products): unsigned-by-signed byte
+"q8" path; docs/contracts.md tolerance for int8 activation dot products): unsigned-by-signed byte
 products summed in pairs (`pmaddubsw`), pairs of those summed with the sub-block scales
 (`pmaddwd`), the block sums kept in a float vector and reduced once per row. On x86 with AVX2
 those two instructions are named, and where the host has VNNI one `vpdpbusd` does both for the

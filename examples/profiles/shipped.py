@@ -3,7 +3,7 @@
     .venv/bin/python examples/profiles/shipped.py     # rewrites the three JSON files here
 
 Two client machines from the seeds, built from datasheets and public measurements only, and the lent
-H100 machine from ../shared/GPU_NOTES.md. These were committed before any comparison against the
+H100 machine from docs/toolchain.md. These were committed before any comparison against the
 seeds' measurements was run, and are not to be tuned to fit them (issue 8). Figures marked
 `derived` are estimates with their formula; `refengine profile` on the machine replaces them.
 """
@@ -30,8 +30,8 @@ LAUNCH = (
 )
 GRAPH = "derived: a kernel replayed in a CUDA graph costs about a third of a host launch (1.5 us)"
 HOP = (
-    "derived: PSHARD.md trace, 2.1 ms of copy-engine transitions over 57 D2H + 35 H2D copies per "
-    "token = 23 us per hop"
+    "derived: docs/pshard.md trace, 2.1 ms of copy-engine transitions over 57 D2H + 35 H2D "
+    "copies per token = 23 us per hop"
 )
 
 
@@ -49,7 +49,7 @@ def rtx5080_xeon() -> HardwareProfile:
             "GB/s",
             0.75 * bw,
             "derived: 75% of 960 GB/s, the fraction llama.cpp's "
-            "decode reaches on an RTX 4090 (seed 002: 8B Q4_0 tg128 175.4 t/s)",
+            "decode reaches on an RTX 4090 (llama.cpp #19378: 8B Q4_0 tg128 175.4 t/s)",
         ),
         matmul_tflops=_const(
             "TFLOP/s",
@@ -64,7 +64,7 @@ def rtx5080_xeon() -> HardwareProfile:
         h2d_gbps_while_cpu_computes=Figure(
             27.7,
             "public: pshard authors measured 27.5-27.9 GB/s "
-            "with the CPU computing (PSHARD.md, Profiler)",
+            "with the CPU computing (docs/pshard.md, Profiler)",
         ),
         launch_seconds=Figure(5e-6, LAUNCH),
         graph_kernel_seconds=Figure(1.5e-6, GRAPH),
@@ -73,7 +73,7 @@ def rtx5080_xeon() -> HardwareProfile:
     cpu = CPUProfile(
         name="Intel Xeon w5-3425 (12 cores)",
         threads=12,
-        memory_gbps=Figure(host, "public: seed 000, '512 GB system RAM (peak ~90 GB/s)'"),
+        memory_gbps=Figure(host, "public: llama.cpp #22692, '512 GB system RAM (peak ~90 GB/s)'"),
         matvec_gbps=RateTable(
             "GB/s",
             {
@@ -82,7 +82,7 @@ def rtx5080_xeon() -> HardwareProfile:
                         0.5 * host,
                         "derived: half the host "
                         "bandwidth, as llama.cpp's CPU MUL_MAT_ID reaches on EPYC 7742 "
-                        "(43-52 GB/s, PSHARD.md)",
+                        "(43-52 GB/s, docs/pshard.md)",
                     )
                 }
             },
@@ -113,7 +113,7 @@ def rtx4090_epyc() -> HardwareProfile:
         matvec_gbps=_const(
             "GB/s",
             0.75 * bw,
-            "derived: seed 002, llama 8B Q4_0 tg128 175.4 t/s x 4.3 GB = 0.75 of 1008 GB/s",
+            "derived: llama.cpp #19378, llama 8B Q4_0 tg128 175.4 t/s x 4.3 GB = 0.75 of 1008 GB/s",
         ),
         matmul_tflops=_const(
             "TFLOP/s",
@@ -149,7 +149,7 @@ def rtx4090_epyc() -> HardwareProfile:
                     64: Figure(
                         47.5,
                         "public: llama.cpp CPU "
-                        "MUL_MAT_ID 43-52 GB/s once cache hits were removed (PSHARD.md)",
+                        "MUL_MAT_ID 43-52 GB/s once cache hits were removed (docs/pshard.md)",
                     )
                 }
             },
@@ -167,12 +167,12 @@ def rtx4090_epyc() -> HardwareProfile:
         "rtx4090-epyc-7742",
         (gpu,),
         cpu,
-        "client machine of seed 001; datasheets and public measurements",
+        "client machine of llama.cpp #22691; datasheets and public measurements",
     )
 
 
 def h100() -> HardwareProfile:
-    notes = "../shared/GPU_NOTES.md, measured 2026-11-22 with cuda-python"
+    notes = "docs/toolchain.md, measured 2026-11-22 with cuda-python"
     d2d = 2990.0
     gpu = GPUProfile(
         name="NVIDIA H100 80GB HBM3 (PCIe Gen5 x16)",
@@ -216,7 +216,7 @@ def h100() -> HardwareProfile:
                 ANY_TYPE: {
                     1: Figure(
                         0.5 * 9.6,
-                        "derived: half the 1-thread host read rate (9.6 GB/s, GPU_NOTES.md)",
+                        "derived: half the 1-thread host read rate (9.6 GB/s, docs/toolchain.md)",
                     ),
                     16: Figure(0.5 * 82.0, "derived: half the 16-thread host read rate (82 GB/s)"),
                 }
@@ -231,9 +231,9 @@ def h100() -> HardwareProfile:
 
 
 def rtx4090_rtx3060_epyc() -> HardwareProfile:
-    """Two GPUs of different sizes (seed 004's case: 24 GB cards beside small ones) on the EPYC
-    host: the RTX 4090 above, and an RTX 3060 12 GB. For multi-GPU planning examples; added after
-    the seed comparison, which does not use it."""
+    """Two GPUs of different sizes (llama.cpp #14484's case: 24 GB cards beside small ones) on the
+    EPYC host: the RTX 4090 above, and an RTX 3060 12 GB. For multi-GPU planning examples; added
+    after the seed comparison, which does not use it."""
     big = rtx4090_epyc()
     bw = 360.0
     small = replace(

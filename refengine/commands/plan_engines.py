@@ -42,7 +42,7 @@ def diff(model, prompt, tokens, n_predict, ctx_size, engine_name, **plan_args) -
     """The plan engine against the NumPy engine, both fed the prompt and n greedy steps of the
     NumPy engine: each block's largest normwise error, then the logits judged by the bounds of
     the plan's named path (fp32, fp16 GEMM or int8: teacher-forced top-1 with near-ties excused,
-    and mean KL; CONTRACTS.md, Tolerances). Exits 1 only when a bound fails."""
+    and mean KL; docs/contracts.md, Tolerances). Exits 1 only when a bound fails."""
     from rich.console import Console
     from rich.table import Table
 
