@@ -16,7 +16,6 @@ from dataclasses import dataclass
 import numpy as np
 
 from refengine import defaults
-from refengine import reference as ref
 from refengine.engine import SequenceCalls, keep_all
 from refengine.sequences import Sequences, Ubatch
 from refengine.spec import ModelSpec
@@ -25,9 +24,11 @@ from solver.groups import tensor_groups
 
 from . import program
 from .hostmath import Act, HostMath
-from .kernels import cpu, cpu_layer
-from .hostweights import Placed, group_layout, tensors_of
+from .kernels import cpu
+from .fused_layers import FusedLayers
+from .hostweights import group_layout, in_file
 from .kvstore import KVCells, KVMirror
+from .plan_check import check_plan
 
 
 @dataclass
@@ -37,39 +38,6 @@ class HostTier:
     tier: int
     place: TierPlacement
     parts: list
-
-
-@dataclass
-class FusedLayer:
-    """A layer's decode as one kernel call (dense) or two (routed: the attention half, then the
-    experts, the router between them in Python): the seven matrices' types (q, k, v, o, then the
-    FFN's gate, up, down or their expert stacks), each half's arguments, the router's tensor."""
-
-    qtypes: tuple
-    attention: tuple  # q, k, v, o, their biases, the norms, the layer's K and V cache
-    ffn: tuple  # gate, up, down (routed: and an expert's bytes in each), the post-FFN norm
-    router: str | None
-    ints: np.ndarray  # cpu_layer.INTS
-    floats: np.ndarray  # cpu_layer.FLOATS
-    swa: bool
-
-
-# a fused layer's FFN matrices (and groups), dense or routed
-FFN_MATRICES = {False: ("ffn_gate", "ffn_up", "ffn_down"),
-                True: ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")}  # fmt: skip
-
-
-def _fused_tensors(moe: bool):
-    attn = ("attn_norm", "attn_q", "attn_k", "attn_v", "attn_output", "attn_q.bias",
-            "attn_k.bias", "attn_v.bias", "attn_q_norm", "attn_k_norm", "post_attention_norm",
-            "ffn_norm", "post_ffw_norm")  # fmt: skip
-    ffn = (("ffn_gate_inp",) if moe else ()) + FFN_MATRICES[moe]
-    names = [n if n.endswith(".bias") else n + ".weight" for n in attn + ffn]
-    return lambda prefix: {prefix + n for n in names}
-
-
-# what a fused layer computes: a layer with any other tensor runs part by part
-FUSED_TENSORS = {moe: _fused_tensors(moe) for moe in (False, True)}
 
 
 def all_cpu(spec: ModelSpec) -> TierPlacement:
@@ -88,8 +56,6 @@ class CpuEngine(SequenceCalls):
                  n_ctx: int | None = None, tiers: list[int] | None = None, progress: bool = False,
                  n_seq: int = 1, unified: bool = False):  # fmt: skip
         from solver.plan import plan_workload
-
-        from .executor import check_plan
 
         self.spec = spec
         if plan is not None:
@@ -117,78 +83,14 @@ class CpuEngine(SequenceCalls):
         self.weights = {}  # group -> its tensors, read in place from the file
         for g in tensor_groups(spec):
             self.weights[g.name] = {
-                p.info.name: _in_file(source, p.info) for p in group_layout(spec, g)
+                p.info.name: in_file(source, p.info) for p in group_layout(spec, g)
             }
         self.seqs = Sequences(self.n_ctx, n_seq, unified)
         self.mirror = KVMirror(spec, self.n_ctx)  # n_ctx cells, shared out by `cells`
         self.cells = KVCells(self.seqs, spec.hparams.n_swa)
-        self.layers = self._layer_calls()
+        self.fused = FusedLayers(spec, self.weights, self.math, self.mirror)
+        self.layers = self.fused.layers  # None: the parts run one by one
         self.trace_events = None
-
-    def _layer_calls(self) -> list | None:
-        """Per layer, its `FusedLayer` — None when some layer cannot take one (a matrix type
-        without int8 rows, a tensor the kernels do not know), and the parts run one by one."""
-        spec, hp, tr = self.spec, self.spec.hparams, self.spec.arch
-        empty = np.empty(0, np.float32)
-        out = []
-        for il in range(hp.n_layer):
-            p = f"blk.{il}."
-            ffn = FFN_MATRICES[tr.moe]
-            t = {k: v for g in ("attn", *ffn) for k, v in self.weights.get(p + g, {}).items()}
-            names = ("attn_q", "attn_k", "attn_v", "attn_output", *ffn)
-            if any(p + n + ".weight" not in t for n in names) or set(t) - FUSED_TENSORS[tr.moe](p):
-                return None
-            infos = [spec.by_name[p + n + ".weight"] for n in names]
-            if any(i.qtype not in cpu.Q8_ROWS for i in infos):
-                return None
-
-            def vec(name):
-                return self.math._dense(t, p + name) if p + name in t else empty
-
-            swa = spec.is_swa(il)
-            base, scale = (hp.rope_base_swa, 1.0) if swa else (hp.rope_base, hp.rope_scale)
-            ints = np.array([hp.n_head, hp.n_head_kv, hp.head_dim, hp.head_dim_v, hp.n_rot,
-                             tr.rope_style == "neox", hp.n_swa if swa else 0, tr.ffn_act == "gelu",
-                             infos[4].shape[-2]], np.int64)  # fmt: skip
-            floats = np.array([hp.rms_eps, base, scale, hp.attn_scale], np.float64)
-            attention = (
-                *(t[i.name].reshape(-1) for i in infos[:4]),
-                vec("attn_q.bias"), vec("attn_k.bias"), vec("attn_v.bias"),
-                vec("attn_norm.weight"), vec("attn_q_norm.weight"), vec("attn_k_norm.weight"),
-                vec("post_attention_norm.weight"), vec("ffn_norm.weight"),
-                self.mirror.k[il].view(np.uint16), self.mirror.v[il].view(np.uint16),
-            )  # fmt: skip
-            stacks = [t[i.name] for i in infos[4:]]
-            sizes = (np.array([a[0].nbytes for a in stacks], np.int64),) if tr.moe else ()
-            out.append(FusedLayer(
-                tuple(i.qtype for i in infos), attention,
-                (*(a.reshape(-1) for a in stacks), *sizes, vec("post_ffw_norm.weight")),
-                p + "ffn_gate_inp.weight" if tr.moe else None, ints, floats, swa,
-            ))  # fmt: skip
-        return out
-
-    def _fused_layer(self, st: Act, il: int) -> None:
-        layer = self.layers[il]
-        # a copy: the kernels update the residual in place, and an earlier part may have recorded
-        # st.x itself as its block's output
-        x = np.array(st.x, np.float32, order="C")
-        c = st.cells
-        cells = (st.pos, c.write, c.lo_swa if layer.swa else c.lo, c.hi, c.seq, c.cell_pos,
-                 c.cell_seq, layer.ints, layer.floats)  # fmt: skip
-        key = cpu.token_key(x.shape[0])
-        if layer.router is None:
-            cpu_layer.layer_kernel(layer.qtypes, key)(x, *layer.attention, *cells, *layer.ffn)
-        else:  # the attention half, the router here (any architecture's rule), the experts
-            h = np.empty_like(x)
-            cpu_layer.attention_kernel(layer.qtypes[:4], key)(x, *layer.attention, *cells, h)
-            logits = self.math.mm(h, self.weights[f"blk.{il}.attn"], layer.router)
-            ids, gates = ref.moe_route(logits, self.spec.hparams.n_expert_used,
-                                       self.spec.arch.expert_weights_norm)  # fmt: skip
-            cpu_layer.moe_ffn_kernel(layer.qtypes[4:])(x, h, ids, gates, *layer.ffn,
-                                                      layer.ints, layer.floats)  # fmt: skip
-        st.x = x
-        if f"blk.{il}.out" in self.requested:
-            st.record[f"blk.{il}.out"] = x.copy()
 
     # -- Engine API (prefill, decode and the calls of several sequences: SequenceCalls) -----------
 
@@ -213,7 +115,7 @@ class CpuEngine(SequenceCalls):
         for part in tier.parts:
             if fused and part.layer is not None and self.layers[part.layer] is not None:
                 if part.kind == "qkv":
-                    self._fused_layer(st, part.layer)
+                    self.fused.run(st, part.layer, self.requested)
             elif part.kind == "kq":
                 math.kq_on_host(st, part.layer, self.mirror)
             else:
@@ -234,8 +136,3 @@ class CpuEngine(SequenceCalls):
 
     def launch_report(self, launch_seconds: float) -> list[str]:
         return []
-
-
-def _in_file(source: np.ndarray, info) -> np.ndarray:
-    """A tensor's bytes in the memory-mapped file, as `tensors_of` gives a group's."""
-    return tensors_of([Placed(info, 0)], source[info.offset : info.offset + info.nbytes])[info.name]

@@ -33,7 +33,8 @@ from . import counts, program
 from .device_hops import DeviceHops
 from .device_shards import DeviceShards
 from .devicemath import CACHE_SLOTS, CACHED, ROUTED_IDS, DeviceMath, device_tensors
-from .executor import PlanError, PlanExecutor, Tier, group_bytes, local_name, weight_steps
+from .executor import PlanExecutor, Tier, group_bytes, local_name, weight_steps
+from .plan_check import PlanError
 from .expert_cache import Admission
 from .hostmath import Act, HostMath
 from .hostweights import cache_ranges, cache_stacks, routed_ranges

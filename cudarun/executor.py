@@ -23,17 +23,18 @@ import numpy as np
 
 from refengine.agreement import PATHS
 from refengine.engine import SequenceCalls, keep_all
-from refengine.errors import UserError
 from refengine.sequences import Sequences, Ubatch, one_sequence
 from refengine.spec import ModelSpec
 from solver.cost import CPU, PINNED, ROUTED, Loc, TierPlacement
 from solver.groups import cache_nbytes, routed_slot_nbytes, tensor_groups
 from solver.memory import kv_cell_nbytes, kv_layer_nbytes
-from solver.plan import Region, fingerprint_hash, placements_from_json, plan_workload
+from solver.plan import placements_from_json, plan_workload
+from solver.regions import Region
 from solver.shares import Shares
 from solver.usage import kv_shape
 
 from . import program, tensor_program
+from .plan_check import check_plan, check_users
 from .kvstore import SEQ_WINDOW, KVCells, SwaPool, device_cells
 from .counts import schedule_operations
 from .expert_cache import Admission, ExpertCache
@@ -46,51 +47,6 @@ from .tensor_program import SUMS
 # parts whose arithmetic is exact on every queue: the token rows, the attention over the fp16 KV,
 # a tensor split's sums and gather
 EXACT_PARTS = ("embed", "kq", *SUMS, "logits")
-
-
-class PlanError(UserError):
-    pass
-
-
-def check_plan(plan: dict, spec: ModelSpec) -> None:
-    """One line for a plan this runtime cannot execute on this model."""
-    fp = plan["fingerprint"]
-    if fp["model"] != spec.name or fp["model_nbytes"] != spec.file_nbytes:
-        raise PlanError(
-            f"the plan was solved for {fp['model']} ({fp['model_nbytes']} B), not this file "
-            f"{spec.name} ({spec.file_nbytes} B); solve again for it"
-        )
-    if fingerprint_hash(fp) != plan.get("fingerprint_hash"):
-        raise PlanError("the plan's fingerprint does not match its contents; solve again")
-    if plan["target"] != "refengine":
-        raise PlanError(f"this plan targets {plan['target']}; the runtime executes `--target "
-                        "refengine` plans: solve with that")  # fmt: skip
-    if fp["kv_type"] != "f16":
-        raise PlanError("the runtime keeps an f16 KV cache; solve with --kv-type f16")
-    if plan["split_mode"] == "tensor":
-        return
-    for t, place in placements_from_json(plan, spec).items():
-        routed = {}
-        for g in tensor_groups(spec):
-            loc = place.groups[g.name]
-            if loc.kind == ROUTED:
-                routed.setdefault(g.layer, set()).add((loc.cache, loc.prefetch))
-                attn = place.groups[f"blk.{g.layer}.attn"]
-                if loc.prefetch and attn.kind == CPU:
-                    raise PlanError(f"tier {t}: {g.name} prefetches, but its layer's attention "
-                                    "is on the CPU; solve again")  # fmt: skip
-        if any(len(v) > 1 for v in routed.values()):
-            raise PlanError(f"tier {t}: a layer's routed stacks must share one expert cache; "
-                            "solve again")  # fmt: skip
-
-
-def check_users(plan: dict, n_seq: int) -> None:
-    """One line when a plan's KV (its sliding-window cells, its logit rows) was sized for fewer
-    sequences than asked for."""
-    users = plan["fingerprint"]["users"]
-    if n_seq > users:
-        raise PlanError(f"the plan was solved for {users} user(s), not {n_seq} sequences; solve "
-                        f"again with --users {n_seq}")  # fmt: skip
 
 
 class Tier:

@@ -202,3 +202,8 @@ def _progress(groups: list[Group], total: int, show: bool):
         for g in groups:
             yield g
             bar.advance(task, g.nbytes)
+
+
+def in_file(source: np.ndarray, info) -> np.ndarray:
+    """A tensor's bytes in the memory-mapped file, as `tensors_of` gives a group's."""
+    return tensors_of([Placed(info, 0)], source[info.offset : info.offset + info.nbytes])[info.name]

@@ -16,6 +16,7 @@ from typing import Callable
 from solver.profile import ANY_TYPE, PANEL_TYPE, CPUProfile, Figure, RateTable
 
 from refengine.quants import qtype as as_qtype
+from refengine.spec import ModelSpec
 
 from .bench_cpu import GIB, host_read_gbps, last_level_cache_nbytes, matmul_rate
 from .kernels import cpu
@@ -403,11 +404,19 @@ def decode_rows(spec) -> int:
     return rows
 
 
+def matrices(spec: ModelSpec) -> list:
+    """The matrices a token multiplies by (the embedding is a row lookup)."""
+    return [t for t in spec.tensors if len(t.shape) >= 2 and t.name != "token_embd.weight"]
+
+
+def token_nbytes(spec: ModelSpec) -> int:
+    """The weight bytes one generated token reads: every matrix, the head included."""
+    return sum(t.nbytes for t in matrices(spec))
+
+
 def row_seconds_and_gbps(seconds: tuple[float, float], specs) -> tuple[float, float]:
     """(seconds per row, GB/s) that price both twins' decode times as bytes / rate + rows x
     seconds per row (two equations, two unknowns)."""
-    from .measure_llamacpp import token_nbytes
-
     (b1, b2), (r1, r2) = ([token_nbytes(s) for s in specs], [decode_rows(s) for s in specs])
     (t1, t2), det = seconds, b1 * r2 - b2 * r1
     per_byte = (t1 * r2 - t2 * r1) / det

@@ -28,8 +28,8 @@ from solver.profile import ANY_TYPE, Figure, RateTable
 
 from .measure_cpu import (ATTENTION_DIMS, LAYER, MATMUL_TOKENS, MATVEC_TYPES, ROUTED,
                           SCORE_HEADS, fixed_layer_seconds, layer_config, layer_counts,
-                          layer_read_nbytes, routed_fixed, row_seconds_and_gbps, row_twin_config,
-                          row_twins, score_twin_config)
+                          layer_read_nbytes, matrices, routed_fixed, row_seconds_and_gbps,
+                          row_twin_config, row_twins, score_twin_config, token_nbytes)
 
 # wide enough that the matrices, not the per-op overheads, take the time; as deep as a 1B model,
 # so that a prompt runs for seconds over weights many times the last-level cache, as a real
@@ -41,11 +41,6 @@ QUICK_SHAPE = dict(n_layer=1, n_embd=512, n_ff=1536, n_head=4, n_head_kv=4, n_vo
 GEN_TOKENS = 16
 
 
-def matrices(spec: ModelSpec) -> list:
-    """The matrices a token multiplies by (the embedding is a row lookup)."""
-    return [t for t in spec.tensors if len(t.shape) >= 2 and t.name != "token_embd.weight"]
-
-
 def prompt_flops(spec: ModelSpec, tokens: int) -> float:
     """A prompt's matrix FLOPs through the layers (llama-bench asks for the last token's logits
     only) and its causal attention: QK^T and PV over 1..tokens keys."""
@@ -54,11 +49,6 @@ def prompt_flops(spec: ModelSpec, tokens: int) -> float:
     keys = tokens * (tokens + 1) / 2
     attention = 4.0 * hp.n_layer * hp.n_head * hp.head_dim * keys
     return 2.0 * layers * tokens + attention
-
-
-def token_nbytes(spec: ModelSpec) -> int:
-    """The weight bytes one generated token reads: every matrix, the head included."""
-    return sum(t.nbytes for t in matrices(spec))
 
 
 def bench_runs(llama_bench: Path, model: Path, threads: int, runs: int,

@@ -33,6 +33,8 @@ import numpy as np
 
 from refengine.spec import ModelSpec
 
+from .hostweights import in_file
+
 # what each part reads and writes of the activations (`hostmath.Act`, the device workspace)
 FIELDS = {
     "embed": ((), ("x",)),
@@ -182,7 +184,7 @@ class SegmentRunner:
     """Runs a segment's parts on an `Act` with the CPU kernels (`HostMath`, the named int8 path):
     a kq part over the host KV mirror, the others over the group's host tensors, and a dense layer
     the segment covers whole, for a ubatch of fewer than `cpu.BLAS_TOKENS` tokens, as one call of
-    the cpu engine's fused layer (`CpuEngine._fused_layer`, reused over this engine's weights)."""
+    the cpu engine's fused layer (`fused_layers`, over this engine's weights)."""
 
     def __init__(self, spec: ModelSpec, math, host, mirror):
         self.spec, self.math, self.host, self.mirror = spec, math, host, mirror
@@ -198,8 +200,7 @@ class SegmentRunner:
         for part in parts[segment.first : segment.stop]:
             if fused is not None and part.layer in segment.layers:
                 if part.layer != done:
-                    fused.requested = requested
-                    fused._fused_layer(st, part.layer)
+                    fused.run(st, part.layer, requested)
                     done = part.layer
             elif part.kind == "kq":
                 self.math.kq_on_host(st, part.layer, self.mirror)
@@ -208,28 +209,11 @@ class SegmentRunner:
 
     def _fused_layers(self):
         if self._fused is None:
+            from .fused_layers import FusedLayers
+
             self._fused = FusedLayers(self.spec, _GroupTensors(self.spec, self.host), self.math,
                                       self.mirror)  # fmt: skip
         return self._fused if self._fused.layers is not None else None
-
-
-def _cpu_engine():
-    from .cpu_engine import CpuEngine
-
-    return CpuEngine
-
-
-class FusedLayers:
-    """The cpu engine's fused decode layer over another engine's host weights, math and KV mirror:
-    `CpuEngine._layer_calls` and `CpuEngine._fused_layer` themselves, bound to this object, which
-    has the attributes they read (spec, weights, math, mirror, layers, requested)."""
-
-    def __init__(self, spec: ModelSpec, weights: Mapping, math, mirror):
-        engine = _cpu_engine()
-        self.spec, self.weights, self.math, self.mirror = spec, weights, math, mirror
-        self.requested: set[str] | frozenset = frozenset()
-        self._fused_layer = engine._fused_layer.__get__(self)
-        self.layers = engine._layer_calls(self)  # None: some matrix type has no int8 rows
 
 
 class _GroupTensors(Mapping):
@@ -245,11 +229,9 @@ class _GroupTensors(Mapping):
     def __getitem__(self, group: str) -> dict:
         if group in self.host.offsets:
             return self.host.tensors(group)
-        from .cpu_engine import _in_file
-
         if self._source is None:
             self._source = np.memmap(self.spec.path, dtype=np.uint8, mode="r").view(np.ndarray)
-        return {p.info.name: _in_file(self._source, p.info) for p in self.layouts[group]}
+        return {p.info.name: in_file(self._source, p.info) for p in self.layouts[group]}
 
     def __iter__(self):
         return iter(self.layouts)

@@ -1,6 +1,6 @@
 """What a tier switch does to the device arena: from one tier's memory map to the next's.
 
-Regions (solver.plan.Region: name, offset_bytes, nbytes) named `weights:*` and `kv:*` hold
+Regions (solver.regions.Region: name, offset_bytes, nbytes) named `weights:*` and `kv:*` hold
 content that must survive a switch; `scratch:*` and `workspace` do not. Between two maps:
 - a region in both at a new offset moves on the device (D2D);
 - a `kv:*` region only in the old map is downloaded to host memory (the KV moves to the host);

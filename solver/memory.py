@@ -36,14 +36,10 @@ from dataclasses import dataclass
 from refengine.quants import qtype
 from refengine.spec import ModelSpec
 
-CELL_PAD = 256
+from .cells import pad_cells
 KV_TYPES = ("f16", "q8_0")
 PIPELINE_COPIES = 4  # GGML_SCHED_MAX_COPIES
 PIPELINED_INT_INPUT_NBYTES = 24  # per token and copy
-
-
-def pad_cells(n: int) -> int:
-    return -(-n // CELL_PAD) * CELL_PAD
 
 
 @dataclass(frozen=True)

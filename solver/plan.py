@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import dataclass
 from pathlib import Path
 
 from refengine.errors import UserError
@@ -20,6 +19,7 @@ from refengine.spec import ModelSpec
 from .cost import PINNED, ROUTED, STREAMED, Loc, Prediction, TierPlacement, Workload
 from .groups import Group, cache_nbytes, tensor_groups
 from .memory import kv_layer_nbytes
+from .regions import Region
 from .routing import RoutingStats
 from .shares import Shares
 from .tensor_split import device_nbytes, split_memory_map, tensor_split_nbytes
@@ -28,13 +28,6 @@ from .workspace import ALIGN, align_up, map_padding_nbytes
 
 SCHEMA = "refengine.plan"
 VERSION = 1
-
-
-@dataclass(frozen=True)
-class Region:
-    name: str
-    offset_bytes: int
-    nbytes: int
 
 
 def memory_map(

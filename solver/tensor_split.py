@@ -33,6 +33,7 @@ from .cost import (
 from .groups import EMBD, EXPERTS, tensor_groups
 from .memory import compute_nbytes, kv_cells, kv_layer_nbytes
 from .profile import HardwareProfile
+from .regions import Region
 from .shares import DIMS, FF, FF_EXP, HEADS, VOCAB, Shares, group_share_nbytes
 from .shares import kv_share_cell_nbytes, shares_for
 from .shares import units
@@ -172,8 +173,6 @@ def split_memory_map(spec: ModelSpec, w: Workload, tier: int, shares: Shares, bu
                      d: int) -> list:  # fmt: skip
     """Device d's arena in a tier, as `plan.memory_map` lays out a layer split's: its weight
     shares from the left, the workspace, its KV share of every layer from the right."""
-    from .plan import Region
-
     if not shares.takes_part(d):
         return []
     regions, offset = [], 0

@@ -12,7 +12,7 @@ import numpy as np
 
 from refengine.spec import ModelSpec
 
-from .memory import pad_cells
+from .cells import pad_cells
 
 ALIGN = 256
 # the prefill GEMM dequantizes a weight to fp16 a panel of rows at a time: each panel is a

@@ -550,7 +550,7 @@ def test_the_head_of_a_decode_is_priced_by_its_rows_and_bytes_where_measured():
 def test_twins_of_equal_bytes_and_unequal_rows_give_the_cost_per_byte_and_per_row(tmp_path):
     """The row twins' decode times, made from a known rate and cost per row, give both back."""
     from cudarun.measure_cpu import decode_rows, row_seconds_and_gbps, row_twin_config
-    from cudarun.measure_llamacpp import token_nbytes
+    from cudarun.measure_cpu import token_nbytes
     from refengine.spec import load_spec
     from refengine.synthetic import write_synthetic
 

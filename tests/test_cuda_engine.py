@@ -124,7 +124,7 @@ def test_a_short_prompt_on_a_prefill_tier_takes_the_decode_kernels(tiny):
 def test_a_plan_whose_workspace_is_too_small_says_solve_again(tiny):
     """A plan saved by an earlier runtime whose layout needed less workspace: one line, not an
     assertion deep in the engine."""
-    from cudarun.executor import PlanError
+    from cudarun.plan_check import PlanError
 
     spec, _ = tiny
     plan = tiers_1_and_64(spec, 8)

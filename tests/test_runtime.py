@@ -8,7 +8,7 @@ import functools
 import numpy as np
 import pytest
 
-from cudarun.executor import PlanError
+from cudarun.plan_check import PlanError
 from cudarun.standin_engine import StandInEngine
 from refengine.agreement import agreement_along, normwise, reference_run
 from refengine.engine import NumpyEngine

@@ -249,7 +249,7 @@ def test_plan_executor_sequences_equal_their_own_runs(small_models, arch, unifie
 
 
 def test_plan_executor_refuses_more_sequences_than_its_plan_has_users(small_models):
-    from cudarun.executor import PlanError
+    from cudarun.plan_check import PlanError
     from cudarun.standin_engine import StandInEngine
 
     spec = load_spec(str(small_models["gemma3"]))

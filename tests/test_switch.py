@@ -7,7 +7,7 @@ import numpy as np
 from hypothesis import given, settings, strategies as st
 
 from cudarun.switch import Step, apply_steps, switch_steps
-from solver.plan import Region
+from solver.regions import Region
 
 NAMES = [f"weights:g{i}" for i in range(5)] + [f"kv:{i}" for i in range(4)]
 SIZES = {n: 8 + 4 * i for i, n in enumerate(NAMES)}

@@ -8,7 +8,7 @@ import click
 
 from ..errors import UserError
 from ..models import load_model
-from . import ENGINES, cli, plan_options
+from .base import ENGINES, cli, plan_options
 
 
 @cli.command("batched-bench")
@@ -80,7 +80,7 @@ def _engine(name: str, spec, n_ctx: int, n_seq: int, unified: bool, n_prompt: in
         from ..engine import NumpyEngine
 
         return NumpyEngine(spec, n_ctx=n_ctx, n_seq=n_seq, unified=unified)
-    from . import plan_engine
+    from .base import plan_engine
 
     engine, _ = plan_engine(name, spec, n_ctx, dict(plan_args, n_seq=n_seq, unified=unified),
                             n_prompt, n_gen)  # fmt: skip

@@ -10,7 +10,7 @@ import click
 from ..info import info_dict
 from ..models import load_model
 from ..spec import ROLES
-from . import cli
+from .base import cli
 
 
 def _mib(n: int) -> str:

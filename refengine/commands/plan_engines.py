@@ -11,7 +11,7 @@ import click
 from .. import defaults
 from ..errors import UserError
 from ..models import load_model
-from . import PLAN_ENGINES, cli, parse_tokens, plan_engine, plan_options
+from .base import PLAN_ENGINES, cli, parse_tokens, plan_engine, plan_options
 
 
 def _prompt_ids(spec, prompt, tokens) -> list[int]:

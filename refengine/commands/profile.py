@@ -10,7 +10,7 @@ from pathlib import Path
 import click
 
 from ..errors import UserError
-from . import THREADS_CHECK, cli, open_for_writing
+from .base import THREADS_CHECK, cli, open_for_writing
 
 
 @cli.command()

@@ -9,7 +9,7 @@ from pathlib import Path
 import click
 
 from ..errors import UserError
-from . import cli, open_for_writing
+from .base import cli, open_for_writing
 
 
 @cli.command("profile-routing")

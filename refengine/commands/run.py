@@ -12,7 +12,7 @@ import click
 from .. import defaults
 from ..errors import UserError
 from ..models import load_model
-from . import ENGINES, cli, open_for_writing, parse_tokens, plan_engine, plan_options
+from .base import ENGINES, cli, open_for_writing, parse_tokens, plan_engine, plan_options
 
 
 @cli.command()

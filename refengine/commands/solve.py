@@ -13,7 +13,7 @@ import click
 from .. import defaults
 from ..errors import UserError
 from ..models import load_model_or_shape, shape_argument
-from . import THREADS_CHECK, USERS_CHECK, cli, open_for_writing
+from .base import THREADS_CHECK, USERS_CHECK, cli, open_for_writing
 
 
 @cli.command()

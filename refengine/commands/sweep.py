@@ -12,7 +12,7 @@ import click
 from .. import defaults
 from ..errors import UserError
 from ..models import load_model_or_shape, shape_argument
-from . import THREADS_CHECK, USERS_CHECK, cli
+from .base import THREADS_CHECK, USERS_CHECK, cli
 
 OPTIMIZER_SLOWER = 1e-3  # relative: below the solver's own gap target, a tie
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import click
 
-from . import cli
+from .base import cli
 
 
 @cli.command()

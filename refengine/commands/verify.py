@@ -8,7 +8,7 @@ from pathlib import Path
 import click
 
 from ..models import load_model_or_shape, resolve_model
-from . import cli
+from .base import cli
 
 MIB = 1 << 20
 
