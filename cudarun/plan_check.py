@@ -7,6 +7,7 @@ from refengine.spec import ModelSpec
 from solver.cost import CPU, ROUTED
 from solver.groups import tensor_groups
 from solver.plan import fingerprint_hash, placements_from_json
+from solver.targets import traits
 
 
 class PlanError(UserError):
@@ -23,7 +24,7 @@ def check_plan(plan: dict, spec: ModelSpec) -> None:
         )
     if fingerprint_hash(fp) != plan.get("fingerprint_hash"):
         raise PlanError("the plan's fingerprint does not match its contents; solve again")
-    if plan["target"] != "refengine":
+    if not traits(plan["target"]).our_runtime:
         raise PlanError(f"this plan targets {plan['target']}; the runtime executes `--target "
                         "refengine` plans: solve with that")  # fmt: skip
     if fp["kv_type"] != "f16":

@@ -61,6 +61,7 @@ from .groups import tensor_groups
 from .memory import expected_distinct_experts, kv_cell_nbytes
 from .profile import ANY_TYPE, PANEL_TYPE, Figure, HardwareProfile
 from .routing import RoutingStats, miss_ratio, prefetch_ratios
+from .targets import traits
 from .workspace import MAX_DECODE_TOKENS, matrix_launches
 
 PINNED, STREAMED, CPU = "pinned", "streamed", "cpu"
@@ -238,10 +239,10 @@ class CostModel:
         target: str = "refengine",
     ):
         self.spec, self.profile, self.w = spec, profile, workload
-        self.target = target
+        self.target, self.traits = target, traits(target)
         # a llamacpp plan exports -np N -kvu: its users share one cache
-        self.unified = workload.unified or target == "llamacpp"
-        self.overlap = target != "llamacpp"  # our runtime and pshard's prefetch; llama.cpp does not
+        self.unified = workload.unified or self.traits.shares_one_cache
+        self.overlap = self.traits.overlaps_copies
         self.groups = tensor_groups(spec)
         self.by_layer: dict[int | None, list[Group]] = {}
         for g in self.groups:
@@ -261,7 +262,7 @@ class CostModel:
         """Where g really runs: llama.cpp copies CPU-held weights to the GPU for ubatches of 32
         tokens and more (op-offload); the embedding's row gather stays on the CPU."""
         if (
-            self.target == "llamacpp"
+            self.traits.op_offload
             and self.profile.gpus  # llama.cpp's CPU backend alone offloads nothing
             and loc.kind == CPU
             and g.kind != EMBD
@@ -299,7 +300,7 @@ class CostModel:
         cpu = self.profile.cpu
         nbytes, flops = self.work(g, tokens)
         # llama.cpp's own kernels where the profile measured them (`measure_llamacpp`)
-        llama = self.target == "llamacpp"
+        llama = self.traits.ggml_cpu
         matvec = (cpu.llamacpp_matvec_gbps if llama and cpu.llamacpp_matvec_gbps
                   else cpu.matvec_gbps)  # fmt: skip
         read = nbytes / (matvec.at(g.qtype, self.threads) * 1e9)
@@ -389,14 +390,14 @@ class CostModel:
     def copy_seconds(self, nbytes: float, device: int, cpu_busy: bool) -> float:
         gpu = self.profile.gpus[device]
         rate = gpu.h2d_gbps_while_cpu_computes.value if cpu_busy else gpu.h2d_gbps.value
-        if self.target == "pshard":
+        if self.traits.pageable_copies:
             rate = min(rate, PSHARD_PAGEABLE_H2D_GBPS)
         return nbytes / (rate * 1e9) + gpu.copy_latency_seconds.value
 
     def routed_copy(self, g: Group, held: Loc) -> bool:
         """Whether llama.cpp op-offloads g copying only its routed experts: a CPU-held expert
         stack (ggml-backend's scheduler, for a MUL_MAT_ID whose weight is in a host buffer)."""
-        return self.target == "llamacpp" and g.kind == EXPERTS and held.kind == CPU
+        return self.traits.op_offload and g.kind == EXPERTS and held.kind == CPU
 
     def routed_copy_seconds(self, g: Group, tokens: int, device: int, cpu_busy: bool) -> float:
         """An expert stack's selective copy (llama.cpp's op-offload, our runtime's routed
@@ -488,14 +489,14 @@ class CostModel:
             )
         cpu = self.profile.cpu
         gbps = cpu.memory_gbps.value
-        if self.target == "llamacpp":  # ggml's CPU kernel reads the KV head once per query head
+        if self.traits.ggml_cpu:  # ggml's CPU kernel reads the KV head once per query head
             nbytes *= hp.n_head / hp.n_head_kv
             gbps = (cpu.llamacpp_attention_gbps.value if cpu.llamacpp_attention_gbps
                     else gbps * GGML_CPU_ATTENTION_EFFICIENCY)  # fmt: skip
             if tokens > 1 and cpu.llamacpp_prompt_score_seconds:  # its prompt's, as measured
                 score = cpu.llamacpp_prompt_score_seconds.at(ANY_TYPE, hp.head_dim)
                 return np.maximum(nbytes / (gbps * 1e9), hp.n_head * tokens * keys * score)
-        if (self.target != "llamacpp" and tokens >= HOST_PANEL_TOKENS
+        if (not self.traits.ggml_cpu and tokens >= HOST_PANEL_TOKENS
                 and cpu.attention_score_seconds and cpu.attention_row_seconds):  # fmt: skip
             # our host prefill scores every cell of its range, the later ones masked, and its
             # softmax's passes over the scores cost more than the products' FLOPs
@@ -504,7 +505,7 @@ class CostModel:
             return np.maximum(nbytes / (gbps * 1e9),
                               rows * (cells * score + cpu.attention_row_seconds.value))
         # our decode's attention (the fused layer's, cell by cell), where measured
-        if self.target != "llamacpp" and tokens < HOST_PANEL_TOKENS and cpu.decode_score_seconds:
+        if not self.traits.ggml_cpu and tokens < HOST_PANEL_TOKENS and cpu.decode_score_seconds:
             score = cpu.decode_score_seconds.at(ANY_TYPE, hp.head_dim)
             return np.maximum(nbytes / (gbps * 1e9), hp.n_head * tokens * keys * score)
         return np.maximum(
@@ -517,7 +518,7 @@ class CostModel:
         tokens and more, whose scheduler puts a CPU-held layer's attention between its two
         op-offloaded matmuls, on the GPU, and copies the cached cells up (ggml-backend.c pass 2
         skips FLASH_ATTN_EXT in pass 1, then expands the GPU assignment over it)."""
-        if (kv.on_gpu or self.target != "llamacpp" or tokens < OP_OFFLOAD_MIN_TOKENS
+        if (kv.on_gpu or not self.traits.op_offload or tokens < OP_OFFLOAD_MIN_TOKENS
                 or not self.profile.gpus):  # fmt: skip
             return kv
         return Loc(STREAMED, device)
@@ -542,7 +543,7 @@ class CostModel:
         """Launches of a group's products on our runtime: one a product, but past the matvec
         tokens each product is a dequantize and a cuBLAS call per fp16 panel
         (`workspace.matrix_launches`); the experts' pass is one launch either way."""
-        if self.target != "refengine" or g.kind == EXPERTS or tokens <= MAX_DECODE_TOKENS:
+        if not self.traits.panel_launches or g.kind == EXPERTS or tokens <= MAX_DECODE_TOKENS:
             return 1
         if g.name not in self._panel_launches:
             by_name = self.spec.by_name

@@ -27,6 +27,7 @@ from refengine.spec import ModelSpec, layer_of
 from .budget import DEFAULT_N_BATCH
 from .cost import CPU, TierPlacement, check_kv_cache
 from .groups import tensor_groups
+from .targets import traits
 
 CPU_BUFT = "CPU"
 
@@ -432,7 +433,7 @@ def export_plan(d: dict, spec: ModelSpec, fmt: str) -> str:
         return command_line(spec, devices_named(tensor_split_args(d, spec)), program)
     tiers = placements_from_json(d, spec)
     if flags:
-        if d["target"] != "llamacpp":
+        if not traits(d["target"]).llamacpp_flags:
             raise UserError(
                 "this plan is for refengine's runtime (streamed, per tier); solve "
                 "with --target llamacpp to export llama.cpp flags"

@@ -20,6 +20,7 @@ from refengine.errors import UserError
 from refengine.spec import ModelSpec
 
 from .export import on_rpc_servers, rpc_buffer
+from .targets import traits
 
 LLAMACPP_VERSION = "0.3.36"  # the llama-cpp-python sdist scripts/build_llamacpp.sh builds
 MIB = 1 << 20
@@ -248,7 +249,7 @@ def verify_plan(d: dict, spec: ModelSpec, model_path: str, bin_dir: Path | None,
     from .export import export_plan, tensor_devices
     from .plan import placements_from_json, plan_devices
 
-    if d.get("target") != "llamacpp":
+    if not traits(d.get("target", "refengine")).llamacpp_flags:
         raise UserError("verify checks llamacpp plans: solve with --target llamacpp")
     if d.get("split_mode") == "tensor":
         raise UserError("verify reads layer-split placements; this plan splits every tensor")

@@ -37,6 +37,7 @@ from refengine.quants import qtype
 from refengine.spec import ModelSpec
 
 from .cells import pad_cells
+from .targets import traits
 KV_TYPES = ("f16", "q8_0")
 PIPELINE_COPIES = 4  # GGML_SCHED_MAX_COPIES
 PIPELINED_INT_INPUT_NBYTES = 24  # per token and copy
@@ -85,7 +86,7 @@ def compute_nbytes(
     logits there (llama.cpp reserves for all n_ubatch; our runtime, one per sequence): llama.cpp's
     as measured against it (above); our runtime's, exact (its workspace layout, and the most
     that aligning its memory map's regions adds)."""
-    if target == "refengine":
+    if not traits(target).ggml_memory:
         from .workspace import layout, map_padding_nbytes, nbytes
 
         return nbytes(layout(spec, n_ubatch, output_rows, n_ctx)) + map_padding_nbytes(spec)

@@ -171,7 +171,7 @@ def optimize(
         shapes = [s for s in shapes if s.part == "prefill"]
     elif objective == "tps":
         shapes = [s for s in shapes if s.part == "decode"]
-    if p.target == "llamacpp":  # one placement for every ubatch the request runs
+    if not cm.traits.per_tier:  # one placement for every ubatch the request runs
         units = [(max(tiers), tiers)]
     else:  # a plan per tier; those the request does not use are planned for a typical ubatch
         units = [(t, [t]) for t in tiers]
@@ -265,7 +265,7 @@ def _pareto(options: list[Option]) -> list[Option]:
 
 def _locs(cm: CostModel, device: int) -> tuple[Loc, ...]:
     """llama.cpp can hold a weight (and a layer's KV) on the GPU or on the CPU, not stream it."""
-    if cm.target == "llamacpp":
+    if not cm.traits.streams:
         return (Loc(PINNED, device), Loc(CPU))
     return (Loc(PINNED, device), Loc(STREAMED, device), Loc(CPU))
 
@@ -275,7 +275,7 @@ def _extra_unit(cm: CostModel, groups: list[Group], locs, op_offload: bool,
     """Device bytes an option needs besides what it pins: our runtime's ring slot (its largest
     streamed unit; a routed stack's slot for a ubatch of `tokens`, less its expert cache), or
     llama.cpp's room for copying its largest CPU-held weight (op-offload)."""
-    if cm.target == "llamacpp":
+    if cm.traits.op_offload:
         held = [g.nbytes for g, loc in zip(groups, locs) if loc.kind == CPU and g.kind != EMBD]
         return max(held, default=0) if op_offload else 0
     units = [
@@ -313,7 +313,7 @@ def _layer_options(cm: CostModel, il: int, shapes, kv_nbytes: int, op_offload: b
     groups = cm.by_layer[il]
     options = []
     locs_here = _locs(cm, device)
-    routable = (Loc(ROUTED, device),) if cm.target == "refengine" else ()
+    routable = (Loc(ROUTED, device),) if cm.traits.streams else ()
     per_group = [locs_here + (routable if g.kind == EXPERTS else ()) for g in groups]
     combos = []
     for locs in itertools.product(*per_group):
@@ -350,7 +350,7 @@ def _global_options(cm: CostModel, g: Group, shapes, logits_nbytes: int, op_offl
     layer is the program's)."""
     options = []
     if g.kind == EMBD:  # a row gather: never streamed (and llama.cpp keeps it on the CPU)
-        locs = (Loc(CPU),) if cm.target == "llamacpp" else (Loc(PINNED, device), Loc(CPU))
+        locs = (Loc(CPU),) if cm.traits.embd_on_cpu else (Loc(PINNED, device), Loc(CPU))
     else:
         locs = _locs(cm, device)
     for loc in locs:
@@ -387,7 +387,7 @@ def _program(
 ) -> tuple[TierPlacement | None, float, float, str]:
     """The program of one tier (for llama.cpp: of the static placement, sized at `tier`): its
     placement (None when the time ran out first), objective, bound and status."""
-    llama = cm.target == "llamacpp"
+    llama = cm.traits.llamacpp_flags  # llama.cpp runs this placement
     budgets = p.budgets
     devices = range(len(budgets))
     n_layer = p.spec.hparams.n_layer

@@ -22,6 +22,7 @@ from .memory import kv_layer_nbytes
 from .regions import Region
 from .routing import RoutingStats
 from .shares import Shares
+from .targets import traits
 from .tensor_split import device_nbytes, split_memory_map, tensor_split_nbytes
 from .usage import PREFETCH_DEPTH, device_usage, kv_shape
 from .workspace import ALIGN, align_up, map_padding_nbytes
@@ -186,7 +187,7 @@ def plan_json(
                 ]
                 for d in devices
             }
-            if target == "refengine"
+            if traits(target).our_runtime
             else {},
             "predicted_ubatch_seconds": {
                 str(d): {
@@ -227,7 +228,8 @@ def plan_json(
         "tiers": out_tiers,
         "shares": shares.to_json() if shares is not None else None,
         # llama.cpp allocates once, for its largest ubatch, with the one placement of every tier
-        "memory_worst": out_tiers[str(max(tiers))]["memory"] if target == "llamacpp" else None,
+        "memory_worst": (out_tiers[str(max(tiers))]["memory"] if traits(target).ggml_memory
+                         else None),
     }
 
 

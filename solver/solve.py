@@ -22,6 +22,7 @@ from .profile import HardwareProfile
 from .strategies import STRATEGIES, Problem, fit_for_runtime
 from .shares import Shares, units
 from .tensor_split import evaluate_tensor_split, refengine_split, short_devices
+from .targets import traits
 from .tensor_split import tensor_split_nbytes
 from .usage import device_usage, fits_budgets, kv_shape
 
@@ -91,12 +92,13 @@ def solve(
             tiers_ = fit_for_runtime(Problem(spec, profile, w, tuple(tiers), first), named.tiers)
             named = Outcome(strategy, tiers_, evaluate(tiers_, spec, profile, w, target), target)
         return named, baselines, {}
-    if target == "refengine" and split_mode == "tensor":
+    runner = traits(target)
+    if runner.our_runtime and split_mode == "tensor":
         chosen, facts = split_by_tensors(spec, profile, w, tiers, budgets, began)
         return chosen, baselines, facts
     all_pinned = _all_pinned(spec, tiers)
     if (
-        target == "refengine"
+        runner.our_runtime
         and not more
         and all(fits_budgets(spec, w, all_pinned[t], t, budgets, target) for t in tiers)
     ):
@@ -112,18 +114,18 @@ def solve(
     # #14484).
     fit_plan = next(b.tiers for b in baselines if b.name == "fit")
     fit_ours = fit_for_runtime(Problem(spec, profile, w, tuple(tiers), first), fit_plan)
-    starts = {**ours, "fit": fit_ours} if target == "refengine" else {}
+    starts = {**ours, "fit": fit_ours} if runner.our_runtime else {}
     candidates = []
     tops = [t for t in tiers if t >= PREFILL_MIN_TOKENS] or [max(tiers)]
     short = [t for t in tiers if t < min(tops)]
-    if target == "refengine" and short:  # a short prompt may be faster in decode-sized ubatches
+    if runner.per_tier and short:  # a short prompt may be faster in decode-sized ubatches
         tops.insert(0, max(short))  # (no large tier's workspace, no switch)
     for top in tops:
         below = tuple(t for t in tiers if t <= top)
         excluded = excluded_devices(spec, w, top, budgets) if more else {}
         usable = [0 if d in excluded else b for d, b in enumerate(budgets)]
         sub = Problem(spec, profile, w, below, usable[0], target, tuple(usable[1:]), expert_cache)
-        if target == "llamacpp":
+        if not runner.our_runtime:  # llama.cpp's program starts from its own --fit
             name, start = "fit", STRATEGIES["fit"](sub)
             seconds = evaluate(start, spec, profile, w, target).objective(objective)
             scored = []
@@ -140,20 +142,20 @@ def solve(
     # llama.cpp: one program per candidate
     memo: dict = {}
     share = time_limit_seconds / (
-        len(tiers) + len(candidates) if target == "refengine" else len(candidates)
+        len(tiers) + len(candidates) if runner.per_tier else len(candidates)
     )
     pool, bounds, refusals, solved = [], [], [], None
     for _, top, sub, name, start, excluded, scored in sorted(candidates, key=lambda c: c[0]):
         pool += [(sec, 2, f"{n} (ubatch {top})", plan, excluded) for sec, n, plan in scored]
         try:
-            units = len(sub.tiers) if target == "refengine" else 1
+            units = len(sub.tiers) if runner.per_tier else 1
             sol = optimize(sub, objective, share * units, start, memo)
         except UserError as e:  # this prefill ubatch does not fit; a smaller one may
             refusals.append(str(e))
             continue
         bounds.append(sol.bound_seconds)
         pool.append((sol.objective_seconds, 0, f"optimizer (ubatch {top})", sol.tiers, excluded))
-        if target == "refengine":  # one placement for every tier: no switch to pay
+        if runner.per_tier:  # one placement for every tier: no switch to pay
             for t, place in sorted(sol.tiers.items()):
                 static = {
                     u: place for u in sub.tiers if fits_budgets(spec, w, place, u, sub.budgets)
@@ -181,7 +183,7 @@ def solve(
             solved = (sol, name, top)
     if solved is None:
         need = "its workspace" + (
-            " and room to copy its largest CPU-held weight" if target == "llamacpp" else ""
+            " and room to copy its largest CPU-held weight" if runner.op_offload else ""
         )
         raise UserError(
             f"no placement fits ({'; '.join(refusals)}): the first GPU needs {need}; "
@@ -192,7 +194,7 @@ def solve(
     _, _, chosen_from, plan, excluded = min(pool, key=lambda c: c[:2])
     chosen = Outcome("optimal", plan, evaluate(plan, spec, profile, w, target), target)
     tensor_facts = None
-    if target == "refengine" and more and split_mode is None:  # or our tensor split, if faster
+    if runner.our_runtime and more and split_mode is None:  # or our tensor split, if faster
         try:
             split, tensor_facts = split_by_tensors(spec, profile, w, tiers, budgets, began)
         except UserError:  # it does not fit, or the model cannot be split so
@@ -203,7 +205,7 @@ def solve(
                 chosen = split
             else:
                 tensor_facts = None
-    if target == "llamacpp" and more and split_mode != "layer":  # or split every matrix
+    if runner.llamacpp_flags and more and split_mode != "layer":  # or split every matrix
         split = _tensor_split(spec, profile, w, tiers, budgets)
         if split is not None:
             baselines.append(split)

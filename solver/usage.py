@@ -25,9 +25,9 @@ from .groups import (
     tensor_groups,
 )
 from .memory import PIPELINE_COPIES, KVShape, compute_nbytes, kv_layer_nbytes
+from .targets import traits
 
 PREFETCH_DEPTH = 2
-TARGETS = ("refengine", "llamacpp")
 
 
 @dataclass(frozen=True)
@@ -67,6 +67,7 @@ def device_usage(
 ) -> Usage:
     """`op_offload`: whether llama.cpp's first device computes CPU-held weights of ubatches of 32
     tokens and more (a GPU does; an RPC server does not)."""
+    runner = traits(target)
     mine = {g.name: place.groups[g.name] for g in groups}
     here = lambda loc: loc.kind != CPU and loc.device == device  # noqa: E731
     weights = sum(g.nbytes for g in groups if here(mine[g.name]) and mine[g.name].kind == PINNED)
@@ -85,17 +86,17 @@ def device_usage(
             streamed_units.append(kv_layer_nbytes(spec, il, kv))
     rows = 0
     if here(mine["output"]):
-        rows = min(tier, w.users) if target == "refengine" else tier
+        rows = tier if runner.ggml_memory else min(tier, w.users)
     # a workspace on every device that computes something (llama.cpp #14484: a device holding a
     # layer holds a compute buffer too); llama.cpp's op-offload computes on the first GPU
     holds = any(here(loc) for loc in mine.values()) or any(here(loc) for loc in place.kv.values())
     offloads = (
-        op_offload and target == "llamacpp" and device == 0 and tier >= OP_OFFLOAD_MIN_TOKENS
+        op_offload and runner.op_offload and device == 0 and tier >= OP_OFFLOAD_MIN_TOKENS
     )
     # llama.cpp pipelines ubatches over several devices when every layer is offloaded whole
     layers = [mine[g.name] for g in groups if g.kind != EMBD]
     pipelined = (
-        target == "llamacpp"
+        runner.ggml_memory
         and all(loc.kind != CPU for loc in layers)
         and len({loc.device for loc in layers}) > 1
     )
@@ -105,7 +106,7 @@ def device_usage(
     )
     holds_masks = pipelined and here(mine["blk.0.attn"])  # the first layer's device makes them
     # routed experts held on the CPU and computed there: their device only mixes their outputs
-    on_cpu = target == "llamacpp" and not (op_offload and tier >= OP_OFFLOAD_MIN_TOKENS)
+    on_cpu = runner.ggml_memory and not (op_offload and tier >= OP_OFFLOAD_MIN_TOKENS)
     cpu_experts = {g.layer for g in groups if g.kind == EXPERTS and mine[g.name].kind == CPU}
     mine_layers = {g.layer for g in groups if g.kind == ATTN_SIDE and here(mine[g.name])}
     mixes = on_cpu and bool(mine_layers) and mine_layers <= cpu_experts
@@ -119,7 +120,7 @@ def device_usage(
         if holds or offloads
         else 0
     )
-    if target == "refengine":
+    if not runner.ggml_memory:
         scratch = PREFETCH_DEPTH * max(streamed_units, default=0)
     else:  # llama.cpp copies one CPU-held weight at a time into its compute buffer
         biggest = max(

@@ -83,3 +83,15 @@ def test_the_project_has_no_import_cycle():
     graph = {name: imports(name, path, known) for name, path in known.items()}
     assert graph["cudarun.cpu_engine"] >= {"cudarun.fused_layers", "cudarun.plan_check"}
     assert not cycles(graph)
+
+
+def test_no_code_branches_on_a_target_name():
+    """What differs between targets is a trait of `solver.targets` (one table), not a comparison
+    with a target's name scattered through the solver."""
+    import re
+
+    named = re.compile(r"""[=!]=\s*["'](refengine|llamacpp|pshard)["']""")
+    hits = [f"{path.relative_to(ROOT)}:{n}"
+            for path in modules().values()
+            for n, line in enumerate(path.read_text().splitlines(), 1) if named.search(line)]
+    assert not hits, hits

@@ -66,6 +66,7 @@ def sweep(model, arch, params, qtype, budget, ctx, pcie_gbps, reserve, profile_n
     from solver.solve import load_profile, request_workload
     from solver.sweep import SWEEP_SOLVER_SECONDS, is_range, parse_range, sweep, with_pcie
     from solver.sweep import write_png
+    from solver.targets import traits
 
     ranges = {name: text for name, text in (("budget", budget), ("ctx", ctx),
                                              ("pcie", pcie_gbps)) if is_range(text)}  # fmt: skip
@@ -125,7 +126,7 @@ def sweep(model, arch, params, qtype, budget, ctx, pcie_gbps, reserve, profile_n
             f"[red]the optimizer is slower end to end than a named placement at "
             f"{', '.join(_value(axis, r.value) for r in slower)} {axis.unit}[/]"
             + ("; pshard's strategies run on our runtime, a llamacpp plan on llama.cpp with its "
-               "own memory terms" if target == "llamacpp" else "")
+               "own memory terms" if traits(target).llamacpp_flags else "")
         )  # fmt: skip
     if png:
         write_png(axis, rows, png, heading)
