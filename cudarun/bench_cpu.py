@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 from numba import njit, prange
 
-from refengine.quants import Q, qtype as as_qtype, quantize
+from refengine.quants import qtype as as_qtype, quantize
 from refengine.synthetic import random_kquant_blocks
 
 from .kernels import cpu
@@ -60,10 +60,10 @@ def host_read_gbps(threads: int = 0, nbytes: int = GIB, runs: int = 5) -> float:
 
 def random_weights(t, rows: int, cols: int, rng) -> np.ndarray:
     """Random GGUF blocks of type t (valid K-quant blocks: gguf-py cannot quantize those)."""
-    t = as_qtype(t).ggml
-    if t in (Q.Q4_K, Q.Q5_K, Q.Q6_K):
-        return random_kquant_blocks(rng, (rows, cols), t, 0.02).reshape(-1)
-    return quantize(rng.normal(0, 0.02, size=(rows, cols)).astype(np.float32), t).reshape(-1)
+    if not as_qtype(t).quantizable:
+        return random_kquant_blocks(rng, (rows, cols), as_qtype(t).ggml, 0.02).reshape(-1)
+    return quantize(rng.normal(0, 0.02, size=(rows, cols)).astype(np.float32),
+                    as_qtype(t).ggml).reshape(-1)
 
 
 @dataclass(frozen=True)

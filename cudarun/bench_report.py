@@ -11,11 +11,14 @@ from rich.console import Console
 from rich.table import Table
 
 from refengine.errors import UserError
+from refengine.quants import CUDA, supported
 
 from . import bench_cpu
 
-CPU_TYPES = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K", "F16")
-GPU_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K")
+# the types with a CPU decode kernel (int8 rows, and F16's fp16 rows); every type the CUDA engine
+# supports
+CPU_TYPES = (*(q.name for q in bench_cpu.cpu.Q8_ROWS), "F16")
+GPU_TYPES = tuple(q.name for q in supported(CUDA))
 SHAPES = ((4096, 14336), (14336, 4096))
 
 

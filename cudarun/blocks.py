@@ -24,6 +24,8 @@ import math
 from gguf import GGMLQuantizationType as Q
 from numba.extending import register_jitable
 
+from refengine.quants import QTYPES
+
 
 @register_jitable
 def half(raw, off):
@@ -172,17 +174,23 @@ def decode_q6_k(raw, base, out):
                 out[128 * n + 32 * quarter + lane] = d * sc * (((low & 15) | (high << 4)) - 32)
 
 
-# type -> (block decoder, values per block, bytes per block)
-LAYOUTS = {
-    Q.F32: (decode_f32, 1, 4),
-    Q.F16: (decode_f16, 1, 2),
-    Q.BF16: (decode_bf16, 1, 2),
-    Q.Q8_0: (decode_q8_0, 32, 34),
-    Q.Q4_0: (decode_q4_0, 32, 18),
-    Q.Q4_1: (decode_q4_1, 32, 20),
-    Q.Q5_0: (decode_q5_0, 32, 22),
-    Q.Q5_1: (decode_q5_1, 32, 24),
-    Q.Q4_K: (decode_q4_k, 256, 144),
-    Q.Q5_K: (decode_q5_k, 256, 176),
-    Q.Q6_K: (decode_q6_k, 256, 210),
+# type -> its block decoder (values and bytes per block: refengine.quants.QTYPES)
+DECODERS = {
+    Q.F32: decode_f32,
+    Q.F16: decode_f16,
+    Q.BF16: decode_bf16,
+    Q.Q8_0: decode_q8_0,
+    Q.Q4_0: decode_q4_0,
+    Q.Q4_1: decode_q4_1,
+    Q.Q5_0: decode_q5_0,
+    Q.Q5_1: decode_q5_1,
+    Q.Q4_K: decode_q4_k,
+    Q.Q5_K: decode_q5_k,
+    Q.Q6_K: decode_q6_k,
 }
+
+
+def layout(qtype) -> tuple:
+    """(block decoder, values per block, bytes per block) of a type."""
+    q = QTYPES[qtype]
+    return DECODERS[qtype], q.block_elems, q.block_nbytes

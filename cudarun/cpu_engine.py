@@ -17,6 +17,7 @@ import numpy as np
 
 from refengine import defaults
 from refengine.engine import SequenceCalls, keep_all
+from refengine.quants import require
 from refengine.sequences import Sequences, Ubatch
 from refengine.spec import ModelSpec
 from solver.cost import CPU, Loc, TierPlacement, Workload
@@ -58,6 +59,7 @@ class CpuEngine(SequenceCalls):
         from solver.plan import plan_workload
 
         self.spec = spec
+        require({t.qtype for t in spec.tensors}, self.name)
         if plan is not None:
             check_plan(plan, spec)
             self.workload = plan_workload(plan)

@@ -23,6 +23,7 @@ import numpy as np
 
 from refengine.agreement import PATHS
 from refengine.engine import SequenceCalls, keep_all
+from refengine.quants import require
 from refengine.sequences import Sequences, Ubatch, one_sequence
 from refengine.spec import ModelSpec
 from solver.cost import CPU, PINNED, ROUTED, Loc, TierPlacement
@@ -115,6 +116,7 @@ class PlanExecutor(SequenceCalls):
 
         check_plan(plan, spec)
         check_users(plan, n_seq)
+        require({t.qtype for t in spec.tensors}, self.name)
         self.spec, self.plan, self.workload = spec, plan, plan_workload(plan)
         self.n_ctx = plan["fingerprint"]["n_ctx"]
         self.budgets = plan["fingerprint"]["budget_bytes"]  # one arena per device

@@ -15,14 +15,14 @@ from typing import Callable
 
 from solver.profile import ANY_TYPE, PANEL_TYPE, CPUProfile, Figure, RateTable
 
-from refengine.quants import qtype as as_qtype
+from refengine.quants import HOST, measured_on, qtype as as_qtype
 from refengine.spec import ModelSpec
 
 from .bench_cpu import GIB, host_read_gbps, last_level_cache_nbytes, matmul_rate
 from .kernels import cpu
 
 KERNEL = "cudarun CPU kernels (q8 matvec, fp32-panel BLAS matmul)"
-MATVEC_TYPES = ("F16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q4_K", "Q6_K")
+MATVEC_TYPES = measured_on(HOST)
 MATMUL_TOKENS = (64, 512)
 Q8_TOKENS = (8, 64)  # an expert's share of a prompt: from cpu.BLAS_TOKENS to a few dozen
 

@@ -9,9 +9,10 @@ from __future__ import annotations
 from datetime import date
 from typing import Callable
 
+from refengine.quants import GPU, measured_on
 from solver.profile import ANY_TYPE, Figure, GPUProfile, RateTable
 
-TYPES = ("F16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_K", "Q4_K", "Q6_K")
+TYPES = measured_on(GPU)
 MATVEC_TOKENS = (1, 16)
 PREFILL_TOKENS = (64, 512)
 

@@ -41,7 +41,7 @@ def arr(dtype, ndim):
 
 def kernels():
     """(name, python function, argument types) for every kernel."""
-    from .blocks import LAYOUTS
+    from .blocks import DECODERS
     from .kernels import attention, elementwise, glue, matvec, moe, prefill
 
     f32, f16, i64, i32 = t.float32, t.float16, t.int64, t.int32
@@ -95,7 +95,7 @@ def kernels():
     for layout in "CA":
         merge_args = (t.Array(f32, 4, layout), arr(f32, 3))
         out.append((f"decode_merge[{layout}]", attention.decode_merge, merge_args))
-    for qtype in sorted(LAYOUTS, key=lambda q: q.name):
+    for qtype in sorted(DECODERS, key=lambda q: q.name):
         name = qtype.name
         out += [
             (

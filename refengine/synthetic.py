@@ -229,11 +229,8 @@ def vocabulary(n_vocab: int) -> tuple[list[str], list[int], list[str]]:
 
 # Field offsets of the K-quant blocks (ggml-common.h): where the fp16 d (and dmin) live, and the
 # expected value of the unsigned quant * sub-scale product that dmin must cancel for zero mean.
-_KQUANT_FIELDS = {
-    Q.Q4_K: dict(d=0, dmin=2, mean_q=7.5),
-    Q.Q5_K: dict(d=0, dmin=2, mean_q=15.5),
-    Q.Q6_K: dict(d=208, dmin=None, mean_q=0.0),
-}
+# a K-quant's mean unsigned quant (its minimum, dmin x m, offsets it to zero mean)
+_KQUANT_MEAN_Q = {Q.Q4_K: 7.5, Q.Q5_K: 15.5, Q.Q6_K: 0.0}
 
 
 def random_kquant_blocks(
@@ -241,17 +238,15 @@ def random_kquant_blocks(
 ) -> np.ndarray:
     """Random valid K-quant blocks for a tensor of numpy `shape`, values of spread ~std, mean ~0."""
     q = qtype(t)
-    f = _KQUANT_FIELDS[t]
     n_blocks = int(np.prod(shape)) // q.block_elems
     blocks = rng.integers(0, 256, size=(n_blocks, q.block_nbytes), dtype=np.uint8)
 
     def set_scales(d: float):
-        blocks[:, f["d"] : f["d"] + 2] = np.full((n_blocks, 1), d, np.float16).view(np.uint8)
-        if f["dmin"] is not None:
-            dmin = np.float16(d * f["mean_q"])
-            blocks[:, f["dmin"] : f["dmin"] + 2] = np.full((n_blocks, 1), dmin, np.float16).view(
-                np.uint8
-            )
+        at = q.offset("d")
+        blocks[:, at : at + 2] = np.full((n_blocks, 1), d, np.float16).view(np.uint8)
+        if q.has("dmin"):
+            at, dmin = q.offset("dmin"), np.float16(d * _KQUANT_MEAN_Q[t])
+            blocks[:, at : at + 2] = np.full((n_blocks, 1), dmin, np.float16).view(np.uint8)
 
     set_scales(1.0 / 64)
     probe = gq.dequantize(blocks[: min(n_blocks, 256)], t)
@@ -265,7 +260,7 @@ def _tensor_bytes(
     if kind != QUANTIZED:
         return quantize(rng.normal(1.0, 0.1, size=shape).astype(np.float32), Q.F32), Q.F32
     t = matrix_type(t, shape[-1])
-    if t in _KQUANT_FIELDS:
+    if not qtype(t).quantizable:
         return random_kquant_blocks(rng, shape, t, std), t
     return quantize(rng.normal(0.0, std, size=shape).astype(np.float32), t), t
 
@@ -377,7 +372,7 @@ def write_synthetic(path: str | Path, cfg: SyntheticConfig) -> Path:
                 for d in range(domains):
                     planted[domain_tokens(cfg, d)] += cfg.domain_embed * u[d]
                 # gguf-py cannot quantize given values to a K-quant (as the head below)
-                tt = matrix_type(Q.Q8_0 if tt in _KQUANT_FIELDS else tt, n_in)
+                tt = matrix_type(tt if qtype(tt).quantizable else Q.Q8_0, n_in)
                 data = quantize(planted.astype(np.float32), tt)
         elif slot.name == "output.weight":
             successor = rng.permutation(slot.shape[0])
@@ -395,7 +390,7 @@ def write_synthetic(path: str | Path, cfg: SyntheticConfig) -> Path:
                 for d in range(domains):
                     values[domain_tokens(cfg, d)] += cfg.domain_logit * std * u[d]
             # gguf-py cannot quantize given values to a K-quant: such heads are written as Q8_0
-            tt = matrix_type(Q.Q8_0 if t in _KQUANT_FIELDS else t, n_in)
+            tt = matrix_type(t if qtype(t).quantizable else Q.Q8_0, n_in)
             data = quantize(values.astype(np.float32), tt)
         else:
             data, tt = _tensor_bytes(rng, slot.shape, slot.kind, t, std)
@@ -404,7 +399,7 @@ def write_synthetic(path: str | Path, cfg: SyntheticConfig) -> Path:
                 # token's own domain at every depth instead of drifting into another's
                 values = dequantize(data, tt, slot.shape)
                 values = values - u.T @ (u @ values)
-                tt = matrix_type(Q.Q8_0 if tt in _KQUANT_FIELDS else tt, n_in)
+                tt = matrix_type(tt if qtype(tt).quantizable else Q.Q8_0, n_in)
                 data = quantize(values.astype(np.float32), tt)
         w.add_tensor(slot.name, data, raw_dtype=tt)
     w.write_header_to_file()

@@ -3,12 +3,12 @@
 import numpy as np
 from gguf import GGMLQuantizationType as Q
 
-from cudarun.blocks import LAYOUTS
+from cudarun.blocks import DECODERS, layout
 from refengine.agreement import normwise  # noqa: F401  (the kernel tests' error measure)
 from refengine.quants import quantize
 from refengine.synthetic import random_kquant_blocks
 
-TYPES = sorted(LAYOUTS, key=lambda t: t.name)
+TYPES = sorted(DECODERS, key=lambda t: t.name)
 
 
 def weights(rng, qtype, n_rows, n_cols):
@@ -20,7 +20,7 @@ def weights(rng, qtype, n_rows, n_cols):
 
 def cols(qtype, at_least):
     """A row length of whole blocks."""
-    per_block = LAYOUTS[qtype][1]
+    per_block = layout(qtype)[1]
     return max(at_least, per_block)
 
 

@@ -8,7 +8,7 @@ import pytest
 from gguf import GGMLQuantizationType as Q
 
 from cudarun import driver
-from cudarun.blocks import LAYOUTS
+from cudarun.blocks import layout
 from cudarun.kernels import cpu
 from cudarun.kernels.matvec import matvec_gpu
 from refengine.errors import UserError
@@ -24,7 +24,7 @@ def test_block_decoders_match_ggml_dequantization(qtype):
     from refengine.quants import dequantize
 
     rng = np.random.default_rng(int(qtype))
-    decode, per_block, nbytes = LAYOUTS[qtype]
+    decode, per_block, nbytes = layout(qtype)
     n = cols(qtype, 64)
     raw = weights(rng, qtype, 2, n)
     got = np.full(2 * n, np.nan, np.float32)

@@ -129,12 +129,12 @@ def test_prefill_dequantizes_a_panel_to_fp16(qtype):
     fp16: within half an fp16 ulp."""
     from numba import cuda
 
-    from cudarun.blocks import LAYOUTS
+    from cudarun.blocks import layout
     from cudarun.kernels.prefill import dequantize
     from refengine.quants import dequantize as ref
 
     rng = np.random.default_rng(17 + int(qtype))
-    n_cols = max(64, 2 * LAYOUTS[qtype][1])
+    n_cols = max(64, 2 * layout(qtype)[1])
     raw = weights(rng, qtype, 6, n_cols)
     out = cuda.to_device(np.full((3, n_cols), np.nan, np.float16))
     dequantize(cuda.to_device(raw), out, qtype, first_row=2)

@@ -1,4 +1,4 @@
-"""cudarun.measure_rpc against real llama.cpp RPC servers (the session's `rpc_servers`): bytes
+"""cudarun.measure_rpc and its rpc_client against real llama.cpp RPC servers (the session's `rpc_servers`): bytes
 set and got back equal prove the framing and the tensor layout, the memory agrees with what
 llama.cpp itself lists for the device, and what a user can get wrong is one line."""
 
@@ -11,15 +11,8 @@ import time
 import numpy as np
 import pytest
 
-from cudarun.measure_rpc import (
-    HELLO_REPLY,
-    MIB,
-    U64,
-    Cmd,
-    RpcClient,
-    check_protocol,
-    measure_rpc,
-)
+from cudarun.measure_rpc import measure_rpc
+from cudarun.rpc_client import HELLO_REPLY, MIB, U64, Cmd, RpcClient, check_protocol
 from refengine.errors import UserError
 
 
@@ -190,7 +183,8 @@ def test_a_graph_the_server_computes_is_numpys_product(rpc_servers):
     dequantized by gguf (up to ggml quantizing the activations to 8 bits)."""
     from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, quants
 
-    from cudarun.measure_rpc import GGML_OP_MUL_MAT, ggml_tensor, weight_bytes
+    from cudarun.measure_rpc import weight_bytes
+    from cudarun.rpc_client import GGML_OP_MUL_MAT, ggml_tensor
 
     rng = np.random.default_rng(3)
     k, n, m = 512, 48, 3  # rows of two K-quant blocks; three tokens
@@ -225,7 +219,8 @@ def test_weights_are_timed_on_scales_spread_like_a_models():
     binades as SmolLM2-135M's do, a minimum below zero."""
     from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, quants
 
-    from cudarun.measure_rpc import COMPUTE_TYPES, SCALE_OFFSETS, weight_bytes
+    from cudarun.measure_rpc import COMPUTE_TYPES, weight_bytes
+    from refengine.quants import QTYPES
 
     noise = np.random.default_rng(0).integers(0, 256, 4 * MIB, dtype=np.uint8)
     for qtype in COMPUTE_TYPES:
@@ -237,7 +232,7 @@ def test_weights_are_timed_on_scales_spread_like_a_models():
             continue
         blocks = raw.reshape(-1, GGML_QUANT_SIZES[t][1])
         assert np.isfinite(quants.dequantize(blocks[:4096], t)).all(), qtype
-        for i, at in enumerate(SCALE_OFFSETS[qtype]):
+        for i, at in enumerate(QTYPES[t].scale_offsets):
             scales = blocks[:, at : at + 2].copy().view(np.float16).ravel().astype(np.float64)
             spread = np.log2(np.abs(scales))
             assert len(np.unique(scales)) > 2000 and 2 < spread.max() - spread.min() < 3, qtype

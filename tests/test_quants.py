@@ -140,3 +140,57 @@ def test_unsupported_and_unknown_types_are_user_errors():
         qtype(999)
     with pytest.raises(UserError, match="not a whole number"):
         qtype(Q.Q4_K).row_nbytes(100)
+
+
+@pytest.mark.parametrize("t", [q.ggml for q in QTYPES.values() if q.scale_offsets],
+                         ids=lambda t: t.name)  # fmt: skip
+def test_the_tables_scale_fields_are_where_gguf_reads_them(t):
+    """Doubling the fp16 fields the table names d, m and dmin doubles every value gguf-py
+    dequantizes (value = d x q + m, or d x sc x q - dmin x m): a wrong offset scales quants."""
+    q = QTYPES[t]
+    rng = np.random.default_rng(3)
+    if q.quantizable:
+        blocks = quantize(rng.normal(0, 1, size=(8, 256)).astype(np.float32), t)
+    else:
+        blocks = random_kquant_blocks(rng, (8, 256), t, 1.0)
+    blocks = blocks.reshape(-1, q.block_nbytes)
+    doubled = blocks.copy()
+    for at in q.scale_offsets:
+        scales = doubled[:, at : at + 2].copy().view(np.float16)
+        doubled[:, at : at + 2] = (scales * np.float16(2)).view(np.uint8)
+    values = dequantize(blocks, t, (-1,))
+    assert np.abs(values).max() > 0
+    np.testing.assert_allclose(dequantize(doubled, t, (-1,)), 2 * values, rtol=1e-6)
+
+
+def test_every_kernel_table_covers_the_types_its_engine_supports():
+    from cudarun.blocks import DECODERS
+    from cudarun.kernels.dequant import QUADS
+    from refengine.quants import CPU, CUDA, supported
+
+    assert {q.ggml for q in supported(CPU)} <= set(DECODERS)
+    assert {q.ggml for q in supported(CUDA)} <= set(QUADS)
+
+
+def test_a_type_the_engines_lack_is_refused_by_them_in_one_line(tmp_path, monkeypatch):
+    """A planner-only type: the model opens and plans; each engine refuses it, naming it."""
+    from dataclasses import replace
+
+    from refengine import quants
+    from refengine.engine import NumpyEngine
+    from refengine.spec import load_spec
+    from refengine.synthetic import SyntheticConfig, write_synthetic
+
+    path = tmp_path / "q41.gguf"
+    write_synthetic(path, SyntheticConfig("llama", n_layer=1, n_embd=64, n_ff=128, n_head=2,
+                                          n_head_kv=2, n_vocab=300, qtype="Q4_1"))  # fmt: skip
+    q41 = quants.QTYPES[Q.Q4_1]
+    monkeypatch.setitem(quants.QTYPES, Q.Q4_1, replace(q41, engines=frozenset({quants.PLANNER})))
+    spec = load_spec(path)
+    assert spec.by_name["blk.0.ffn_up.weight"].qtype == Q.Q4_1
+    with pytest.raises(UserError, match="the numpy engine cannot compute Q4_1 tensors yet"):
+        NumpyEngine(spec)
+    for engine in ("cpu", "standin", "cuda"):
+        with pytest.raises(UserError, match=f"the {engine} engine cannot compute Q4_1"):
+            quants.require({t.qtype for t in spec.tensors}, engine)
+    quants.require({Q.Q8_0, Q.F32}, "cuda")

@@ -9,7 +9,7 @@ import socket
 
 import pytest
 
-from cudarun.measure_rpc import RpcClient
+from cudarun.rpc_client import RpcClient
 from refengine.models import load_model, resolve_model
 from solver.profile import HardwareProfile
 from solver.solve import load_profile

@@ -6,7 +6,7 @@ The paths, named by what they compute (docs/contracts.md tolerances):
   and each row's blocks are dotted in integers (`simd.row_*`), as llama.cpp's CPU backend does;
   normwise error <= 1e-2. This is the fast path.
 - `f16` (F16 below the BLAS token count): fp16 rows widened in registers, fp32 accumulation.
-- `f32` (any quantized type on request): the block decoders of `blocks.LAYOUTS` dequantize each
+- `f32` (any quantized type on request): the block decoders of `blocks.DECODERS` dequantize each
   block into fp32 and accumulate in fp32; <= 1e-3.
 - `blas`: large token counts (prefill of a CPU-placed tensor), and F32/F16/BF16 at any count,
   widen a panel of rows to fp32 and hand it to the BLAS matrix product.
@@ -21,7 +21,7 @@ from gguf import GGMLQuantizationType as Q
 from numba import njit, prange
 from numba.extending import register_jitable
 
-from ..blocks import LAYOUTS
+from ..blocks import layout
 from . import simd
 
 Q8_ROWS = tuple(Q[name] for name in simd.Q8_BLOCKS)
@@ -148,7 +148,7 @@ def row_dots(type_name: str, tokens: int | None, wide: bool = False):
 @lru_cache(maxsize=None)
 def _q8_kernel(qtype, tokens: int | None, wide: bool = False):
     dots = row_dots(qtype.name, tokens, wide)
-    _, per_block, block_nbytes = LAYOUTS[qtype]
+    _, per_block, block_nbytes = layout(qtype)
 
     @njit(parallel=True)
     def matvec(raw, x8, xd, xs, out, n_rows, n_cols):
@@ -161,7 +161,7 @@ def _q8_kernel(qtype, tokens: int | None, wide: bool = False):
 
 @lru_cache(maxsize=None)
 def _f32_kernel(qtype):
-    decode, per_block, block_nbytes = LAYOUTS[qtype]
+    decode, per_block, block_nbytes = layout(qtype)
 
     @njit(parallel=True, fastmath=True)
     def matvec(raw, x, out, n_rows, n_cols):
@@ -187,7 +187,7 @@ def _f32_kernel(qtype):
 
 @lru_cache(maxsize=None)
 def _dequantize_kernel(qtype):
-    decode, per_block, block_nbytes = LAYOUTS[qtype]
+    decode, per_block, block_nbytes = layout(qtype)
 
     @njit(parallel=True)
     def dequantize(raw, first_row, out, n_cols):
@@ -267,7 +267,7 @@ EXPERT_SPAN_ROWS = 32
 @lru_cache(maxsize=None)
 def _q8_experts_kernel(qtype, tokens):
     dots = row_dots(qtype.name, tokens)
-    _, per_block, block_nbytes = LAYOUTS[qtype]
+    _, per_block, block_nbytes = layout(qtype)
 
     @njit(parallel=True)
     def experts(raw, expert_nbytes, used, first, x8, xd, xs, out, n_rows, n_cols):

@@ -30,7 +30,7 @@ from llvmlite import ir
 from numba import njit, prange, types
 from numba.extending import intrinsic, register_jitable
 
-from ..blocks import LAYOUTS
+from ..blocks import layout
 from .cpu import quantize_activations, row_dots
 from .simd import half_bits
 
@@ -223,7 +223,7 @@ def attention_kernel(qtypes: tuple, tokens: int | None):
     """A layer's attention half for matrices of these types (q, k, v, o): the residual x updated
     in place, and h = its FFN-normed copy (the FFN's input)."""
     rq, rk, rv, ro = (row_dots(q.name, tokens) for q in qtypes)
-    (pq, bq), (pk, bk), (pv, bv), (po, bo) = (LAYOUTS[q][1:] for q in qtypes)
+    (pq, bq), (pk, bk), (pv, bv), (po, bo) = (layout(q)[1:] for q in qtypes)
 
     @njit(parallel=True, fastmath=True)
     def attention(x, wq, wk, wv, wo, biases_q, biases_k, biases_v, attn_norm, q_norm, k_norm,
@@ -287,7 +287,7 @@ def ffn_kernel(qtypes: tuple, tokens: int | None):
     """A dense layer's FFN half for matrices of these types (gate, up, down): x += the FFN of h
     (post-normed where the architecture has one)."""
     rg, ru, rd = (row_dots(q.name, tokens) for q in qtypes)
-    (pg, bg), (pu, bu), (pd, bd) = (LAYOUTS[q][1:] for q in qtypes)
+    (pg, bg), (pu, bu), (pd, bd) = (layout(q)[1:] for q in qtypes)
 
     @njit(parallel=True, fastmath=True)
     def ffn(x, h, wg, wu, wd, post_ffw_norm, ints, floats):
@@ -322,7 +322,7 @@ def moe_ffn_kernel(qtypes: tuple):
     ascending expert id (the part-by-part path's order), post-normed where the architecture has
     one. `nbytes` [3]: an expert's bytes in each stack."""
     rg, ru, rd = (row_dots(q.name, 1) for q in qtypes)
-    (pg, bg), (pu, bu), (pd, bd) = (LAYOUTS[q][1:] for q in qtypes)
+    (pg, bg), (pu, bu), (pd, bd) = (layout(q)[1:] for q in qtypes)
 
     @njit(parallel=True, fastmath=True)
     def moe_ffn(x, h, ids, weights, wg, wu, wd, nbytes, post_ffw_norm, ints, floats):

@@ -2,8 +2,9 @@
 dequantization (`prefill.dequantize_kernel`), where consecutive threads decode consecutive fours and
 store them as one 64-bit word of fp16.
 
-`QUADS[type] = (quad, values per block, bytes per block)`; `quad(raw, base, o)` returns, as four
-float32, values o..o+3 (o a multiple of 4) of the block that starts at byte `base` of the tensor.
+`QUADS[type] = quad` (`quad_layout`: with its values and bytes per block); `quad(raw, base, o)`
+returns, as four float32, values o..o+3 (o a multiple of 4) of the block that starts at byte
+`base` of the tensor.
 `raw` is the tensor's bytes viewed as uint16: every block size is even and so is every field a
 quad reads, so a thread reads its four quant bytes as two aligned 16-bit loads, and 32 threads
 read a block's quant bytes in one contiguous sweep. The fp16 scales are bitcast and converted by
@@ -14,6 +15,8 @@ ggml-common.h; the 1-value types (F32, F16, BF16) read four consecutive values.
 from __future__ import annotations
 
 from gguf import GGMLQuantizationType as Q
+
+from refengine.quants import QTYPES
 
 from .. import compat  # noqa: F401  (before numba.cuda)
 
@@ -210,17 +213,23 @@ def quad_q6_k(raw, base, o):
     )
 
 
-# type -> (four values' decoder, values per block, bytes per block)
+# type -> its four values' decoder (values and bytes per block: refengine.quants.QTYPES)
 QUADS = {
-    Q.F32: (quad_f32, 1, 4),
-    Q.F16: (quad_f16, 1, 2),
-    Q.BF16: (quad_bf16, 1, 2),
-    Q.Q8_0: (quad_q8_0, 32, 34),
-    Q.Q4_0: (quad_q4_0, 32, 18),
-    Q.Q4_1: (quad_q4_1, 32, 20),
-    Q.Q5_0: (quad_q5_0, 32, 22),
-    Q.Q5_1: (quad_q5_1, 32, 24),
-    Q.Q4_K: (quad_q4_k, 256, 144),
-    Q.Q5_K: (quad_q5_k, 256, 176),
-    Q.Q6_K: (quad_q6_k, 256, 210),
+    Q.F32: quad_f32,
+    Q.F16: quad_f16,
+    Q.BF16: quad_bf16,
+    Q.Q8_0: quad_q8_0,
+    Q.Q4_0: quad_q4_0,
+    Q.Q4_1: quad_q4_1,
+    Q.Q5_0: quad_q5_0,
+    Q.Q5_1: quad_q5_1,
+    Q.Q4_K: quad_q4_k,
+    Q.Q5_K: quad_q5_k,
+    Q.Q6_K: quad_q6_k,
 }
+
+
+def quad_layout(qtype) -> tuple:
+    """(four values' decoder, values per block, bytes per block) of a type."""
+    q = QTYPES[qtype]
+    return QUADS[qtype], q.block_elems, q.block_nbytes

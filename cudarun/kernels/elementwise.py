@@ -20,7 +20,7 @@ from .. import compat  # before numba.cuda
 from numba import config, cuda, float32  # noqa: E402
 
 from . import THREADS  # noqa: E402
-from .dequant import QUADS  # noqa: E402
+from .dequant import quad_layout  # noqa: E402
 
 compat.simulator_intrinsics()  # warp shuffles and a fused fma for the simulator
 
@@ -225,7 +225,7 @@ def add(a, b, out):
 
 @lru_cache(maxsize=None)
 def get_rows_kernel(qtype):
-    quad, per_block, block_nbytes = QUADS[qtype]
+    quad, per_block, block_nbytes = quad_layout(qtype)
 
     @cuda.jit
     def get_rows(raw, ids, out, n_cols):

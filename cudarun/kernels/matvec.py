@@ -23,7 +23,7 @@ from .. import compat  # noqa: F401  (before numba.cuda)
 from numba import cuda, float32  # noqa: E402
 
 from . import THREADS  # noqa: E402
-from .dequant import QUADS  # noqa: E402
+from .dequant import quad_layout  # noqa: E402
 from .elementwise import activation, warp_sum  # noqa: E402
 
 MAX_TOKENS = 16
@@ -35,7 +35,7 @@ def row_dots(qtype):
     """The device function that gives one lane's share of the dot products of a weight row (its
     first byte at `row_base` of `raw`, as uint16) with rows t0..t0+3 of x that are below
     `n_tokens` (the others come back 0)."""
-    quad, per_block, block_nbytes = QUADS[qtype]
+    quad, per_block, block_nbytes = quad_layout(qtype)
 
     @cuda.jit(device=True)
     def dots(raw, row_base, x, t0, n_tokens, n_cols, lane):
@@ -67,7 +67,7 @@ def row_product(qtype):
     gating kernel. A row past n_rows runs on the clamped row and stores nothing: the simulator's
     shuffles wait for every thread of the block."""
     dots = row_dots(qtype)
-    _, per_block, block_nbytes = QUADS[qtype]
+    _, per_block, block_nbytes = quad_layout(qtype)
 
     @cuda.jit(device=True)
     def store(out, gate, act, glu, t, row, v):
@@ -145,7 +145,7 @@ def matvec_gpu(raw, x, out, qtype, shape: tuple[int, int], stream=0, bias=None,
     starting at an even byte), + bias [n_rows] when given; `gated` = (gate, act, use_gelu):
     act [T, n_rows] = act(gate) * out as well."""
     n_rows, n_cols = shape
-    assert x.shape[0] <= MAX_TOKENS and n_cols % max(4, QUADS[qtype][1]) == 0
+    assert x.shape[0] <= MAX_TOKENS and n_cols % max(4, quad_layout(qtype)[1]) == 0
     assert out.shape[1] == n_rows
     gate, act, glu = (out, out, 0) if gated is None else (gated[0], gated[1], 1 + bool(gated[2]))
     gpu_kernel(qtype)[_blocks(n_rows), ROWS * THREADS, stream](
@@ -157,7 +157,7 @@ def matvec_gpu(raw, x, out, qtype, shape: tuple[int, int], stream=0, bias=None,
 def matvec3_gpu(raws, x, outs, qtypes, n_cols: int, biases, stream=0) -> None:
     """outs[i] [T, rows_i] = x [T, n_cols] times weight i (+ biases[i] where not None), i = 0, 1,
     2, in one launch."""
-    assert x.shape[0] <= MAX_TOKENS and all(n_cols % max(4, QUADS[q][1]) == 0 for q in qtypes)
+    assert x.shape[0] <= MAX_TOKENS and all(n_cols % max(4, quad_layout(q)[1]) == 0 for q in qtypes)
     grid = sum(_blocks(o.shape[1]) for o in outs)
     triple_kernel(*qtypes)[grid, ROWS * THREADS, stream](
         *(r.view(np.uint16) for r in raws), x, *outs,

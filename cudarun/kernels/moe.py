@@ -21,7 +21,7 @@ from . import elementwise, matvec
 from numba import cuda, float32, int64  # noqa: E402
 
 from . import THREADS  # noqa: E402
-from .dequant import QUADS  # noqa: E402
+from .dequant import quad_layout  # noqa: E402
 from .elementwise import FULL_MASK, warp_max, warp_sum  # noqa: E402
 
 MAX_EXPERTS = 256
@@ -86,7 +86,7 @@ def route_top_k(logits, n_used: int, normalize: bool, ids, weights, stream=0) ->
 @lru_cache(maxsize=None)
 def expert_matvec_kernel(qtype):
     dots = matvec.row_dots(qtype)
-    _, per_block, block_nbytes = QUADS[qtype]
+    _, per_block, block_nbytes = quad_layout(qtype)
 
     @cuda.jit
     def expert_matvec(raw, cache, x, ids, out, n_rows, n_cols, per_slot_input, n_cached):

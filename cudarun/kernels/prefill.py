@@ -27,14 +27,14 @@ from numba import cuda  # noqa: E402
 
 from . import THREADS  # noqa: E402
 from .bits import pack_halves  # noqa: E402
-from .dequant import QUADS  # noqa: E402
+from .dequant import quad_layout  # noqa: E402
 
 BLOCK_THREADS = 8 * THREADS  # 256 on a GPU: eight warps, 1024 values per block
 
 
 @lru_cache(maxsize=None)
 def dequantize_kernel(qtype):
-    quad, per_block, block_nbytes = QUADS[qtype]
+    quad, per_block, block_nbytes = quad_layout(qtype)
 
     @cuda.jit
     def dequantize(raw, out, first_value):

@@ -22,10 +22,13 @@ from __future__ import annotations
 
 from functools import lru_cache
 
+from gguf import GGMLQuantizationType as Q
 from llvmlite import ir
 from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
+
+from refengine.quants import QTYPES
 
 I8, I16, I32 = ir.IntType(8), ir.IntType(16), ir.IntType(32)
 F32 = ir.FloatType()
@@ -299,7 +302,7 @@ def _fifth_bits(b, arr, at):
 
 
 def _block_q8_0(b, arr, base, x_at, g_at):
-    w8 = arr.load(0, _at(b, base, 2), I8, 32)
+    w8 = arr.load(0, _at(b, base, QTYPES[Q.Q8_0].offset("qs")), I8, 32)
     x8 = arr.load(X8, x_at, I8, 32)
     if VNNI:  # |w| is shared by the tokens of a row; each token's x takes w's sign
         isum = dot4(b, abs8(b, w8), sign_of(b, x8, w8))
@@ -313,7 +316,7 @@ def _block_q8_0_x16(b, arr, base, x_at, g_at):
     """Q8_0 against int16 activations (`x8` is then an int16 array) of one scale a row: the head's
     path, 15 bits of each row's largest where int8 keeps 7 of each block's. The block's scale is
     the weight's alone; the row intrinsic applies the row's at the end (`ROW_SCALED`)."""
-    w16 = b.sext(arr.load(0, _at(b, base, 2), I8, 32), vec(I16, 32))
+    w16 = b.sext(arr.load(0, _at(b, base, QTYPES[Q.Q8_0].offset("qs")), I8, 32), vec(I16, 32))
     isum = dot2_16(b, w16, arr.load(X8, x_at, I16, 32))
     return scaled(b, isum, half_at(arr, 0, base)), None
 
@@ -321,9 +324,10 @@ def _block_q8_0_x16(b, arr, base, x_at, g_at):
 ROW_SCALED = {_block_q8_0_x16}  # blocks whose activations have one scale a row (xd[t, 0])
 
 
-def _block_32(qs, qh, has_min, bias):
-    """Q4_0, Q4_1, Q5_0, Q5_1: unsigned q (nibble, plus a fifth bit from the uint32 at qh),
-    value d (q - bias) or d q + m; sum(x) comes from xs (the quantized activations' own sum)."""
+def _block_32(qs, qh, m, bias):
+    """Q4_0, Q4_1, Q5_0, Q5_1: unsigned q (nibbles at byte qs, plus a fifth bit from the uint32 at
+    qh, if any), value d (q - bias) or d q + m (the fp16 at byte m, if any); sum(x) comes from xs
+    (the quantized activations' own sum)."""
 
     def block(b, arr, base, x_at, g_at):
         q = _nibbles32(b, arr, _at(b, base, qs))
@@ -332,8 +336,8 @@ def _block_32(qs, qh, has_min, bias):
         isum = dot4(b, q, arr.load(X8, x_at, I8, 32))
         d = half_at(arr, 0, base)
         xs = arr.load(XS, g_at, F32)
-        if has_min:
-            offset = b.fmul(half_at(arr, 0, _at(b, base, 2)), xs, flags=FAST)
+        if m:
+            offset = b.fmul(half_at(arr, 0, _at(b, base, m)), xs, flags=FAST)
         else:
             offset = b.fmul(b.fmul(d, ir.Constant(F32, -float(bias)), flags=FAST), xs, flags=FAST)
         return scaled(b, isum, b.fmul(d, _xd(b, arr, g_at, 0), flags=FAST)), offset
@@ -346,7 +350,8 @@ def k4_scales(b, arr, base):
     <8 x i8>: bytes 0-3 hold scales 0-3 and bytes 4-7 minimums 0-3 in their low 6 bits, whose top
     2 bits are the high bits of scales/minimums 4-7; bytes 8-11 hold the low 4 bits of those
     (low nibble: scale, high nibble: minimum)."""
-    a, m, c = (arr.load(0, _at(b, base, 4 + 4 * i), I32) for i in range(3))
+    at = QTYPES[Q.Q4_K].offset("scales")  # Q5_K's too
+    a, m, c = (arr.load(0, _at(b, base, at + 4 * i), I32) for i in range(3))
 
     def k(v):
         return ir.Constant(I32, v)
@@ -366,12 +371,14 @@ def _block_k(qh):
     """Q4_K (144 B) or Q5_K (176 B, qh: 32 bytes at 16 whose bit s is the fifth bit of sub-block
     s): d, dmin, 12 bytes of scales, 128 bytes of nibbles in 4 chunks of 32 bytes (low nibbles
     are sub-block 2c, high 2c+1); value d sc q - dmin m. Activations grouped by 256."""
-    qs = 48 if qh else 16
+    layout = QTYPES[Q.Q5_K if qh else Q.Q4_K]
+    qs, dmin_at = layout.offset("qs"), layout.offset("dmin")
+    qh_at = layout.offset("qh") if qh else 0
 
     def block(b, arr, base, x_at, g_at):
         scales, mins = k4_scales(b, arr, base)
         sc16 = b.zext(scales, vec(I16, 8))
-        high = arr.load(0, _at(b, base, 16), I8, 32) if qh else None
+        high = arr.load(0, _at(b, base, qh_at), I8, 32) if qh else None
         part = ir.Constant(vec(F32, 8), [0.0] * 8)
         for c in range(4):
             w8 = arr.load(0, _at(b, base, qs + 32 * c), I8, 32)
@@ -386,7 +393,7 @@ def _block_k(qh):
         # the minimums' term, lane s for sub-block s: added lane-wise to the partial sums (all
         # lanes are summed at the row's end), with no horizontal sum per block
         xs = arr.load(XS, g_at, F32, 8)
-        dmin = broadcast(b, half_at(arr, 0, _at(b, base, 2)), 8)
+        dmin = broadcast(b, half_at(arr, 0, _at(b, base, dmin_at)), 8)
         mterm = b.fmul(b.fmul(b.uitofp(mins, vec(F32, 8)), xs, flags=FAST), dmin, flags=FAST)
         d = broadcast(b, half_at(arr, 0, base), 8)
         return b.fsub(b.fmul(part, d, flags=FAST), mterm, flags=FAST), None
@@ -398,13 +405,14 @@ def _block_q6_k(b, arr, base, x_at, g_at):
     """Q6_K (210 B / 256): ql[128], qh[64], int8 scales[16] (one per 16 values), d last; in each
     half n of 128 values, quarter k, lane l: q = (ql[64n + l + 32 (k & 1)] >> 4 (k >> 1)) & 15
     | ((qh[32n + l] >> 2k) & 3) << 4, value d sc[8n + l / 16 + 2k] (q - 32)."""
-    sc16 = b.sext(arr.load(0, _at(b, base, 192), I8, 16), vec(I16, 16))
+    layout = QTYPES[Q.Q6_K]
+    sc16 = b.sext(arr.load(0, _at(b, base, layout.offset("scales")), I8, 16), vec(I16, 16))
     part = ir.Constant(vec(F32, 8), [0.0] * 8)
     bias = splat(I8, 32, 32)
     for n in range(2):
-        high = arr.load(0, _at(b, base, 128 + 32 * n), I8, 32)
+        high = arr.load(0, _at(b, base, layout.offset("qh") + 32 * n), I8, 32)
         for k in range(4):
-            low = arr.load(0, _at(b, base, 64 * n + 32 * (k & 1)), I8, 32)
+            low = arr.load(0, _at(b, base, layout.offset("ql") + 64 * n + 32 * (k & 1)), I8, 32)
             low = b.and_(b.lshr(low, splat(I8, 32, 4 * (k >> 1))), splat(I8, 32, 15))
             hi2 = b.and_(b.lshr(high, splat(I8, 32, 2 * k)), splat(I8, 32, 3))
             q = b.or_(low, b.shl(hi2, splat(I8, 32, 4)))
@@ -413,31 +421,41 @@ def _block_q6_k(b, arr, base, x_at, g_at):
             s = 8 * n + 2 * k
             isum = madd(b, pairs, _shuffle(b, sc16, [s] * 8 + [s + 1] * 8))
             part = b.fadd(part, scaled(b, isum, _xd(b, arr, g_at, 4 * n + k)), flags=FAST)
-    d = broadcast(b, half_at(arr, 0, _at(b, base, 208)), 8)
+    d = broadcast(b, half_at(arr, 0, _at(b, base, layout.offset("d"))), 8)
     return b.fmul(part, d, flags=FAST), None
 
 
-# type name -> (block, bytes per block, values per block)
+def _block_32_of(t):
+    """`_block_32` at the type's field offsets; without a minimum, q less half its range."""
+    q = QTYPES[t]
+    qh = q.offset("qh") if q.has("qh") else 0
+    m = q.offset("m") if q.has("m") else 0
+    return _block_32(q.offset("qs"), qh, m, 0 if m else 8 << (1 if qh else 0))
+
+
+# type name -> its block (bytes and values per block: refengine.quants.QTYPES)
 Q8_BLOCKS = {
-    "Q8_0": (_block_q8_0, 34, 32),
-    "Q4_0": (_block_32(2, 0, False, 8), 18, 32),
-    "Q4_1": (_block_32(4, 0, True, 0), 20, 32),
-    "Q5_0": (_block_32(6, 2, False, 16), 22, 32),
-    "Q5_1": (_block_32(8, 4, True, 0), 24, 32),
-    "Q4_K": (_block_k(False), 144, 256),
-    "Q5_K": (_block_k(True), 176, 256),
-    "Q6_K": (_block_q6_k, 210, 256),
+    "Q8_0": _block_q8_0,
+    "Q4_0": _block_32_of(Q.Q4_0),
+    "Q4_1": _block_32_of(Q.Q4_1),
+    "Q5_0": _block_32_of(Q.Q5_0),
+    "Q5_1": _block_32_of(Q.Q5_1),
+    "Q4_K": _block_k(False),
+    "Q5_K": _block_k(True),
+    "Q6_K": _block_q6_k,
 }
 
 
 # type name -> the same against int16 activations (`quantize_activations16`)
-Q16_BLOCKS = {"Q8_0": (_block_q8_0_x16, 34, 32)}
+Q16_BLOCKS = {"Q8_0": _block_q8_0_x16}
 
 
 @lru_cache(maxsize=None)
 def q8_row(type_name: str, tokens: int, wide: bool = False):
     """The row intrinsic of a type for `tokens` tokens at once (`wide`: int16 activations)."""
-    block, nbytes, per_block = (Q16_BLOCKS if wide else Q8_BLOCKS)[type_name]
+    block = (Q16_BLOCKS if wide else Q8_BLOCKS)[type_name]
+    q = QTYPES[Q[type_name]]
+    nbytes, per_block = q.block_nbytes, q.block_elems
     name = f"row_{type_name.lower()}_{'w' if wide else ''}x{tokens}"
     return _row_intrinsic(name, block, nbytes, per_block, tokens)
 

@@ -52,7 +52,7 @@ def profile(output: Path, gpu_from: str | None, threads: int | None, quick: bool
     """Measure this machine (its GPU, when there is one, and its CPU) into a hardware profile,
     and llama.cpp RPC servers (--rpc) as further devices."""
     from cudarun.driver import gpu_present
-    from cudarun.measure_rpc import parse_endpoints
+    from cudarun.rpc_client import parse_endpoints
     from solver.solve import load_profile
 
     endpoints = parse_endpoints(rpc) if rpc is not None else []
@@ -101,7 +101,8 @@ def _measure(base, local_gpu: bool, endpoints: list[str], cpu_from: str | None,
     """(the profile, [(device, link, compute) of each RPC server])."""
     from rich.progress import Progress
 
-    from cudarun.measure_rpc import RpcClient, measure_rpc_device
+    from cudarun.measure_rpc import measure_rpc_device
+    from cudarun.rpc_client import RpcClient
     from solver.profile import HardwareProfile, with_rpc_devices
     from solver.solve import load_profile
 

@@ -154,9 +154,10 @@ def solve(
                            target, split_mode, expert_cache)  # fmt: skip
     budgets, chosen, facts = solved.budgets.bytes, solved.chosen, solved.facts
     from solver.profile import rpc_endpoints
+    from solver.targets import traits
 
     endpoints = rpc_endpoints(prof, len(budgets))
-    if endpoints and target != "llamacpp":
+    if endpoints and not traits(target).llamacpp_flags:
         raise UserError(
             "the plan's devices include llama.cpp RPC servers, which only llama.cpp drives: "
             "solve with --target llamacpp (or budget the local GPUs only)"
@@ -253,12 +254,13 @@ def solve(
 def _on_rpc(prof, rpc: str, target: str, split_mode: str | None, budget: str | None):
     """(the profile over its local GPUs and the RPC servers `rpc` names, in llama.cpp's order;
     the split mode) for `solve --rpc`, or one line saying what the user got wrong."""
-    from cudarun.measure_rpc import parse_endpoints
+    from cudarun.rpc_client import parse_endpoints
     from solver.budget import parse_budget
     from solver.profile import local_gpus, on_rpc
+    from solver.targets import traits
 
     endpoints = parse_endpoints(rpc)
-    if target != "llamacpp":
+    if not traits(target).llamacpp_flags:
         raise UserError("--rpc plans for llama.cpp's RPC devices: add --target llamacpp")
     if split_mode == "tensor":
         raise UserError("--rpc plans split by layers (llama.cpp's -sm layer over RPC servers)")

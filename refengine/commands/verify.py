@@ -35,7 +35,7 @@ def verify(plan_path: Path, llama_bin: Path | None, model_arg: str | None, rpc: 
     model = model_arg or plan_model(d)
     spec = load_model_or_shape(model)
     path = str(resolve_model(model))
-    from cudarun.measure_rpc import parse_endpoints
+    from cudarun.rpc_client import parse_endpoints
 
     endpoints = parse_endpoints(rpc) if rpc is not None else None
     verdict, args = verify_plan(d, spec, path, llama_bin, endpoints)
