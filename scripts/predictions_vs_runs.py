@@ -185,10 +185,17 @@ def main() -> int:
              "predicted t/s; * held out of any fit"]  # fmt: skip
     lines.append(f"{'model':14s} {'system':9s} {'test':10s} {'measured':>9s} {'predicted':>9s} "
                  f"{'ratio':>6s}")  # fmt: skip
+    # under drift, a round's runs beside its own profile's prediction: the median of those ratios
+    by_round = {r: load_profile(str(p)) for r, p in enumerate(rounds)
+                if a.profile_each_round and p.exists()}  # fmt: skip
+    if by_round:
+        lines[0] += "; by round = median over rounds of a round's runs / its own profile's"
+        lines[1] += f" {'by round':>8s}"
     worst = (0.0, "")
     for name in names:
         path, depth = paths[name], DEPTH.get(name, 2048)
         pred = predicted(name, path, profile, a.threads, depth)
+        pred_r = {r: predicted(name, path, p, a.threads, depth) for r, p in by_round.items()}
         held = name in SYNTHETIC and SYNTHETIC[name][1]
         for system in ("llama.cpp", "ours"):
             ratios = []
@@ -201,8 +208,11 @@ def main() -> int:
                 ratios.append(ratio)
                 if abs(math.log(ratio)) > abs(math.log(worst[0] or 1.0)):
                     worst = (ratio, f"{name} {system} {cell}")
+                own = [g[cell] / pred_r[k][system][cell] for m, s, k, g in runs
+                       if m == name and s == system and cell in g and k in pred_r]  # fmt: skip
                 lines.append(f"{name + ('*' if held else ''):14s} {system:9s} {cell:10s} "
-                             f"{measured:9.1f} {want:9.1f} {ratio:6.2f}")  # fmt: skip
+                             f"{measured:9.1f} {want:9.1f} {ratio:6.2f}"
+                             + (f" {statistics.median(own):8.2f}" if own else ""))  # fmt: skip
             if ratios:
                 geo = math.exp(statistics.mean(math.log(x) for x in ratios))
                 lines.append(f"{'':14s} {system:9s} {'geo mean':10s} {'':9s} {'':9s} {geo:6.2f}")
