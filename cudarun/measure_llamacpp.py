@@ -27,7 +27,7 @@ from solver.memory import expected_distinct_experts, kv_cell_nbytes
 from solver.profile import ANY_TYPE, Figure, RateTable
 
 from .measure_cpu import (ATTENTION_DIMS, LAYER, MATMUL_TOKENS, MATVEC_TYPES, ROUTED,
-                          SCORE_HEADS, fixed_layer_seconds, layer_config, layer_counts,
+                          SCORE_HEADS, TINY, fixed_layer_seconds, layer_config, layer_counts,
                           layer_read_nbytes, matrices, routed_fixed, row_seconds_and_gbps,
                           row_twin_config, row_twins, score_twin_config, token_nbytes)
 
@@ -193,24 +193,31 @@ def prompt_score_seconds(llama_bench: Path, threads: int, runs: int, tmp: Path,
 
 # llama.cpp's routed experts (mul_mat_id: each expert's rows over the tokens it drew) run slower
 # than its dense products, on a prompt and in a decode: two routed models differing only in their
-# experts' width
-EXPERT_WIDTHS = (256, 1024)
+# experts' width. At LAYER's 512 width (experts 256 and 1024 wide) the prompt's rate at 16 tokens
+# an expert swung 68-90 GFLOP/s between three measurements in a row and 74-135 between profiles,
+# while it ran 104-128 at 1024 (experts 512 and 2048): as wide as the narrowest routed models,
+# where a product, not its call, takes the time (docs/measured/2026-11-27-expert-twins.txt)
+EXPERT_TWIN = dict(n_embd=1024, n_head=16, n_head_kv=4)
+EXPERT_WIDTHS = {False: (512, 2048), True: (256, 1024)}  # by `quick`
 
 
 def expert_rates(llama_bench: Path, threads: int, runs: int, tmp: Path,
                  quick: bool = False) -> tuple[dict[int, float], float | None]:  # fmt: skip
     """({tokens an expert draws: GFLOP/s} on a prompt, decode GB/s) of llama.cpp's routed
-    experts: qwen3moe models (ROUTED, LAYER's width) whose experts are EXPERT_WIDTHS wide run pp64,
-    pp512 and tg16; the difference of their times over the difference of their expert FLOPs (a
+    experts: qwen3moe models (ROUTED, EXPERT_TWIN's width) whose experts are EXPERT_WIDTHS wide run
+    pp64, pp512 and tg16; the difference of their times over the difference of their expert FLOPs (a
     prompt) or of the expert bytes a token reads (a decode). A difference lost in the noise
     (`measured_differences`) gives no rate: that prompt's row is left out, the decode's is None."""
     from dataclasses import replace
 
     n_layer = layer_counts(quick)[0]
     paths, nbytes = [], []
-    for width in EXPERT_WIDTHS:
+    widths = EXPERT_WIDTHS[quick]
+    for width in widths:
         paths.append(tmp / f"experts-{width}.gguf")
-        write_synthetic(paths[-1], replace(layer_config(n_layer, ROUTED, quick), n_ff_exp=width))
+        twin = replace(layer_config(n_layer, ROUTED, quick), n_ff_exp=width,
+                       **({} if quick else EXPERT_TWIN))
+        write_synthetic(paths[-1], twin)
         spec = load_spec(str(paths[-1]))
         nbytes.append(layer_read_nbytes(spec) * n_layer)  # the twins differ in their experts'
 
@@ -222,7 +229,7 @@ def expert_rates(llama_bench: Path, threads: int, runs: int, tmp: Path,
     for path in paths:
         path.unlink()
     hp = spec.hparams
-    flops_per_token = (2.0 * 3 * hp.n_embd * (EXPERT_WIDTHS[1] - EXPERT_WIDTHS[0])
+    flops_per_token = (2.0 * 3 * hp.n_embd * (widths[1] - widths[0])
                        * hp.n_expert_used * n_layer)  # fmt: skip
     prompt = {}
     for t in MATMUL_TOKENS:
@@ -286,8 +293,9 @@ def measure_llamacpp_cpu(
         per_expert = Figure(per_expert, f"{qwen3moe}, the slope per expert used")
         progress("llama.cpp's routed experts")
         prompt, decode = expert_rates(llama_bench, threads, runs, Path(tmp), quick)
-        twins = (f"{short}; synthetic qwen3moe (8 experts, 2 used) with experts "
-                 f"{' and '.join(map(str, EXPERT_WIDTHS))} wide")  # fmt: skip
+        width = TINY["n_embd"] if quick else EXPERT_TWIN["n_embd"]
+        twins = (f"{short}; synthetic qwen3moe ({width} wide, 8 experts, 2 used) with experts "
+                 f"{' and '.join(map(str, EXPERT_WIDTHS[quick]))} wide")  # fmt: skip
         noise = (f" (at least {max(runs, DIFFERENCE_RUNS)} runs a side, the difference "
                  f"{DIFFERENCE_SIGMAS:g} standard errors above 0)")
         experts = {drawn: Figure(x, f"{twins}, pp64 and pp512: the difference, {drawn} tokens "
