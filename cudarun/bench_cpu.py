@@ -60,10 +60,10 @@ def host_read_gbps(threads: int = 0, nbytes: int = GIB, runs: int = 5) -> float:
 
 def random_weights(t, rows: int, cols: int, rng) -> np.ndarray:
     """Random GGUF blocks of type t (valid K-quant blocks: gguf-py cannot quantize those)."""
-    if not as_qtype(t).quantizable:
-        return random_kquant_blocks(rng, (rows, cols), as_qtype(t).ggml, 0.02).reshape(-1)
-    return quantize(rng.normal(0, 0.02, size=(rows, cols)).astype(np.float32),
-                    as_qtype(t).ggml).reshape(-1)
+    q = as_qtype(t)
+    if not q.quantizable:
+        return random_kquant_blocks(rng, (rows, cols), q.ggml, 0.02).reshape(-1)
+    return quantize(rng.normal(0, 0.02, size=(rows, cols)).astype(np.float32), q.ggml).reshape(-1)
 
 
 @dataclass(frozen=True)

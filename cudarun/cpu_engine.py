@@ -59,7 +59,7 @@ class CpuEngine(SequenceCalls):
         from solver.plan import plan_workload
 
         self.spec = spec
-        require({t.qtype for t in spec.tensors}, self.name)
+        require(spec.qtypes, self.name)
         if plan is not None:
             check_plan(plan, spec)
             self.workload = plan_workload(plan)

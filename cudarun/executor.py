@@ -116,7 +116,7 @@ class PlanExecutor(SequenceCalls):
 
         check_plan(plan, spec)
         check_users(plan, n_seq)
-        require({t.qtype for t in spec.tensors}, self.name)
+        require(spec.qtypes, self.name)
         self.spec, self.plan, self.workload = spec, plan, plan_workload(plan)
         self.n_ctx = plan["fingerprint"]["n_ctx"]
         self.budgets = plan["fingerprint"]["budget_bytes"]  # one arena per device

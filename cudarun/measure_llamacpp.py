@@ -27,7 +27,7 @@ from solver.memory import expected_distinct_experts, kv_cell_nbytes
 from solver.profile import ANY_TYPE, Figure, RateTable
 
 from .measure_cpu import (ATTENTION_DIMS, LAYER, MATMUL_TOKENS, MATVEC_TYPES, ROUTED,
-                          SCORE_HEADS, TINY, fixed_layer_seconds, layer_config, layer_counts,
+                          SCORE_HEADS, fixed_layer_seconds, layer_config, layer_counts,
                           layer_read_nbytes, matrices, routed_fixed, row_seconds_and_gbps,
                           row_twin_config, row_twins, score_twin_config, token_nbytes)
 
@@ -201,23 +201,29 @@ EXPERT_TWIN = dict(n_embd=1024, n_head=16, n_head_kv=4)
 EXPERT_WIDTHS = {False: (512, 2048), True: (256, 1024)}  # by `quick`
 
 
+def expert_twin(width: int, quick: bool):
+    """A twin of `expert_rates`: a qwen3moe (ROUTED) at EXPERT_TWIN's width (`quick`: TINY's)
+    whose experts are `width` wide."""
+    from dataclasses import replace
+
+    return replace(layer_config(layer_counts(quick)[0], ROUTED, quick), n_ff_exp=width,
+                   **({} if quick else EXPERT_TWIN))
+
+
 def expert_rates(llama_bench: Path, threads: int, runs: int, tmp: Path,
                  quick: bool = False) -> tuple[dict[int, float], float | None]:  # fmt: skip
     """({tokens an expert draws: GFLOP/s} on a prompt, decode GB/s) of llama.cpp's routed
     experts: qwen3moe models (ROUTED, EXPERT_TWIN's width) whose experts are EXPERT_WIDTHS wide run
-    pp64, pp512 and tg16; the difference of their times over the difference of their expert FLOPs (a
-    prompt) or of the expert bytes a token reads (a decode). A difference lost in the noise
-    (`measured_differences`) gives no rate: that prompt's row is left out, the decode's is None."""
-    from dataclasses import replace
-
+    pp64, pp512 and tg16 (`expert_twin`); the difference of their times over the difference of
+    their expert FLOPs (a prompt) or of the expert bytes a token reads (a decode). A difference lost
+    in the noise (`measured_differences`) gives no rate: that prompt's row is left out, the
+    decode's is None."""
     n_layer = layer_counts(quick)[0]
     paths, nbytes = [], []
     widths = EXPERT_WIDTHS[quick]
     for width in widths:
         paths.append(tmp / f"experts-{width}.gguf")
-        twin = replace(layer_config(n_layer, ROUTED, quick), n_ff_exp=width,
-                       **({} if quick else EXPERT_TWIN))
-        write_synthetic(paths[-1], twin)
+        write_synthetic(paths[-1], expert_twin(width, quick))
         spec = load_spec(str(paths[-1]))
         nbytes.append(layer_read_nbytes(spec) * n_layer)  # the twins differ in their experts'
 
@@ -293,7 +299,7 @@ def measure_llamacpp_cpu(
         per_expert = Figure(per_expert, f"{qwen3moe}, the slope per expert used")
         progress("llama.cpp's routed experts")
         prompt, decode = expert_rates(llama_bench, threads, runs, Path(tmp), quick)
-        width = TINY["n_embd"] if quick else EXPERT_TWIN["n_embd"]
+        width = expert_twin(EXPERT_WIDTHS[quick][0], quick).n_embd
         twins = (f"{short}; synthetic qwen3moe ({width} wide, 8 experts, 2 used) with experts "
                  f"{' and '.join(map(str, EXPERT_WIDTHS[quick]))} wide")  # fmt: skip
         noise = (f" (at least {max(runs, DIFFERENCE_RUNS)} runs a side, the difference "

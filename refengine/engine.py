@@ -166,7 +166,7 @@ class NumpyEngine(SequenceCalls):
     def __init__(self, model: ModelSpec | str, n_ctx: int | None = None,
                  n_ubatch: int = defaults.N_UBATCH, n_seq: int = 1, unified: bool = False):  # fmt: skip
         self.spec = model if isinstance(model, ModelSpec) else load_spec(model)
-        require({t.qtype for t in self.spec.tensors}, self.name)
+        require(self.spec.qtypes, self.name)
         hp = self.spec.hparams
         self.n_ctx = min(n_ctx or defaults.N_CTX, hp.n_ctx_train)
         self.n_ubatch = self.ubatch_tokens = n_ubatch

@@ -103,6 +103,11 @@ class ModelSpec:
         return sum(math.prod(t.shape) for t in self.tensors)
 
     @property
+    def qtypes(self) -> set:
+        """The types its tensors are stored in."""
+        return {t.qtype for t in self.tensors}
+
+    @property
     def tied_output(self) -> bool:
         return "output.weight" not in self.by_name
 

@@ -257,6 +257,7 @@ class CostModel:
         # activations crossing inside a layer: the wider of the residual and the FFN's inner rows
         self.hop_width = max(hp.n_embd, hp.n_ff_active)
         self._panel_launches: dict[str, int] = {}
+        self._layer_fixed: dict[int, Figure | None] = {}
 
     def effective(self, g: Group, loc: Loc, tokens: int) -> Loc:
         """Where g really runs: llama.cpp copies CPU-held weights to the GPU for ubatches of 32
@@ -356,13 +357,14 @@ class CostModel:
     def our_layer_fixed(self, il: int) -> Figure | None:
         """Our decode layer's cost beyond its bytes, by its matrices' types as the profile
         measured them, weighted by each type's share of the layer's bytes."""
-        table = self.profile.cpu.layer_type_seconds
-        mats = [g for g in self.by_layer[il] if g.nbytes]
-        total = sum(g.nbytes for g in mats)
-        if not table or not total:
-            return None
-        seconds = sum(g.nbytes * table.at(g.qtype, self.threads) for g in mats) / total
-        return Figure(seconds, "the layer's types' fixed costs, by their bytes")
+        if il not in self._layer_fixed:  # asked for every pricing of the layer's attention side
+            table = self.profile.cpu.layer_type_seconds
+            mats = [g for g in self.by_layer[il] if g.nbytes]
+            total = sum(g.nbytes for g in mats)
+            self._layer_fixed[il] = Figure(
+                sum(g.nbytes * table.at(g.qtype, self.threads) for g in mats) / total,
+                "the layer's types' fixed costs, by their bytes") if table and total else None
+        return self._layer_fixed[il]
 
     def host_elementwise_seconds(self, g: Group, tokens: int) -> float:
         """A token's element-wise work on our host that rides with group g: act(gate) * up with

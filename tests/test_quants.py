@@ -192,5 +192,5 @@ def test_a_type_the_engines_lack_is_refused_by_them_in_one_line(tmp_path, monkey
         NumpyEngine(spec)
     for engine in ("cpu", "standin", "cuda"):
         with pytest.raises(UserError, match=f"the {engine} engine cannot compute Q4_1"):
-            quants.require({t.qtype for t in spec.tensors}, engine)
+            quants.require(spec.qtypes, engine)
     quants.require({Q.Q8_0, Q.F32}, "cuda")
