@@ -8,7 +8,7 @@ cuBLAS products of the prefill path (`kernels.prefill.gemm_fp16`, outside Numba)
 a CUDA graph's replay counts as one launch, its capture as none. The engine counts its own host
 synchronizations (`CudaEngine._sync`) and hand-offs.
 
-Derived (`tier_counts`, `plan_counts`): from the tier's parts (`program.parts`), their queues,
+Derived (`tier_counts`): from the tier's parts (`program.parts`), their queues,
 the CPU segments (`segments.cpu_segments`) and whether the tier is captured as a CUDA graph —
 the launches of each device part as `devicemath` issues them (`part_launches`; when a part's
 kernels change, this table changes with it, and tests/test_segments.py holds the two equal under
@@ -26,9 +26,8 @@ from solver.cost import STREAMED, Operations, TierPlacement, hops_between
 from solver.workspace import MAX_DECODE_TOKENS, matrix_launches
 
 from . import program
-from .schedule import Compute, Copy, Record, Wait, device_of
+from .schedule import Compute, Copy, Record, Signal, Wait, compute_queue, handed
 from .segments import Segment, cpu_segments, ends_with_sync
-from .tensor_program import SUMS
 
 
 @dataclass(frozen=True)
@@ -45,18 +44,18 @@ class Counts:
         return Counts(*(getattr(self, f.name) + getattr(other, f.name) for f in fields(self)))
 
 
-def schedule_operations(ops) -> Operations:
+def schedule_operations(ops, sums: frozenset[str] = frozenset()) -> Operations:
     """What a schedule moves, as the cost model counts it (`CostModel.ubatch_operations`): its
-    copies, its sums over the devices (a tensor split's `*_sum` parts) and its hops: each wait of
-    a queue for another's hand-off (`done:` event), one between the CPU and a device, two between
-    devices (through the host)."""
+    weights' and KV's copies (not the hand-offs'), its sums over the devices (the computes named
+    in `sums`: a tensor split's `*_sum` parts) and its hops: each wait of a queue for another's
+    hand-off (`done` event), one between the CPU and a device, two between devices (through the
+    host)."""
     where = {op.event: op.queue for op in ops if isinstance(op, Record)}
-    place = lambda q: -1 if q == "cpu" else device_of(q)  # noqa: E731
     return Operations(
-        copies=sum(isinstance(op, Copy) for op in ops),
-        all_reduces=sum(isinstance(op, Compute) and op.name.endswith(SUMS) for op in ops),
-        hops=sum(hops_between(place(where[op.event]), place(op.queue)) for op in ops
-                 if isinstance(op, Wait) and op.event.startswith("done:")),
+        copies=sum(isinstance(op, Copy) and not handed(op) for op in ops),
+        all_reduces=sum(isinstance(op, Compute) and op.name in sums for op in ops),
+        hops=sum(hops_between(where[op.event].device, op.queue.device) for op in ops
+                 if isinstance(op, Wait) and op.event.signal is Signal.DONE),
     )  # fmt: skip
 
 
@@ -152,7 +151,7 @@ class Tally:
 def glu_layers(parts) -> frozenset[int]:
     """The layers whose gate and up products both run on the device (gate first, in program
     order): there the up product's epilogue gates (`DeviceMath.ffn_up`) and `ffn_down` does not."""
-    on = {(p.layer, p.kind) for p in parts if p.queue == "compute"}
+    on = {(p.layer, p.kind) for p in parts if p.queue == compute_queue()}
     return frozenset(il for il, kind in on if kind == "ffn_gate" and (il, "ffn_up") in on)
 
 
@@ -196,7 +195,7 @@ def graphable(parts, place: TierPlacement, tokens: int) -> bool:
     requested, the last row's logits only)."""
     return (
         tokens <= MAX_DECODE_TOKENS
-        and all(p.queue == "compute" for p in parts)
+        and all(p.queue == compute_queue() for p in parts)
         and all(loc.kind != STREAMED for loc in place.kv.values())
         and not any(p.routed_by for p in parts)  # a routed copy's rows are read at run time
     )
@@ -210,18 +209,18 @@ def ubatch_counts(spec: ModelSpec, parts, segments: list[Segment], final_sync: b
     if graph:  # one replay, one wait for it
         return Counts(1, 1)
     glu = glu_layers(parts)
-    launches = sum(part_launches(spec, p, tokens, glu) for p in parts if p.queue == "compute")
+    launches = sum(part_launches(spec, p, tokens, glu) for p in parts
+                   if p.queue == compute_queue())  # fmt: skip
     queue = {p.name: p.queue for p in parts}
     # a router's choice (or its prediction) read back on the device before the routed copies
     readbacks = {b for p in parts for b in (p.routed_by, p.predicted_by) if b}
-    predicting = {p.predicted_by for p in parts if p.predicted_by}
-    launches += sum(2 + matrix_launches(spec, f"{b.rsplit('.', 1)[0]}.ffn_gate_inp.weight",
-                                        tokens)
-                    for b in predicting)  # norm, router, top-k  # fmt: skip
+    predicting = {p.layer for p in parts if p.predicted_by}
+    launches += sum(2 + matrix_launches(spec, f"blk.{il}.ffn_gate_inp.weight", tokens)
+                    for il in predicting)  # norm, router, top-k  # fmt: skip
     return Counts(
         launches,
         sum(s.sync for s in segments) + final_sync
-        + sum(queue[b] == "compute" for b in readbacks),
+        + sum(queue[b] == compute_queue() for b in readbacks),
         len(segments),
         sum(bool(s.reads) for s in segments),
         sum(bool(s.writes) for s in segments),
@@ -237,16 +236,6 @@ def tier_counts(spec: ModelSpec, place: TierPlacement, tokens: int,
     graph = graphs and graphable(parts, place, tokens)
     return ubatch_counts(spec, parts, segments, ends_with_sync(parts, segments), tokens,
                          graph), graph  # fmt: skip
-
-
-def plan_counts(spec: ModelSpec, plan: dict, tier: int, tokens: int | None = None,
-                graphs: bool = True) -> tuple[Counts, bool]:  # fmt: skip
-    """`tier_counts` of a plan's tier (JSON, as `solve_plan` writes it), for a ubatch of the
-    tier's size by default."""
-    from solver.plan import placements_from_json
-
-    place = placements_from_json(plan, spec)[tier]
-    return tier_counts(spec, place, tokens or tier, graphs)
 
 
 def report_lines(engine) -> list[str]:

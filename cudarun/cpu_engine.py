@@ -56,14 +56,14 @@ class CpuEngine(SequenceCalls):
     def __init__(self, spec: ModelSpec, plan: dict | None = None, threads: int = 0,
                  n_ctx: int | None = None, tiers: list[int] | None = None, progress: bool = False,
                  n_seq: int = 1, unified: bool = False):  # fmt: skip
-        from solver.plan import plan_workload
+        from solver.plan import Plan
 
         self.spec = spec
         require(spec.qtypes, self.name)
         if plan is not None:
             check_plan(plan, spec)
-            self.workload = plan_workload(plan)
-            tiers = sorted(int(t) for t in plan["tiers"])
+            parsed = Plan.from_json(plan, spec)
+            self.workload, tiers = parsed.workload, sorted(parsed.tiers)
         else:
             n_ctx = min(n_ctx or defaults.N_CTX, spec.hparams.n_ctx_train)
             self.workload = Workload(n_ctx, max(1, n_ctx - defaults.GEN_TOKENS),

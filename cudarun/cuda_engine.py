@@ -25,6 +25,7 @@ import numpy as np
 
 from refengine.spec import ModelSpec
 from refengine.weights import GGUFWeights
+from solver import regions
 from solver.cost import CPU, PINNED, ROUTED
 from solver.groups import EXPERTS
 from solver.workspace import MAX_DECODE_TOKENS, arrays, layout, nbytes
@@ -33,14 +34,17 @@ from . import counts, program
 from .device_hops import DeviceHops
 from .device_shards import DeviceShards
 from .devicemath import CACHE_SLOTS, CACHED, ROUTED_IDS, DeviceMath, device_tensors
-from .executor import PlanExecutor, Tier, group_bytes, local_name, weight_steps
+from .executor import PlanExecutor, Tier, group_bytes, weight_steps
 from .plan_check import PlanError
 from .expert_cache import Admission
 from .hostmath import Act, HostMath
 from .hostweights import cache_ranges, cache_stacks, routed_ranges
 from .kvstore import EMPTY, host_runs, kv_views
 from .program import routed_experts
-from .schedule import Compute, Copy, Record, Wait, device_of, queue_of
+from .schedule import (
+    Compute, Copy, EventId, Lane, Record, Signal, SlotId, SlotKind, Unit, UnitKind, Wait,
+    compute_queue, copy_queue, handed,
+)
 from .segments import Segment, SegmentRunner
 from .shards import shard_spec, share_bytes
 
@@ -79,12 +83,12 @@ class CudaEngine(PlanExecutor):
             else:  # raw non-blocking streams (graph capture needs their handles)
                 raw.append((driver.Stream(), driver.Stream()))
                 pair = tuple(st.numba_stream() for st in raw[-1])
-            self.queues[queue_of("compute", d)], self.queues[queue_of("copy", d)] = pair
+            self.queues[compute_queue(d)], self.queues[copy_queue(d)] = pair
             self.dmaths[d] = DeviceMath(self.device_spec(d), raw[-1][0].ptr if raw else 0)
             if self.shares is not None:  # gate, up and down of every layer on each device
                 self.dmaths[d].glu_layers = frozenset(range(spec.hparams.n_layer))
         self.streams = raw[0] if raw else None
-        self.compute, self.copy = self.queues["compute"], self.queues["copy"]
+        self.compute, self.copy = self.queues[compute_queue()], self.queues[copy_queue()]
         self.dmath = self.dmaths[0]
         self.graphs: dict[tuple[int, int], object] = {}  # (tier, tokens) -> captured decode
         self.graph_nodes: dict[tuple[int, int], int | None] = {}
@@ -149,7 +153,7 @@ class CudaEngine(PlanExecutor):
         if not simulated():
             from . import driver
 
-            runtime = self.plan.get("runtime_nbytes", 0) * len(self.budgets)
+            runtime = self.plan.runtime_nbytes * len(self.budgets)
             used, budget = self.free_at_start - driver.mem_info()[0], sum(self.budgets) + runtime
             outside = used - sum(a.nbytes for a in self.arenas)
             out.append(f"device memory used since the context was created: {used / 2**20:.1f} "
@@ -192,7 +196,7 @@ class CudaEngine(PlanExecutor):
                         src = src.copy_to_host()
                     arena[s.dst : s.dst + s.nbytes].copy_to_device(src)
                 elif s.kind == "upload":
-                    data = self._group_bytes(s.name.removeprefix("weights:"), d)
+                    data = self._group_bytes(s.region.key, d)
                     arena[s.dst : s.dst + s.nbytes].copy_to_device(data)
         self.current = tier
         for il, buf, heads in self._resident_kv(tier):
@@ -214,12 +218,12 @@ class CudaEngine(PlanExecutor):
         if self.shares is None:
             for il, loc in tier.place.kv.items():
                 if loc.kind == PINNED:
-                    yield il, self.region(tier, f"kv:{il}"), None
+                    yield il, self.region(tier, regions.kv(il, loc.device)), None
             return
         for d in self.shares.devices:
             heads = self.shares.kv_heads(self.spec, d)
             for il in range(self.spec.hparams.n_layer) if heads[1] > heads[0] else ():
-                yield il, self.region(tier, local_name(f"kv:{il}", d, True)), heads
+                yield il, self.region(tier, regions.kv(il, d)), heads
 
     def _upload_kv(self, il: int, buf, cells: int, stream, heads=None) -> None:
         """Lay the mirror's keys and values of layer il (of KV `heads` [lo, hi) only, under a
@@ -309,7 +313,7 @@ class CudaEngine(PlanExecutor):
                 sl = slices["partial"]
                 slices["partial"] = replace(sl, shape=(sl.shape[0], min(sl.shape[1], whole),
                                                        *sl.shape[2:]))  # fmt: skip
-            region = self.region(tier, local_name("workspace", d))
+            region = self.region(tier, regions.workspace(d))
             if nbytes(slices) > region.size:  # a plan solved by an earlier layout
                 raise PlanError(f"tier {tier.tier}: the plan reserves {region.size} B of "
                                 f"workspace on device {d} where this runtime needs "
@@ -324,13 +328,13 @@ class CudaEngine(PlanExecutor):
         if tier.tier in self.stagings:
             return self.stagings[tier.tier]
         for op in tier.schedule:  # each CPU wait is on a device part's end: the hand-off's wait
-            if isinstance(op, Wait) and op.queue == "cpu":
-                name = op.event.removeprefix("done:")
-                assert any(p.name == name and p.queue != "cpu" for p in tier.parts), op
+            if isinstance(op, Wait) and op.queue.on_host:
+                assert op.event.signal is Signal.DONE and any(
+                    p.name == op.event.of and not p.queue.on_host for p in tier.parts), op
         rows = self._logit_rows(tier)
         slices = layout(self.spec, tier.tier, rows, self.n_ctx)
         names = {f for seg in tier.segments for f in seg.reads + seg.writes}
-        if any(p.queue != "cpu" for p in tier.parts):
+        if any(not p.queue.on_host for p in tier.parts):
             # a tensor split's logits come down per device (`DeviceShards`)
             logits = {"logits"} if rows and self.shares is None else set()
             names |= {*INPUTS, *self._cell_counts(tier)} | logits
@@ -430,7 +434,7 @@ class CudaEngine(PlanExecutor):
             src = stage[key][:count]
             src[: values[key].size] = values[key]
             src[values[key].size :] = EMPTY
-            ws[key][:count].copy_to_device(src, stream=self.queues[queue_of("compute", device)])
+            ws[key][:count].copy_to_device(src, stream=self.queues[compute_queue(device)])
 
     def _graphable(self, tier: Tier, st: Act) -> bool:
         """A decode ubatch whose work is all on the device, its KV resident: one CUDA graph (its
@@ -465,23 +469,24 @@ class CudaEngine(PlanExecutor):
                capturing: bool) -> None:  # fmt: skip
         """Issue the tier's schedule: copies on the copy stream, device parts on the compute
         stream, each CPU segment on this thread at its first part, events between them."""
-        events: dict[str, object] = {}
-        routed: dict[str, list[int]] = {}  # router step -> the experts it chose
+        events: dict[EventId, object] = {}
+        routed: dict[tuple[str, bool], Admission] = {}  # (router step, prefetch) -> its choice
         index = {p.name: i for i, p in enumerate(tier.parts)}
         starts = {seg.first: seg for seg in tier.segments}
         timer = _Timer(self) if self.trace_events is not None and not capturing else None
         for op in tier.schedule:
             if isinstance(op, Record):
                 ev = events[op.event] = self._event()
-                ev.record(self.copy if op.queue == "copy" else self.compute)
+                # (the host's: on the compute stream, which its segment's hand-off is last on)
+                ev.record(self.copy if op.queue.lane is Lane.COPY else self.compute)
             elif isinstance(op, Wait):
-                if op.queue != "cpu":  # a CPU wait is the segment's hand-off (`staging`)
-                    events[op.event].wait(self.copy if op.queue == "copy" else self.compute)
-            elif isinstance(op, Copy):
+                if not op.queue.on_host:  # a CPU wait is the segment's hand-off (`staging`)
+                    events[op.event].wait(self.queues[op.queue])
+            elif isinstance(op, Copy) and not handed(op):  # (the segments hand fields over)
                 with _span(timer, "copy", f"copy {op.tensor}", self.copy):
                     if op.reads:  # routed or prefetched: the router's choice (or guess) first
-                        by = op.reads[0][0].partition("@")[2]
-                        prefetch = op.tensor.endswith("@prefetch")
+                        by = op.reads[0][0].key  # the router's step
+                        prefetch = op.tensor.kind is UnitKind.PREFETCH
                         if (by, prefetch) not in routed:
                             part = tier.parts[index[by]]
                             admission, ids = self._route(tier, part, events, st, host, ws,
@@ -490,20 +495,20 @@ class CudaEngine(PlanExecutor):
                                 self._place_experts(tier, part.layer, admission, ids, ws,
                                                     self.copy)  # fmt: skip
                             routed[by, prefetch] = admission
-                        self._copy_routed(tier, op.tensor.removesuffix("@prefetch"), op.slot,
-                                          routed[by, prefetch], prefetch)  # fmt: skip
+                        self._copy_routed(tier, op.tensor.key, op.slot, routed[by, prefetch],
+                                          prefetch)  # fmt: skip
                     else:
                         self._copy_unit(tier, op.tensor, op.slot)
             elif isinstance(op, Compute):
                 i = index[op.name]
                 part = tier.parts[i]
-                if part.queue == "cpu":
+                if part.queue.on_host:
                     if i in starts:  # the segment's other parts ran with it
                         seg = starts[i]
                         with _span(timer, "cpu", _segment_name(tier, seg), None):
                             self._segment(tier, seg, st, host, ws, stage)
                     continue
-                slot = next((s for _, s in op.reads if s.startswith("slot:")), None)
+                slot = next((s for _, s in op.reads if s.kind is SlotKind.RING), None)
                 with _span(timer, "compute", op.name, self.compute):
                     self._device_part(tier, part, st, ws, stage, slot, capturing)
         if timer is not None:
@@ -518,18 +523,18 @@ class CudaEngine(PlanExecutor):
                 out["k_pos_swa" if self.spec.is_swa(il) else "k_pos"] = cells
         return out
 
-    def _slot(self, tier: Tier, slot: str):
+    def _slot(self, tier: Tier, slot: SlotId):
         return self.region(tier, tier.slot_region[slot])
 
-    def _copy_unit(self, tier: Tier, unit: str, slot: str, copy=None) -> None:
+    def _copy_unit(self, tier: Tier, unit: Unit, slot: SlotId, copy=None) -> None:
         buf, copy = self._slot(tier, slot), copy or self.copy
-        if unit.startswith("kv:"):
-            il = int(unit[3:])
+        if unit.kind is UnitKind.KV:
+            il = unit.key
             self._upload_kv(il, buf, tier.kv_cells[il], copy)
         else:
-            data = self.host.group(unit)
+            data = self.host.group(unit.key)
             buf[: data.size].copy_to_device(data, stream=copy)
-            if self.groups[unit].kind == EXPERTS:
+            if self.groups[unit.key].kind == EXPERTS:
                 self.expert_copied_nbytes += data.size
 
     def _route(self, tier: Tier, part, events: dict, st: Act, host: Act, ws: dict,
@@ -539,11 +544,11 @@ class CudaEngine(PlanExecutor):
         llama.cpp's op-offload), and where each goes (`Admission`: its expert cache, else the
         routed copy); with the ids [T, k]."""
         n, il = st.tokens.size, part.layer
-        if part.queue == "cpu":
+        if part.queue.on_host:
             ids = host.ids
         else:
             name = "pred" if prefetch else "ids"
-            self._sync(events[f"{'predicted' if prefetch else 'routed'}:{part.name}"])
+            self._sync(events[EventId(Signal.PREDICTED if prefetch else Signal.ROUTED, part.name)])
             ids = ws[name][:n].copy_to_host()
         if il in tier.cache_slots:
             admission = self.admit(tier, il, ids, prefetch)
@@ -560,7 +565,7 @@ class CudaEngine(PlanExecutor):
         places = np.vectorize(lambda e: admission.place(int(e), slots), otypes=[np.int32])
         ws["slot_ids"][: ids.shape[0]].copy_to_device(places(ids), stream=copy)
 
-    def _copy_routed(self, tier: Tier, unit: str, slot: str, admission: Admission,
+    def _copy_routed(self, tier: Tier, unit: str, slot: SlotId, admission: Admission,
                      prefetch: bool, copy=None) -> None:  # fmt: skip
         """A routed stack's experts from pinned host memory: those its expert cache keeps
         (`admission.inserted`) into their cache slots, the others chosen into its ring slot, one
@@ -568,7 +573,8 @@ class CudaEngine(PlanExecutor):
         src, layout, at = self.host.group(unit), self.host.layouts[unit], 0
         copy = copy or self.copy
         if admission.inserted:
-            cache, slots = self.region(tier, f"cache:{unit}"), tier.place.groups[unit].cache
+            loc = tier.place.groups[unit]
+            cache, slots = self.region(tier, regions.cache(unit, loc.device)), loc.cache
             for e, place in admission.inserted.items():
                 for lo, to, nbytes in cache_ranges(layout, slots, e, place):
                     cache[to : to + nbytes].copy_to_device(src[lo : lo + nbytes], stream=copy)
@@ -582,30 +588,30 @@ class CudaEngine(PlanExecutor):
         self.routed_held[unit] = len(admission.overflow)
         self.expert_copied_nbytes += at
 
-    def _weights(self, tier: Tier, group: str, slot: str | None, ws: dict) -> dict:
+    def _weights(self, tier: Tier, group: str, slot: SlotId | None, ws: dict) -> dict:
         loc = tier.place.groups[group]
         if loc.kind == ROUTED:  # as many experts as the router chose, in their places
             layout = self.host.layouts[group]
             w = device_tensors(layout, self._slot(tier, slot), self.routed_held[group])
             w[ROUTED_IDS] = ws["slot_ids"]
             if loc.cache:  # each stack's cached experts, before the copy's
-                cache = self.region(tier, f"cache:{group}")
+                cache = self.region(tier, regions.cache(group, loc.device))
                 for p, at, nbytes in cache_stacks(layout, loc.cache):
                     w[p.info.name + CACHED] = cache[at : at + nbytes]
                 w[CACHE_SLOTS] = loc.cache
             return w
-        buf = (
-            self.region(tier, f"weights:{group}") if loc.kind == PINNED else self._slot(tier, slot)
-        )
+        buf = (self.region(tier, regions.weights(group, loc.device)) if loc.kind == PINNED
+               else self._slot(tier, slot))  # fmt: skip
         return device_tensors(self.host.layouts[group], buf[: self.groups[group].nbytes])
 
     def _device_part(self, tier: Tier, part, st: Act, ws: dict, stage: dict | None,
-                     slot: str | None, capturing: bool = False) -> None:  # fmt: skip
-        n, s, dmath = st.tokens.size, self.queues[part.queue], self.dmaths[device_of(part.queue)]
+                     slot: SlotId | None, capturing: bool = False) -> None:  # fmt: skip
+        n, s, dmath = st.tokens.size, self.queues[part.queue], self.dmaths[part.queue.device]
         if part.kind == "kq":
             il = part.layer
             loc = tier.place.kv[il]
-            buf = self.region(tier, f"kv:{il}") if loc.kind == PINNED else self._slot(tier, slot)
+            buf = (self.region(tier, regions.kv(il, loc.device)) if loc.kind == PINNED
+                   else self._slot(tier, slot))  # fmt: skip
             cells = tier.kv_cells[il]
             k, v = self._kv(buf, cells)
             swa = self.spec.is_swa(il)

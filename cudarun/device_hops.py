@@ -22,7 +22,7 @@ import numpy as np
 
 from . import counts
 from .hostmath import Act
-from .schedule import Compute, Copy, Record, Wait, device_of, queue_of
+from .schedule import Compute, Copy, Record, SlotKind, UnitKind, Wait, compute_queue, handed
 from .segments import fields
 
 HOST = "host"
@@ -36,7 +36,7 @@ class DeviceHops:
         e, n = self.e, st.tokens.size
         stage = e.staging(tier)
         host = st.for_host()  # the CPU segments' activations
-        devices = sorted({device_of(p.queue) for p in tier.parts if p.queue != "cpu"})
+        devices = sorted({p.queue.device for p in tier.parts if not p.queue.on_host})
         wss = {d: e.workspace(tier, d) for d in devices}
         glu = _glu_layers(tier.parts)
         for d in devices:
@@ -65,43 +65,42 @@ class DeviceHops:
         holders: dict[str, set] = {}
         for op in tier.schedule:
             if isinstance(op, Record):
-                if op.queue != "cpu":  # the host's work is done when it issues the next op
+                if not op.queue.on_host:  # the host's work is done when it issues the next op
                     events[op.event] = ev = e._event()
                     ev.record(e.queues[op.queue])
             elif isinstance(op, Wait):
-                if op.queue != "cpu" and recorded_on[op.event] != "cpu":
+                if not op.queue.on_host and not recorded_on[op.event].on_host:
                     events[op.event].wait(e.queues[op.queue])
-            elif isinstance(op, Copy):
-                copy, d = e.queues[op.queue], device_of(op.queue)
+            elif isinstance(op, Copy) and not handed(op):  # (`_bring` hands fields over)
+                copy, d = e.queues[op.queue], op.queue.device
                 if op.reads:  # routed or prefetched: the router's choice (or guess) first
-                    by = op.reads[0][0].partition("@")[2]
-                    prefetch = op.tensor.endswith("@prefetch")
+                    by = op.reads[0][0].key  # the router's step
+                    prefetch = op.tensor.kind is UnitKind.PREFETCH
                     part = tier.parts[index[by]]
                     if (by, prefetch) not in routed:
-                        ws = wss.get(device_of(part.queue)) if part.queue != "cpu" else None
+                        ws = wss.get(part.queue.device) if not part.queue.on_host else None
                         routed[by, prefetch] = e._route(tier, part, events, st, host, ws,
                                                         prefetch)  # fmt: skip
                     admission, ids = routed[by, prefetch]
                     if not prefetch and (by, d) not in placed:  # each device's expert products
                         e._place_experts(tier, part.layer, admission, ids, wss[d], copy)
                         placed.add((by, d))
-                    e._copy_routed(tier, op.tensor.removesuffix("@prefetch"), op.slot,
-                                   admission, prefetch, copy)  # fmt: skip
+                    e._copy_routed(tier, op.tensor.key, op.slot, admission, prefetch, copy)
                 else:
                     e._copy_unit(tier, op.tensor, op.slot, copy)
             elif isinstance(op, Compute):
                 i = index[op.name]
                 part = tier.parts[i]
-                if part.queue == "cpu":
+                if part.queue.on_host:
                     if i in starts:  # the segment's other parts run with it
                         self._segment(tier, starts[i], st, host, wss, holders)
                     continue
-                d = device_of(part.queue)
+                d = part.queue.device
                 reads, writes = fields(part.kind, moe)
                 for f in reads:
                     if d not in holders.get(f, ()):
                         self._bring(tier, f, d, host, wss, holders, st.tokens.size)
-                slot = next((s for _, s in op.reads if s.startswith("slot")), None)
+                slot = next((s for _, s in op.reads if s.kind is SlotKind.RING), None)
                 e._device_part(tier, part, st, wss[d], stage, slot)
                 holders.update({f: {d} for f in writes})
 
@@ -131,7 +130,7 @@ class DeviceHops:
                 continue
             src, rows = min(holders[f]), e._row_count(f, n)
             buf = e.pinned_rows(tier, ("down", f), f)
-            streams[src] = e.queues[queue_of("compute", src)]
+            streams[src] = e.queues[compute_queue(src)]
             wss[src][f][:rows].copy_to_host(buf[:rows], stream=streams[src])
             down.append((f, buf))
         for stream in streams.values():
@@ -146,7 +145,7 @@ class DeviceHops:
         e = self.e
         if f not in holders:  # never written this ubatch
             return
-        to, count = e.queues[queue_of("compute", d)], e._row_count(f, n)
+        to, count = e.queues[compute_queue(d)], e._row_count(f, n)
         dst = wss[d][f][:count]
         if HOST in holders[f]:
             rows = e.pinned_rows(tier, ("up", f, d), f)[:count]
@@ -155,7 +154,7 @@ class DeviceHops:
             e.counter.uploads += 1
         else:
             src = min(holders[f])
-            frm = e.queues[queue_of("compute", src)]
+            frm = e.queues[compute_queue(src)]
             rows = e.pinned_rows(tier, ("hop", f, src, d), f)[:count]
             wss[src][f][:count].copy_to_host(rows, stream=frm)
             ev = e._event()
@@ -171,6 +170,6 @@ def _glu_layers(parts) -> frozenset[int]:
     where = {(p.layer, p.kind): p.queue for p in parts}
     return frozenset(
         il for (il, kind), q in where.items()
-        if kind == "ffn_gate" and q != "cpu" and where.get((il, "ffn_up")) == q
+        if kind == "ffn_gate" and not q.on_host and where.get((il, "ffn_up")) == q
         and where.get((il, "ffn_down")) == q
     )  # fmt: skip

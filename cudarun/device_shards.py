@@ -19,16 +19,16 @@ from __future__ import annotations
 
 import numpy as np
 
+from solver import regions
 from solver.groups import FFN_ORDER
 
 from . import counts
 from .devicemath import device_tensors
-from .executor import local_name
 from .kernels import THREADS, glue
 from .kvstore import host_runs
 from .schedule import Compute, Record, Wait
 from .shards import share_layout
-from .tensor_program import HOST
+from .schedule import HOST
 
 
 class DeviceShards:
@@ -196,14 +196,14 @@ class DeviceShards:
         key = (tier.tier, group, d)
         if key not in self.weight_views:
             e = self.e
-            region = e.region(tier, local_name(f"weights:{group}", d, True))
+            region = e.region(tier, regions.weights(group, d))
             self.weight_views[key] = device_tensors(
                 share_layout(e.spec, e.groups[group], self.shares, d), region
             )
         return self.weight_views[key]
 
     def _kv(self, tier, il: int, d: int, cells: int):
-        return self.e._kv(self.e.region(tier, local_name(f"kv:{il}", d, True)), cells,
+        return self.e._kv(self.e.region(tier, regions.kv(il, d)), cells,
                           self.shares.kv_heads(self.e.spec, d))  # fmt: skip
 
     @property

@@ -26,12 +26,11 @@ from refengine.engine import SequenceCalls, keep_all
 from refengine.quants import require
 from refengine.sequences import Sequences, Ubatch, one_sequence
 from refengine.spec import ModelSpec
-from solver.cost import CPU, PINNED, ROUTED, Loc, TierPlacement
+from solver.cost import PINNED, ROUTED, TierPlacement
 from solver.groups import cache_nbytes, routed_slot_nbytes, tensor_groups
 from solver.memory import kv_cell_nbytes, kv_layer_nbytes
-from solver.plan import placements_from_json, plan_workload
-from solver.regions import Region
-from solver.shares import Shares
+from solver.plan import Plan
+from solver.regions import Region, RegionId, RegionKind
 from solver.usage import kv_shape
 
 from . import program, tensor_program
@@ -39,7 +38,10 @@ from .plan_check import check_plan, check_users
 from .kvstore import SEQ_WINDOW, KVCells, SwaPool, device_cells
 from .counts import schedule_operations
 from .expert_cache import Admission, ExpertCache
-from .schedule import Slot, pipeline_schedule, prefetch_of, slot_name, validate
+from .handoffs import handoffs
+from .schedule import (
+    Slot, Unit, cache_of, group_unit, kv_unit, pipeline_schedule, prefetch_of, ring_slot, validate,
+)
 from .segments import cpu_segments, ends_with_sync
 from .switch import switch_steps
 from .tensor_program import SUMS
@@ -57,35 +59,30 @@ class Tier:
                  maps: dict[int, list[Region]]):  # fmt: skip
         self.tier, self.place = tier, place
         self.map = maps  # device -> its memory map
-        # every device's regions by name, a later device's ring and workspace as `name@d`
-        self.regions, self.region_device = {}, {}
-        split = engine.shares is not None  # every device holds every layer's regions
-        for d, regions in maps.items():
-            for r in regions:
-                self.regions[local_name(r.name, d, split)] = r
-                self.region_device[local_name(r.name, d, split)] = d
+        self.regions = {r.id: r for m in maps.values() for r in m}  # every device's
         if engine.shares is not None:  # a tensor split: every device's parts and the sums
             self.parts = tensor_program.parts(engine.spec.hparams.n_layer, engine.shares)
             self.schedule = tensor_program.schedule(self.parts)
             self.segments, self.final_sync = [], True
         else:
             self.parts = program.parts(engine.spec, place)
-            self.schedule = pipeline_schedule([p.step for p in self.parts], engine.n_slots)
+            ops = pipeline_schedule([p.step for p in self.parts], engine.n_slots)
+            self.schedule = handoffs(ops, {p.name: p.kind for p in self.parts},
+                                     engine.spec.arch.moe)  # fmt: skip
             # consecutive CPU parts run as one segment between two hand-offs (segments.py)
             self.segments = cpu_segments(self.parts, engine.spec.arch.moe)
             self.final_sync = ends_with_sync(self.parts, self.segments)
-        self.slots, self.slot_region = {}, {}  # ring slot -> its `scratch:` region's name
-        for d, regions in maps.items():
-            ring = [r for r in regions if r.name.startswith("scratch:")]
+        self.slots, self.slot_region = {}, {}  # ring slot -> its scratch region
+        for d, m in maps.items():
+            ring = [r for r in m if r.kind is RegionKind.SCRATCH]
             for i, r in enumerate(ring):
-                name = slot_name(d, i)
-                self.slots[name] = Slot(name, r.offset_bytes, r.nbytes, d)
-                self.slot_region[name] = local_name(r.name, d)
-            self.slots.update(  # the expert caches, which routed copies and prefetches write
-                (r.name, Slot(r.name, r.offset_bytes, r.nbytes, d))
-                for r in regions
-                if r.name.startswith("cache:")
-            )
+                sid = ring_slot(d, i)
+                self.slots[sid] = Slot(sid, r.offset_bytes, r.nbytes, d)
+                self.slot_region[sid] = r.id
+            for r in m:  # the expert caches, which routed copies and prefetches write
+                if r.kind is RegionKind.CACHE:
+                    sid = cache_of(r.id.key)
+                    self.slots[sid] = Slot(sid, r.offset_bytes, r.nbytes, d)
         # layer -> the expert cache its routed stacks share (slots), if any
         self.cache_slots = {
             g.layer: place.groups[g.name].cache
@@ -99,7 +96,8 @@ class Tier:
         }
         swa = [c for il, c in self.kv_cells.items() if engine.spec.is_swa(il)]
         self.pool_cells = swa[0] if swa else 0  # every sliding-window layer's device cells
-        self.operations = schedule_operations(self.schedule)  # what each ubatch moves
+        sums = frozenset(p.name for p in self.parts if p.kind in SUMS)
+        self.operations = schedule_operations(self.schedule, sums)  # what each ubatch moves
         errors = validate(self.schedule, self.slots, engine.unit_nbytes(self))
         if errors:  # the schedule builder is wrong: a bug, never a user error
             raise AssertionError(f"tier {tier}: invalid schedule: {errors[:3]}")
@@ -117,25 +115,18 @@ class PlanExecutor(SequenceCalls):
         check_plan(plan, spec)
         check_users(plan, n_seq)
         require(spec.qtypes, self.name)
-        self.spec, self.plan, self.workload = spec, plan, plan_workload(plan)
-        self.n_ctx = plan["fingerprint"]["n_ctx"]
-        self.budgets = plan["fingerprint"]["budget_bytes"]  # one arena per device
+        self.spec = spec
+        self.plan = plan = Plan.from_json(plan, spec)
+        self.workload, self.n_ctx = plan.workload, plan.workload.n_ctx
+        self.budgets = plan.budgets  # one arena per device
         self.budget_bytes = self.budgets[0]
         self.cell_nbytes = kv_cell_nbytes(spec, "f16")
         self.groups = {g.name: g for g in tensor_groups(spec)}
-        # a tensor split: each device's shares of every layer (solver.shares)
-        self.shares = Shares.from_json(plan["shares"]) if plan.get("shares") else None
-        if self.shares is not None:
-            self.placements = split_placements(spec, plan)
-        else:
-            self.placements = placements_from_json(plan, spec)
-        self.maps = {
-            t: {int(d): [Region(*r) for r in m]
-                for d, m in plan["tiers"][str(t)]["memory_map"].items()}
-            for t in self.placements
-        }  # fmt: skip
+        self.shares = plan.shares  # a tensor split: each device's shares of every layer
+        self.placements = {t: tp.place for t, tp in plan.tiers.items()}
+        self.maps = {t: tp.maps for t, tp in plan.tiers.items()}
         self.n_slots = max(
-            (sum(r.name.startswith("scratch:") for r in m)
+            (sum(r.kind is RegionKind.SCRATCH for r in m)
              for maps in self.maps.values()
              for m in maps.values()),
             default=0,
@@ -171,7 +162,7 @@ class PlanExecutor(SequenceCalls):
         ops)."""
         if part.kind in EXACT_PARTS:
             return "fp32"
-        return "int8" if part.queue == "cpu" else self.device_path(tier.tier, part.kind)
+        return "int8" if part.queue.on_host else self.device_path(tier.tier, part.kind)
 
     def device_path(self, tier: int, kind: str) -> str:
         """The named path of a device matmul part in a tier of this many tokens: the stand-in's
@@ -190,23 +181,24 @@ class PlanExecutor(SequenceCalls):
         """docs/contracts.md's end-to-end logits tolerance of this plan's path."""
         return PATHS[self.path].normwise
 
-    def region(self, tier: Tier, name: str):
-        """A region of the tier's memory map, as a view of the arena (host or device bytes)."""
-        r = tier.regions[name]
-        return self.arenas[tier.region_device[name]][r.offset_bytes : r.offset_bytes + r.nbytes]
+    def region(self, tier: Tier, rid: RegionId):
+        """A region of the tier's memory map, as a view of its device's arena (host or device
+        bytes)."""
+        r = tier.regions[rid]
+        return self.arenas[rid.device][r.offset_bytes : r.offset_bytes + r.nbytes]
 
-    def unit_nbytes(self, tier: Tier) -> dict[str, int]:
+    def unit_nbytes(self, tier: Tier) -> dict[Unit, int]:
         """What each unit a tier copies measures at most (a routed stack: the experts its largest
         ubatch can route to)."""
         out = {}
         for name, g in self.groups.items():
             loc = tier.place.groups[name]
-            out[name] = g.nbytes
+            out[group_unit(name)] = g.nbytes
             if loc.kind == ROUTED:
-                out[name] = routed_slot_nbytes(self.spec, g, tier.tier, loc.cache)
+                out[group_unit(name)] = routed_slot_nbytes(self.spec, g, tier.tier, loc.cache)
                 out[prefetch_of(name)] = cache_nbytes(self.spec, g, loc.cache)
         for il, cells in tier.kv_cells.items():
-            out[f"kv:{il}"] = cells * self.cell_nbytes
+            out[kv_unit(il)] = cells * self.cell_nbytes
         return out
 
     def admit(self, tier: Tier, il: int, ids, prefetch: bool = False) -> Admission:
@@ -301,9 +293,9 @@ class PlanExecutor(SequenceCalls):
         out = []
         for t, maps in sorted(self.maps.items()):
             for d, m in sorted(maps.items()):
-                used = max((r.offset_bytes + r.nbytes for r in m if not r.name.startswith("kv:")),
+                used = max((r.offset_bytes + r.nbytes for r in m if r.kind is not RegionKind.KV),
                            default=0)  # fmt: skip
-                kv = sum(r.nbytes for r in m if r.name.startswith("kv:"))
+                kv = sum(r.nbytes for r in m if r.kind is RegionKind.KV)
                 device = f" device {d}:" if len(maps) > 1 else ""
                 out.append(f"tier {t}:{device} arena {used / 2**20:.1f} MiB from the left + KV "
                            f"{kv / 2**20:.1f} MiB from the right, of a budget of "
@@ -349,26 +341,9 @@ def group_bytes(engine: "PlanExecutor", group: str) -> np.ndarray:
     return out
 
 
-def local_name(region: str, device: int, split: bool = False) -> str:
-    """A region's name among every device's: a later device's ring slots and workspace, which
-    each device has, as `scratch:0@1`; the others (weights, caches, KV) are one device's, but
-    under a tensor split (`split`), where each device holds its share of every one."""
-    shared = split or region.startswith("scratch:") or region == "workspace"
-    return f"{region}@{device}" if shared and device else region
-
-
-def split_placements(spec: ModelSpec, plan: dict) -> dict[int, TierPlacement]:
-    """A tensor split's placements as the rest of the executor reads them: the embedding on the
-    host, everything else held on the devices (their shares) in every tier."""
-    groups = {g.name: Loc(CPU) if g.name == "token_embd" else Loc(PINNED) for g in
-              tensor_groups(spec)}  # fmt: skip
-    kv = {il: Loc(PINNED) for il in range(spec.hparams.n_layer)}
-    return {int(t): TierPlacement(groups, kv) for t in plan["tiers"]}
-
-
 def weight_steps(before: list[Region] | None, after: list[Region]):
     """The switch steps of the weight regions (the KV is laid out again from the host mirror)."""
-    keep = [r for r in after if r.name.startswith("weights:")]
+    keep = [r for r in after if r.kind is RegionKind.WEIGHTS]
     if before is None:
         return switch_steps([], keep)
-    return switch_steps([r for r in before if r.name.startswith("weights:")], keep)
+    return switch_steps([r for r in before if r.kind is RegionKind.WEIGHTS], keep)

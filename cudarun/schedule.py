@@ -5,7 +5,7 @@ that the ordering is enough.
 A schedule is a list of operations in host issue order:
 - `Copy(queue, tensor, slot, reads)`: the tensor's bytes into a ring slot (H2D of a streamed
   weight); a routed copy reads the router's choice (`reads`) to know which rows to copy;
-- `Compute(queue, name, reads, writes)`: a kernel (or a CPU op, on the "cpu" queue) that reads
+- `Compute(queue, name, reads, writes)`: a kernel (or a CPU op, on the `HOST` queue) that reads
   tensors from slots and writes others into slots, each ((tensor, slot), ...) — the ring slots of
   streamed weights, and the activation hand-off between the compute and CPU queues;
 - `Record(queue, event)`: the event completes when the queue's earlier work has;
@@ -21,12 +21,127 @@ that no queue waits on an event never recorded.
 
 from __future__ import annotations
 
+from bisect import bisect_left, bisect_right
 from dataclasses import dataclass
+from enum import Enum
+
+
+class Lane(str, Enum):
+    COMPUTE = "compute"  # a device's kernels
+    COPY = "copy"  # a device's copies from pinned host memory
+    HOST = "cpu"  # the host's own parts (one queue, whatever the devices)
+
+
+HOST_DEVICE = -1
+
+
+@dataclass(frozen=True)
+class QueueId:
+    lane: Lane
+    device: int = 0
+
+    def __str__(self) -> str:
+        # the first device's are plain, so a one-device schedule names them as it always did
+        return self.lane.value if self.device <= 0 else f"{self.lane.value}@{self.device}"
+
+    @property
+    def on_host(self) -> bool:
+        return self.lane is Lane.HOST
+
+
+HOST = QueueId(Lane.HOST, HOST_DEVICE)
+
+
+class Signal(str, Enum):
+    DONE = "done"  # a step's output is written (a hand-off to another queue)
+    READ = "read"  # a unit's last reader is done: its slot may take the next unit
+    LOADED = "loaded"  # a unit's copy landed
+    ROUTED = "routed"  # a router's choice is written
+    PREDICTED = "predicted"  # a router's predicted choice is written
+
+
+@dataclass(frozen=True)
+class EventId:
+    signal: Signal
+    of: str  # the step or unit it signals
+
+    def __str__(self) -> str:
+        return f"{self.signal.value}:{self.of}"
+
+
+def compute_queue(device: int = 0) -> QueueId:
+    return QueueId(Lane.COMPUTE, device)
+
+
+def copy_queue(device: int = 0) -> QueueId:
+    return QueueId(Lane.COPY, device)
+
+
+class UnitKind(str, Enum):
+    GROUP = "group"  # a weight group (key: its name)
+    KV = "kv"  # a layer's KV (key: the layer)
+    PREFETCH = "prefetch"  # a routed group's predicted experts, into its cache (key: the group)
+    IDS = "ids"  # a router's choice (key: its step)
+    PRED = "pred"  # a router's predicted choice (key: its step)
+    ACT = "act"  # a step's output activations (key: the step)
+    FIELD = "field"  # an activation field (key: its name), as its writer (a step) left it
+
+
+@dataclass(frozen=True)
+class Unit:
+    """A tensor a slot holds: what a copy brings or a step writes."""
+
+    kind: UnitKind
+    key: str | int
+    writer: str = ""  # a field's: the step that wrote this version of it
+
+    def __str__(self) -> str:
+        if self.kind is UnitKind.GROUP:
+            return str(self.key)
+        if self.kind is UnitKind.KV:
+            return f"kv:{self.key}"
+        if self.kind is UnitKind.PREFETCH:
+            return f"{self.key}@prefetch"
+        if self.kind is UnitKind.FIELD:
+            return f"{self.key}@{self.writer}"
+        return f"{self.kind.value}@{self.key}"
+
+
+def group_unit(group: str) -> Unit:
+    return Unit(UnitKind.GROUP, group)
+
+
+def kv_unit(layer: int) -> Unit:
+    return Unit(UnitKind.KV, layer)
+
+
+class SlotKind(str, Enum):
+    RING = "slot"  # a device's ring slot (key: its index)
+    CACHE = "cache"  # a routed group's expert cache (key: the group)
+    ACT = "act"  # an activation hand-off (key: the queue whose parts write it, if several)
+    IDS = "ids"  # a router's choice (key: its step)
+    PRED = "pred"  # a router's predicted choice (key: its step)
+    FIELD = "field"  # an activation field where a place holds it (key: its name): a device's
+    # workspace, or the host's (HOST_DEVICE) pinned rows; tracked, never allocated from the arena
+
+
+@dataclass(frozen=True)
+class SlotId:
+    kind: SlotKind
+    key: int | str | QueueId | None = None
+    device: int = 0
+
+    def __str__(self) -> str:
+        if self.kind is SlotKind.FIELD:
+            return f"{self.key}@{'host' if self.device == HOST_DEVICE else self.device}"
+        if self.kind is SlotKind.RING and self.device:
+            return f"slot@{self.device}:{self.key}"
+        return self.kind.value if self.key is None else f"{self.kind.value}:{self.key}"
 
 
 @dataclass(frozen=True)
 class Slot:
-    name: str
+    id: SlotId
     offset_bytes: int
     nbytes: int
     device: int = 0  # whose arena (several devices: each its own)
@@ -34,48 +149,56 @@ class Slot:
 
 @dataclass(frozen=True)
 class Copy:
-    queue: str
-    tensor: str
-    slot: str
-    reads: tuple[tuple[str, str], ...] = ()
-    cache: str = ""  # a routed copy's expert cache, which it writes too (the misses it keeps)
+    queue: QueueId
+    tensor: Unit
+    slot: SlotId
+    reads: tuple[tuple[Unit, SlotId], ...] = ()
+    cache: SlotId | None = None  # a routed copy's expert cache, which it writes too (the misses
+    # it keeps)
 
 
 @dataclass(frozen=True)
 class Compute:
-    queue: str
+    queue: QueueId
     name: str
-    reads: tuple[tuple[str, str], ...] = ()
-    writes: tuple[tuple[str, str], ...] = ()
+    reads: tuple[tuple[Unit, SlotId], ...] = ()
+    writes: tuple[tuple[Unit, SlotId], ...] = ()
 
 
 @dataclass(frozen=True)
 class Record:
-    queue: str
-    event: str
+    queue: QueueId
+    event: EventId
 
 
 @dataclass(frozen=True)
 class Wait:
-    queue: str
-    event: str
+    queue: QueueId
+    event: EventId
 
 
 Op = Copy | Compute | Record | Wait
 
 
-def clocks(ops: list[Op]) -> tuple[list[dict[str, int]], list[str]]:
+def handed(op: Copy) -> bool:
+    """Whether a copy hands an activation field between places (`handoffs`), rather than
+    bringing weights or KV into the arena."""
+    return getattr(op.tensor, "kind", None) is UnitKind.FIELD
+
+
+def clocks(ops: list[Op]) -> tuple[list[dict[QueueId, int]], list[str]]:
     """Per operation, its vector clock (queue -> how many of that queue's operations happen
     before or at it), and the errors of waits on events not yet recorded."""
-    queue_clock: dict[str, dict[str, int]] = {}
-    recorded: dict[str, dict[str, int]] = {}
+    queue_clock: dict[QueueId, dict[QueueId, int]] = {}
+    recorded: dict[EventId, dict[QueueId, int]] = {}
     out, errors = [], []
     for i, op in enumerate(ops):
         clock = dict(queue_clock.get(op.queue, {}))
         clock[op.queue] = clock.get(op.queue, 0) + 1
         if isinstance(op, Wait):
             if op.event not in recorded:
-                errors.append(f"op {i}: {op.queue} waits on {op.event!r}, never recorded before")
+                errors.append(f"op {i}: {op.queue} waits on {str(op.event)!r}, never recorded "
+                              "before")  # fmt: skip
             else:
                 for q, n in recorded[op.event].items():
                     clock[q] = max(clock.get(q, 0), n)
@@ -86,7 +209,7 @@ def clocks(ops: list[Op]) -> tuple[list[dict[str, int]], list[str]]:
     return out, errors
 
 
-def happens_before(ops: list[Op], vclocks: list[dict[str, int]], a: int, b: int) -> bool:
+def happens_before(ops: list[Op], vclocks: list[dict[QueueId, int]], a: int, b: int) -> bool:
     """Operation a completes before operation b starts."""
     return a != b and vclocks[b].get(ops[a].queue, 0) >= vclocks[a][ops[a].queue]
 
@@ -105,29 +228,31 @@ def validate(ops: list[Op], slots: dict[str, Slot], tensor_nbytes: dict[str, int
         elif isinstance(op, Compute):
             for tensor, slot in op.writes:
                 writers.setdefault(slot, []).append((i, tensor))
+    at = {slot: [w[0] for w in ws] for slot, ws in writers.items()}  # their ops' indices
     for i, op in enumerate(ops):
         if isinstance(op, (Compute, Copy)):
-            errors += _read_errors(ops, vclocks, writers, i, op)
+            errors += _read_errors(ops, vclocks, writers, at, i, op)
     return errors
 
 
-def _read_errors(ops, vclocks, writers, i: int, op: Compute | Copy) -> list[str]:
+def _read_errors(ops, vclocks, writers, at, i: int, op: Compute | Copy) -> list[str]:
     errors = []
     name = op.name if isinstance(op, Compute) else f"copy of {op.tensor}"
     for tensor, slot in op.reads:
-        before = [w for w in writers.get(slot, []) if w[0] < i]
-        after = [w for w in writers.get(slot, []) if w[0] > i]
-        if not before or before[-1][1] != tensor:
+        written, ats = writers.get(slot, []), at.get(slot, [])
+        k = bisect_left(ats, i)  # the writes before op i: written[:k]
+        if not k or written[k - 1][1] != tensor:
             errors.append(f"op {i} ({name}) reads {tensor} from {slot}, which does not hold it")
             continue
-        if not happens_before(ops, vclocks, before[-1][0], i):
+        if not happens_before(ops, vclocks, written[k - 1][0], i):
             errors.append(
                 f"op {i} ({name}) reads {tensor} from {slot} before its write (op "
-                f"{before[-1][0]}) is ordered to complete"
+                f"{written[k - 1][0]}) is ordered to complete"
             )
-        if after and not happens_before(ops, vclocks, i, after[0][0]):
+        nxt = bisect_right(ats, i)  # the first write after op i
+        if nxt < len(written) and not happens_before(ops, vclocks, i, written[nxt][0]):
             errors.append(
-                f"op {after[0][0]} overwrites {slot} with {after[0][1]} before op {i} "
+                f"op {written[nxt][0]} overwrites {slot} with {written[nxt][1]} before op {i} "
                 f"({name}) is ordered to finish reading {tensor}"
             )
     return errors
@@ -138,9 +263,9 @@ def _layout_errors(ops, slots, tensor_nbytes) -> list[str]:
     ordered = sorted(slots.values(), key=lambda s: (s.device, s.offset_bytes))
     for a, b in zip(ordered, ordered[1:]):
         if a.device == b.device and a.offset_bytes + a.nbytes > b.offset_bytes:
-            errors.append(f"slots {a.name} and {b.name} overlap")
+            errors.append(f"slots {a.id} and {b.id} overlap")
     for i, op in enumerate(ops):
-        if isinstance(op, Copy):
+        if isinstance(op, Copy) and not handed(op):
             if op.cache and op.cache not in slots:
                 errors.append(f"op {i}: copy into unknown cache {op.cache}")
             if op.slot not in slots:
@@ -155,55 +280,50 @@ def _layout_errors(ops, slots, tensor_nbytes) -> list[str]:
 
 @dataclass(frozen=True)
 class Step:
-    """One operation of the forward pass: its name, its queue ("compute" or "cpu"), the
-    streamed units (weight groups, or a layer's KV) it reads from ring slots, the step whose
-    router chooses which rows of them are copied (routed streaming), if any, whether they have an
-    expert cache (`cache_of`), and the step whose prediction of that choice prefetches into it."""
+    """One operation of the forward pass: its name, its queue (a device's compute queue, or the
+    host's), the streamed units (weight groups, or a layer's KV) it reads from ring slots, the
+    step whose router chooses which rows of them are copied (routed streaming), if any, whether
+    they have an expert cache (`cache_of`), and the step whose prediction of that choice
+    prefetches into it."""
 
     name: str
-    queue: str
-    units: tuple[str, ...] = ()
+    queue: QueueId
+    units: tuple[Unit, ...] = ()
     routed_by: str = ""
     cached: bool = False
     predicted_by: str = ""
 
 
-ACT = "act"  # the activation hand-off: each step reads its predecessor's output, writes its own
+# the activation hand-off: each step reads its predecessor's output, writes its own
+ACT = SlotId(SlotKind.ACT)
 
 
-def ids_of(step: str) -> tuple[str, str]:
+def act_of(step: str) -> tuple[Unit, SlotId]:
+    return Unit(UnitKind.ACT, step), ACT
+
+
+def ids_of(step: str) -> tuple[Unit, SlotId]:
     """(tensor, slot) of the router's choice a step writes for the routed copies after it."""
-    return f"ids@{step}", f"ids:{step}"
+    return Unit(UnitKind.IDS, step), SlotId(SlotKind.IDS, step)
 
 
-def predicted_of(step: str) -> tuple[str, str]:
+def predicted_of(step: str) -> tuple[Unit, SlotId]:
     """(tensor, slot) of the router's predicted choice a step writes for the prefetches."""
-    return f"pred@{step}", f"pred:{step}"
+    return Unit(UnitKind.PRED, step), SlotId(SlotKind.PRED, step)
 
 
-def cache_of(unit: str) -> str:
-    """The slot of a routed unit's expert cache (its `cache:` region)."""
-    return f"cache:{unit}"
+def cache_of(group: str) -> SlotId:
+    """The slot of a routed group's expert cache (its cache region)."""
+    return SlotId(SlotKind.CACHE, group)
 
 
-def prefetch_of(unit: str) -> str:
-    """The tensor a prefetch copy writes into a unit's expert cache."""
-    return f"{unit}@prefetch"
+def prefetch_of(group: str) -> Unit:
+    """The tensor a prefetch copy writes into a routed group's expert cache."""
+    return Unit(UnitKind.PREFETCH, group)
 
 
-def queue_of(kind: str, device: int) -> str:
-    """A device's queue of a kind ("compute", "copy"): the first device's are plain, so a
-    one-device schedule names them as it always did."""
-    return kind if device == 0 else f"{kind}@{device}"
-
-
-def device_of(queue: str) -> int:
-    return int(queue.partition("@")[2] or 0)
-
-
-def slot_name(device: int, k: int) -> str:
-    """Ring slot k of a device (the first device's: `slot:k`)."""
-    return f"slot:{k}" if device == 0 else f"slot@{device}:{k}"
+def ring_slot(device: int, k: int) -> SlotId:
+    return SlotId(SlotKind.RING, k, device)
 
 
 def pipeline_schedule(steps: list[Step], n_slots: int) -> list[Op]:
@@ -225,10 +345,10 @@ def pipeline_schedule(steps: list[Step], n_slots: int) -> list[Op]:
     cached = {u for s in steps if s.cached for u in s.units}
     predictor = {u: index[s.predicted_by] for s in steps if s.predicted_by for u in s.units}
     ordered = sorted(first, key=lambda u: (first[u], steps[first[u]].units.index(u)))
-    rings: dict[int, list[str]] = {}  # device -> its units in copy order
+    rings: dict[int, list[Unit]] = {}  # device -> its units in copy order
     for u in ordered:
-        rings.setdefault(device_of(steps[first[u]].queue), []).append(u)
-    slot_of = {u: slot_name(d, k % n_slots) for d, us in rings.items() for k, u in enumerate(us)}
+        rings.setdefault(steps[first[u]].queue.device, []).append(u)
+    slot_of = {u: ring_slot(d, k % n_slots) for d, us in rings.items() for k, u in enumerate(us)}
     ops: list[Op] = []
     issued = dict.fromkeys(rings, 0)
 
@@ -236,7 +356,7 @@ def pipeline_schedule(steps: list[Step], n_slots: int) -> list[Op]:
         # a copy goes once the last reader of its slot's previous unit has been issued, and a
         # routed one once its router has
         for d, units in rings.items():
-            copy = queue_of("copy", d)
+            copy = copy_queue(d)
             while (
                 (n := issued[d]) < len(units)
                 and (n < n_slots or last[units[n - n_slots]] <= done_through)
@@ -244,49 +364,50 @@ def pipeline_schedule(steps: list[Step], n_slots: int) -> list[Op]:
             ):
                 u = units[n]
                 if n >= n_slots:
-                    ops.append(Wait(copy, f"read:{units[n - n_slots]}"))
+                    ops.append(Wait(copy, EventId(Signal.READ, units[n - n_slots])))
                 reads = ()
                 if u in router:
                     by = steps[router[u]].name
-                    ops.append(Wait(copy, f"routed:{by}"))
+                    ops.append(Wait(copy, EventId(Signal.ROUTED, by)))
                     reads = (ids_of(by),)
-                ops.append(Copy(copy, u, slot_of[u], reads, cache_of(u) if u in cached else ""))
-                ops.append(Record(copy, f"loaded:{u}"))
+                cache = cache_of(u.key) if u in cached else None
+                ops.append(Copy(copy, u, slot_of[u], reads, cache))
+                ops.append(Record(copy, EventId(Signal.LOADED, u)))
                 issued[d] += 1
 
     def prefetch(router_step: int) -> None:
         # the predicted experts into the caches once the router's step is issued (so a host
         # reading the prediction back waits while the device runs the layer's attention)
-        for u in sorted(u for u, i in predictor.items() if router.get(u) == router_step):
-            by, copy = steps[predictor[u]].name, queue_of("copy", device_of(steps[first[u]].queue))
-            ops.append(Wait(copy, f"predicted:{by}"))
-            ops.append(Copy(copy, prefetch_of(u), cache_of(u), (predicted_of(by),)))
+        for u in sorted((u for u, i in predictor.items() if router.get(u) == router_step), key=str):
+            by, copy = steps[predictor[u]].name, copy_queue(steps[first[u]].queue.device)
+            ops.append(Wait(copy, EventId(Signal.PREDICTED, by)))
+            ops.append(Copy(copy, prefetch_of(u.key), cache_of(u.key), (predicted_of(by),)))
 
     issue_copies(-1)
     for i, step in enumerate(steps):
         if i and steps[i - 1].queue != step.queue:
-            ops.append(Wait(step.queue, f"done:{steps[i - 1].name}"))
+            ops.append(Wait(step.queue, EventId(Signal.DONE, steps[i - 1].name)))
         for u in step.units:
             if first[u] == i:
-                ops.append(Wait(step.queue, f"loaded:{u}"))
+                ops.append(Wait(step.queue, EventId(Signal.LOADED, u)))
         reads = tuple((u, slot_of[u]) for u in step.units)
-        reads += tuple((u, cache_of(u)) for u in step.units if u in cached)
+        reads += tuple((u, cache_of(u.key)) for u in step.units if u in cached)
         if i:
-            reads += ((f"{ACT}@{steps[i - 1].name}", ACT),)
+            reads += (act_of(steps[i - 1].name),)
         routes, predicts = i in router.values(), i in predictor.values()
-        writes = ((f"{ACT}@{step.name}", ACT),) + ((ids_of(step.name),) if routes else ())
+        writes = (act_of(step.name),) + ((ids_of(step.name),) if routes else ())
         writes += (predicted_of(step.name),) if predicts else ()
         ops.append(Compute(step.queue, step.name, reads, writes))
         if i + 1 < len(steps) and steps[i + 1].queue != step.queue:
-            ops.append(Record(step.queue, f"done:{step.name}"))
+            ops.append(Record(step.queue, EventId(Signal.DONE, step.name)))
         if predicts:
-            ops.append(Record(step.queue, f"predicted:{step.name}"))
+            ops.append(Record(step.queue, EventId(Signal.PREDICTED, step.name)))
         if routes:
-            ops.append(Record(step.queue, f"routed:{step.name}"))
+            ops.append(Record(step.queue, EventId(Signal.ROUTED, step.name)))
             prefetch(i)
         finished = [u for u in step.units if last[u] == i]
         for u in finished:
-            ops.append(Record(step.queue, f"read:{u}"))
+            ops.append(Record(step.queue, EventId(Signal.READ, u)))
         if finished or routes:
             issue_copies(i)
     return drop_implied_waits(ops)
@@ -295,8 +416,8 @@ def pipeline_schedule(steps: list[Step], n_slots: int) -> list[Op]:
 def drop_implied_waits(ops: list[Op]) -> list[Op]:
     """Without the waits whose event the queue is already ordered after (through an earlier wait
     on a later event of the same queue): each one left is needed."""
-    queue_clock: dict[str, dict[str, int]] = {}
-    recorded: dict[str, dict[str, int]] = {}
+    queue_clock: dict[QueueId, dict[QueueId, int]] = {}
+    recorded: dict[EventId, dict[QueueId, int]] = {}
     out = []
     for op in ops:
         clock = queue_clock.setdefault(op.queue, {})

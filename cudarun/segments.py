@@ -1,13 +1,13 @@
 """CPU segments: the runs of consecutive CPU parts of a tier (within a layer and across layers),
 each run on the host as one unit between two hand-offs of the activations.
 
-A hybrid plan puts some parts on the CPU (`program.parts`, queue "cpu"). Run one by one, each cost
-a device round trip: wait for the device, copy its inputs down, compute, copy its outputs up —
-also between two CPU parts in a row. A segment pays that once: at its start the activations it
-reads go down in one batch of copies (into pinned staging) and the host waits once; its parts run
-back to back on the host; at its end the activations the device reads next go up in one batch,
-and the compute stream's later work is ordered after them without a wait. `cpu_segments` derives
-them once per tier, a pure function of the parts:
+A hybrid plan puts some parts on the CPU (`program.parts`, on the host's queue). Run one by one,
+each costs a device round trip: wait for the device, copy its inputs down, compute, copy its
+outputs up — also between two CPU parts in a row. A segment pays that once: at its start the
+activations it reads go down in one batch of copies (into pinned staging) and the host waits
+once; its parts run back to back on the host; at its end the activations the device reads next
+go up in one batch, and the compute stream's later work is ordered after them without a wait.
+`cpu_segments` derives them once per tier, a pure function of the parts:
 
 - what a segment reads at its start: the activations its parts read before writing them, less
   those the host holds current (written or read on the host since the device last wrote them);
@@ -34,6 +34,7 @@ import numpy as np
 from refengine.spec import ModelSpec
 
 from .hostweights import in_file
+from .schedule import compute_queue
 
 # what each part reads and writes of the activations (`hostmath.Act`, the device workspace)
 FIELDS = {
@@ -88,7 +89,7 @@ def whole_layers(parts, moe: bool) -> set[int]:
     on_cpu: dict[int, bool] = {}
     for p in parts:
         if p.layer is not None:
-            on_cpu[p.layer] = on_cpu.get(p.layer, True) and p.queue == "cpu"
+            on_cpu[p.layer] = on_cpu.get(p.layer, True) and p.queue.on_host
     return {il for il, cpu in on_cpu.items() if cpu}
 
 
@@ -106,7 +107,7 @@ def _units(parts, moe: bool) -> list[_Unit]:
             i = j
             continue
         reads, writes = fields(p.kind, moe)
-        out.append(_Unit(i, i + 1, p.queue == "cpu", reads, writes))
+        out.append(_Unit(i, i + 1, p.queue.on_host, reads, writes))
         i += 1
     return out
 
@@ -164,7 +165,7 @@ def ends_with_sync(parts, segments: list[Segment]) -> bool:
     """Whether the host must wait for the compute stream at the end of a ubatch: device work (a
     part, an upload, the inputs' copies at the start) was issued after its last wait. A ubatch
     whose last work was a segment that waited at its start and uploaded nothing ends without."""
-    if not any(p.queue == "compute" for p in parts):
+    if not any(p.queue == compute_queue() for p in parts):
         return False  # nothing goes to the device, not even the inputs
     pending, at = True, {s.first: s for s in segments}
     i = 0

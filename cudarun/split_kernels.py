@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import numpy as np
 
+from solver import regions
 from solver.groups import FFN_ORDER
 
-from .executor import local_name
 from .hostweights import tensors_of
 from .kvstore import kv_views
 from .shard_math import Shard, ShardMath
@@ -25,7 +25,7 @@ def split_kernels(engine, tier, st) -> dict:
     down = "ffn_down_exps" if spec.arch.moe else "ffn_down"  # holds the FFN's post-norm
 
     def weights(group: str, d: int) -> dict:
-        region = engine.region(tier, local_name(f"weights:{group}", d, True))
+        region = engine.region(tier, regions.weights(group, d))
         return tensors_of(share_layout(spec, engine.groups[group], shares, d), region)
 
     def embed(views) -> None:
@@ -116,7 +116,7 @@ def _kq(engine, tier, math: ShardMath, il: int, d: int, st, sh: Shard) -> None:
         if shares.kv_owner(spec, h) == d:
             mirror.k[il][st.cells.write, h] = k16[:, h - lo]
             mirror.v[il][st.cells.write, h] = v16[:, h - lo]
-    buf = engine.region(tier, local_name(f"kv:{il}", d, True))
+    buf = engine.region(tier, regions.kv(il, d))
     k_shape, v_shape = (hi - lo, *mirror.k_shape[1:]), (hi - lo, *mirror.v_shape[1:])
     k, v = kv_views(buf, tier.kv_cells[il], k_shape, v_shape)
     dc = st.device

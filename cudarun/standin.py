@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .schedule import Compute, Copy, Op, Record, Slot, Wait
+from .schedule import Compute, Copy, Op, Record, Slot, SlotId, SlotKind, Wait
 
 
 @dataclass
@@ -48,24 +48,23 @@ POISON = 0xFF
 
 
 class StandInDevice:
-    def __init__(self, slots: dict[str, Slot], host, seed: int, memory=None,
+    def __init__(self, slots: dict[SlotId, Slot], host, seed: int, memory=None,
                  copy_delay_s=(0.0005, 0.003), compute_delay_s=(0.0002, 0.001)):  # fmt: skip
         # tensor name -> its bytes (uint8), as pinned host memory: a dict, or a function
         self.host = host if callable(host) else lambda name: host[name].view(np.uint8)
         # slot name -> its device bytes (views into an arena, or allocated here); an expert cache
         # (written in place by its copies' host side, never poisoned) is tracked only
         self.memory = memory or {
-            s.name: np.empty(s.nbytes, np.uint8)
+            s.id: np.empty(s.nbytes, np.uint8)
             for s in slots.values()
-            if not s.name.startswith("cache:")
+            if s.id.kind is not SlotKind.CACHE
         }
         for m in self.memory.values():
             m[:] = POISON
-        self.state: dict[str, _SlotState] = {}
+        self.state: dict[SlotId, _SlotState] = {}
         self.rng = random.Random(seed)
         self.copy_delay_s, self.compute_delay_s = copy_delay_s, compute_delay_s
         self.violations: list[str] = []
-        self.copied: dict[str, int] = {}  # unit -> bytes its copies moved
         self.trace: list[tuple[str, str, float, float]] = []  # (queue, op, start s, end s)
         self._lock = threading.Lock()
         self._queues: dict[str, queue.Queue] = {}
@@ -141,7 +140,7 @@ class StandInDevice:
                     with self._lock:
                         self._violate(f"{op} raised {e!r}")
                 label = f"copy {op.tensor}" if isinstance(op, Copy) else op.name
-                self.trace.append((name, label, start, time.perf_counter()))
+                self.trace.append((str(name), label, start, time.perf_counter()))
             q.task_done()
         q.task_done()
 
@@ -168,7 +167,6 @@ class StandInDevice:
         time.sleep(delay)
         data = self.host(op.tensor)  # once: a routed copy's host side places its experts
         with self._lock:
-            self.copied[op.tensor] = self.copied.get(op.tensor, 0) + data.size
             for slot_name, slot in zip((op.slot, op.cache), slots):
                 if slot.tensor == op.tensor:
                     if slot_name == op.slot and op.slot in self.memory:

@@ -2,7 +2,7 @@
 on asynchronous queues (`standin.StandInDevice`), the compute queue's parts in exact fp32 with the
 reference operations, the CPU queue's with the CPU kernels a segment at a time (`segments.py`: a
 run of consecutive CPU parts goes at its first part, as on the CUDA engine, while the schedule's
-`act` hand-offs are still tracked op by op). It is the whole executor but for the GPU kernels, so
+hand-offs are still tracked op by op). It is the whole executor but for the GPU kernels, so
 the real models run through it in CI and every removed event wait is caught."""
 
 from __future__ import annotations
@@ -10,11 +10,12 @@ from __future__ import annotations
 import numpy as np
 
 from refengine.spec import ModelSpec
+from solver import regions
 from solver.cost import PINNED, ROUTED
 from solver.groups import EXPERTS
 
 from . import counts, program
-from .executor import PlanExecutor, Tier, group_bytes, local_name, weight_steps
+from .executor import PlanExecutor, Tier, group_bytes, weight_steps
 from .hostmath import Act, HostMath
 from .hostweights import cache_ranges, routed_pack, routed_tensors_of, tensors_of
 from .kvstore import kv_views
@@ -22,6 +23,7 @@ from .program import routed_experts
 from .segments import SegmentRunner
 from .shards import share_bytes
 from .split_kernels import split_kernels
+from .schedule import SlotKind, Unit, UnitKind
 from .standin import POISON, StandInDevice
 from .switch import apply_steps
 
@@ -59,12 +61,13 @@ class StandInEngine(PlanExecutor):
         if self.shares is not None:  # each device its KV heads of every layer
             for d in self.shares.devices:
                 for il in tier.kv_cells:
-                    self._lay_kv(il, self.region(tier, local_name(f"kv:{il}", d, True)),
+                    self._lay_kv(il, self.region(tier, regions.kv(il, d)),
                                  tier.kv_cells[il], self.shares.kv_heads(self.spec, d))  # fmt: skip
         else:
             for il, loc in tier.place.kv.items():
                 if loc.kind == PINNED:
-                    self._lay_kv(il, self.region(tier, f"kv:{il}"), tier.kv_cells[il])
+                    self._lay_kv(il, self.region(tier, regions.kv(il, loc.device)),
+                                 tier.kv_cells[il])  # fmt: skip
         self.current = tier
 
     def _lay_kv(self, il: int, buf: np.ndarray, cells: int, heads=None) -> np.ndarray:
@@ -78,35 +81,38 @@ class StandInEngine(PlanExecutor):
         k[dev], v[dev] = self.mirror.k[il][host, lo:hi], self.mirror.v[il][host, lo:hi]
         return buf
 
-    def _host_bytes(self, tier: Tier, unit: str, st: Act | None = None) -> np.ndarray:
+    def _host_bytes(self, tier: Tier, unit: Unit, st: Act | None = None) -> np.ndarray:
         """A unit's bytes as a copy reads them: a routed stack's, of the experts `st`'s router
         chose."""
-        if unit.startswith("kv:"):
-            il = int(unit[3:])
+        if unit.kind is UnitKind.FIELD:  # a hand-off: tracked, the activations are the host's
+            return np.empty(0, np.uint8)
+        if unit.kind is UnitKind.KV:
+            il = unit.key
             return self._lay_kv(il, np.empty(tier.kv_cells[il] * self.cell_nbytes, np.uint8),
                                 tier.kv_cells[il])  # fmt: skip
-        if unit.endswith("@prefetch"):  # the predicted experts into the cache
-            group = unit.removesuffix("@prefetch")
+        group = unit.key
+        if unit.kind is UnitKind.PREFETCH:  # the predicted experts into the cache
             self._fill_cache(tier, group, self.admit(tier, self.groups[group].layer, st.pred,
                                                      True))  # fmt: skip
             return np.empty(0, np.uint8)
-        if tier.place.groups[unit].kind == ROUTED:  # the copy runs after the router chose
+        if tier.place.groups[group].kind == ROUTED:  # the copy runs after the router chose
             experts = routed_experts(st.ids)
-            if tier.place.groups[unit].cache:
-                admission = self.admit(tier, self.groups[unit].layer, st.ids)
-                self._fill_cache(tier, unit, admission)
+            if tier.place.groups[group].cache:
+                admission = self.admit(tier, self.groups[group].layer, st.ids)
+                self._fill_cache(tier, group, admission)
                 experts = admission.overflow
-            data = routed_pack(self.host.layouts[unit], self.host.group(unit), experts)
+            data = routed_pack(self.host.layouts[group], self.host.group(group), experts)
         else:
-            data = self.host.group(unit)
-        if self.groups[unit].kind == EXPERTS:
+            data = self.host.group(group)
+        if self.groups[group].kind == EXPERTS:
             self.expert_copied_nbytes += data.size
         return data
 
     def _fill_cache(self, tier: Tier, group: str, admission) -> None:
         """The experts a copy keeps (`admission.inserted`) into the group's cache region."""
-        cache, src = self.region(tier, f"cache:{group}"), self.host.group(group)
-        slots = tier.place.groups[group].cache
+        loc = tier.place.groups[group]
+        cache, src = self.region(tier, regions.cache(group, loc.device)), self.host.group(group)
+        slots = loc.cache
         for e, slot in admission.inserted.items():
             for lo, at, nbytes in cache_ranges(self.host.layouts[group], slots, e, slot):
                 cache[at : at + nbytes] = src[lo : lo + nbytes]
@@ -139,7 +145,7 @@ class StandInEngine(PlanExecutor):
 
     def _kernel(self, tier: Tier, i: int, part, st: Act, starts: dict):
         def kernel(views):
-            if part.queue == "cpu":  # the segment's other parts run with its first
+            if part.queue.on_host:  # the segment's other parts run with its first
                 if i in starts:
                     self.runner.run(starts[i], tier.parts, st, self.requested)
             elif part.kind == "kq":
@@ -155,15 +161,18 @@ class StandInEngine(PlanExecutor):
     def _weights(self, tier: Tier, group: str, views, st: Act) -> dict:
         """A device part's weights: its arena region when pinned, else its ring slot (a routed
         copy's: the experts the router chose)."""
-        kind = tier.place.groups[group].kind
+        loc = tier.place.groups[group]
+        kind = loc.kind
         if kind == PINNED:
-            return tensors_of(self.host.layouts[group], self.region(tier, f"weights:{group}"))
-        (buf,) = (v for name, v in views.items() if name.startswith("slot"))
+            return tensors_of(self.host.layouts[group],
+                              self.region(tier, regions.weights(group, loc.device)))  # fmt: skip
+        (buf,) = (v for sid, v in views.items() if sid.kind is SlotKind.RING)
         if kind == ROUTED:
             layout = self.host.layouts[group]
-            if not tier.place.groups[group].cache:
+            if not loc.cache:
                 return routed_tensors_of(layout, buf, routed_experts(st.ids))
-            got, cache = self.admitted[(self.groups[group].layer, False)], f"cache:{group}"
+            got = self.admitted[(self.groups[group].layer, False)]
+            cache = regions.cache(group, loc.device)
             return routed_tensors_of(layout, buf, got.overflow, self.region(tier, cache),
                                      got.resident)  # fmt: skip
         return tensors_of(self.host.layouts[group], buf)
@@ -173,7 +182,8 @@ class StandInEngine(PlanExecutor):
         k16, v16 = st.k.astype(np.float16), st.v.astype(np.float16)
         self.mirror.k[il][st.cells.write] = k16  # the host copy, written through
         self.mirror.v[il][st.cells.write] = v16
-        buf = self.region(tier, f"kv:{il}") if loc.kind == PINNED else next(iter(views.values()))
+        buf = (self.region(tier, regions.kv(il, loc.device)) if loc.kind == PINNED
+               else next(iter(views.values())))  # fmt: skip
         k, v = kv_views(buf, tier.kv_cells[il], self.mirror.k_shape, self.mirror.v_shape)
         swa = self.spec.is_swa(il)
         write, keys = (d.write_swa, d.keys_swa) if swa else (d.write, d.keys)
@@ -187,14 +197,14 @@ class StandInEngine(PlanExecutor):
 
 
 class _GroupBytes:
-    """`weights:<group>` -> the group's bytes (device d's share under a tensor split), for
+    """A weights region -> its group's bytes (device d's share under a tensor split), for
     `apply_steps`."""
 
     def __init__(self, engine: StandInEngine, d: int):
         self.engine, self.d = engine, d
 
-    def __getitem__(self, name: str) -> np.ndarray:
-        e, group = self.engine, name.removeprefix("weights:")
+    def __getitem__(self, rid: regions.RegionId) -> np.ndarray:
+        e, group = self.engine, rid.key
         if e.shares is not None:
             return share_bytes(e.spec, e.groups[group], e.shares, self.d,
                                e.math["compute"].reference.raw)  # fmt: skip

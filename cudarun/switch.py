@@ -1,10 +1,11 @@
 """What a tier switch does to the device arena: from one tier's memory map to the next's.
 
-Regions (solver.regions.Region: name, offset_bytes, nbytes) named `weights:*` and `kv:*` hold
-content that must survive a switch; `scratch:*` and `workspace` do not. Between two maps:
+Regions (solver.regions.Region: id, offset_bytes, nbytes) of pinned weights and KV hold content
+that must survive a switch (`regions.KEPT`); the ring's and the workspace do not. Between two
+maps:
 - a region in both at a new offset moves on the device (D2D);
-- a `kv:*` region only in the old map is downloaded to host memory (the KV moves to the host);
-  a `weights:*` one is simply dropped (its pinned host copy exists);
+- a KV region only in the old map is downloaded to host memory (the KV moves to the host); a
+  weights one is simply dropped (its pinned host copy exists);
 - a region only in the new map is uploaded from the host (weights, or KV coming back).
 
 `switch_steps` orders them so nothing is read after being overwritten: downloads first, then the
@@ -19,13 +20,13 @@ from dataclasses import dataclass
 
 import numpy as np
 
-KEPT = ("weights:", "kv:")
+from solver.regions import KEPT, RegionId, RegionKind
 
 
 @dataclass(frozen=True)
 class Step:
     kind: str  # "download", "move", "upload"
-    name: str
+    region: RegionId
     src: int  # arena offset (download, move); -1 for an upload from the host
     dst: int  # arena offset (move, upload); -1 for a download to the host
     nbytes: int
@@ -36,12 +37,12 @@ def _overlap(a0: int, n_a: int, b0: int, n_b: int) -> bool:
 
 
 def switch_steps(before, after) -> list[Step]:
-    old = {r.name: r for r in before if r.name.startswith(KEPT)}
-    new = {r.name: r for r in after if r.name.startswith(KEPT)}
+    old = {r.id: r for r in before if r.kind in KEPT}
+    new = {r.id: r for r in after if r.kind in KEPT}
     downloads = [
         Step("download", n, r.offset_bytes, -1, r.nbytes)
         for n, r in old.items()
-        if n not in new and n.startswith("kv:")
+        if n not in new and n.kind is RegionKind.KV
     ]
     uploads = [
         Step("upload", n, -1, r.offset_bytes, r.nbytes) for n, r in new.items() if n not in old
@@ -58,29 +59,29 @@ def switch_steps(before, after) -> list[Step]:
             m
             for m in pending.values()
             if not any(
-                o.name != m.name and _overlap(m.dst, m.nbytes, o.src, o.nbytes)
+                o.region != m.region and _overlap(m.dst, m.nbytes, o.src, o.nbytes)
                 for o in pending.values()
             )
         ]
         if ready:
-            for m in sorted(ready, key=lambda s: s.name):
+            for m in sorted(ready, key=lambda s: str(s.region)):
                 moves.append(m)
-                del pending[m.name]
+                del pending[m.region]
             continue
         # a cycle: the first pending region goes through the host
-        name = min(pending)
-        m = pending.pop(name)
-        downloads.append(Step("download", name, m.src, -1, m.nbytes))
-        uploads.append(Step("upload", name, -1, m.dst, m.nbytes))
+        rid = min(pending, key=str)
+        m = pending.pop(rid)
+        downloads.append(Step("download", rid, m.src, -1, m.nbytes))
+        uploads.append(Step("upload", rid, -1, m.dst, m.nbytes))
     return downloads + moves + uploads
 
 
-def apply_steps(arena: np.ndarray, steps: list[Step], host: dict[str, np.ndarray]) -> None:
+def apply_steps(arena: np.ndarray, steps: list[Step], host: dict[RegionId, np.ndarray]) -> None:
     """Carry the steps out on a uint8 arena; downloads land in `host`, uploads come from it."""
     for s in steps:
         if s.kind == "download":
-            host[s.name] = arena[s.src : s.src + s.nbytes].copy()
+            host[s.region] = arena[s.src : s.src + s.nbytes].copy()
         elif s.kind == "move":
             arena[s.dst : s.dst + s.nbytes] = arena[s.src : s.src + s.nbytes].copy()
         else:
-            arena[s.dst : s.dst + s.nbytes] = host[s.name]
+            arena[s.dst : s.dst + s.nbytes] = host[s.region]

@@ -21,9 +21,11 @@ from dataclasses import dataclass
 
 from solver.shares import Shares
 
-from .schedule import Compute, Op, Record, Wait, drop_implied_waits, queue_of
+from .schedule import (
+    HOST, Compute, EventId, Op, QueueId, Record, Signal, SlotId, SlotKind, Unit, UnitKind, Wait,
+    compute_queue, drop_implied_waits,
+)
 
-HOST = "cpu"
 SUMS = ("attn_sum", "ffn_sum")  # the all-reduces
 
 
@@ -33,7 +35,7 @@ class SplitPart:
     kind: str  # "embed", "attn", "attn_sum", "ffn", "ffn_sum", "output", "logits"
     layer: int | None
     device: int | None  # None: the host
-    queue: str
+    queue: QueueId
     after: tuple[str, ...]  # the parts on other queues whose outputs it reads
 
 
@@ -44,20 +46,20 @@ def parts(n_layer: int, shares: Shares) -> list[SplitPart]:
     for il in range(n_layer):
         for kind in ("attn", "ffn"):
             names = tuple(f"blk.{il}.{kind}@{d}" for d in devices)
-            out += [SplitPart(n, kind, il, d, queue_of("compute", d), fan_in)
+            out += [SplitPart(n, kind, il, d, compute_queue(d), fan_in)
                     for n, d in zip(names, devices)]  # fmt: skip
             out.append(SplitPart(f"blk.{il}.{kind}_sum", f"{kind}_sum", il, None, HOST, names))
             fan_in = (f"blk.{il}.{kind}_sum",)
     names = tuple(f"output@{d}" for d in devices)
-    out += [SplitPart(n, "output", None, d, queue_of("compute", d), fan_in)
+    out += [SplitPart(n, "output", None, d, compute_queue(d), fan_in)
             for n, d in zip(names, devices)]  # fmt: skip
     out.append(SplitPart("logits", "logits", None, None, HOST, names))
     return out
 
 
-def hand_off(queue: str) -> str:
+def hand_off(queue: QueueId) -> SlotId:
     """The slot a queue's parts hand their output over in (tracked, without memory)."""
-    return f"act:{queue}"
+    return SlotId(SlotKind.ACT, queue)
 
 
 def schedule(split_parts: list[SplitPart]) -> list[Op]:
@@ -65,9 +67,10 @@ def schedule(split_parts: list[SplitPart]) -> list[Op]:
     read_elsewhere = {a for p in split_parts for a in p.after if queue[a] != p.queue}
     ops: list[Op] = []
     for p in split_parts:
-        ops += [Wait(p.queue, f"done:{a}") for a in p.after if queue[a] != p.queue]
-        reads = tuple((f"act@{a}", hand_off(queue[a])) for a in p.after)
-        ops.append(Compute(p.queue, p.name, reads, ((f"act@{p.name}", hand_off(p.queue)),)))
+        ops += [Wait(p.queue, EventId(Signal.DONE, a)) for a in p.after if queue[a] != p.queue]
+        reads = tuple((Unit(UnitKind.ACT, a), hand_off(queue[a])) for a in p.after)
+        writes = ((Unit(UnitKind.ACT, p.name), hand_off(p.queue)),)
+        ops.append(Compute(p.queue, p.name, reads, writes))
         if p.name in read_elsewhere:
-            ops.append(Record(p.queue, f"done:{p.name}"))
+            ops.append(Record(p.queue, EventId(Signal.DONE, p.name)))
     return drop_implied_waits(ops)

@@ -11,15 +11,17 @@ from __future__ import annotations
 
 import hashlib
 import json
+from dataclasses import dataclass
 from pathlib import Path
 
 from refengine.errors import UserError
 from refengine.spec import ModelSpec
 
-from .cost import PINNED, ROUTED, STREAMED, Loc, Prediction, TierPlacement, Workload
-from .groups import Group, cache_nbytes, tensor_groups
+from .cost import CPU, PINNED, ROUTED, STREAMED, Loc, Prediction, TierPlacement, Workload
+from .groups import EMBD, Group, cache_nbytes, tensor_groups
 from .memory import kv_layer_nbytes
-from .regions import Region
+from . import regions
+from .regions import Region, RegionId, RegionKind
 from .routing import RoutingStats
 from .shares import Shares
 from .targets import traits
@@ -46,25 +48,25 @@ def memory_map(
         for g in groups
         if all(t.groups[g.name] == Loc(PINNED, device) for t in tiers.values())
     }
-    regions, offset = [], 0
+    out, offset = [], 0
     ordered = [g for g in groups if g.name in everywhere] + [
         g
         for g in groups
         if g.name not in everywhere and place.groups[g.name] == Loc(PINNED, device)
     ]
 
-    def add(name: str, nbytes: int) -> None:  # from the left, each on an ALIGN boundary
+    def add(rid: RegionId, nbytes: int) -> None:  # from the left, each on an ALIGN boundary
         nonlocal offset
         offset = align_up(offset)
-        regions.append(Region(name, offset, nbytes))
+        out.append(Region(rid, offset, nbytes))
         offset += nbytes
 
     for g in ordered:
-        add(f"weights:{g.name}", g.nbytes)
+        add(regions.weights(g.name, device), g.nbytes)
     for g in groups:  # the expert caches of routed stacks (empty after a switch)
         loc = place.groups[g.name]
         if loc.kind == ROUTED and loc.device == device and loc.cache:
-            add(f"cache:{g.name}", cache_nbytes(spec, g, loc.cache))
+            add(regions.cache(g.name, device), cache_nbytes(spec, g, loc.cache))
     usage = device_usage(spec, groups, place, tier, w, "refengine", device)
     slot = usage.scratch // PREFETCH_DEPTH if usage.scratch else 0
     # (a routed stack whose expert cache holds a ubatch's every expert copies nothing into its
@@ -74,21 +76,21 @@ def memory_map(
         for loc in (*place.groups.values(), *place.kv.values())
     )
     for i in range(PREFETCH_DEPTH if slot or streams else 0):
-        add(f"scratch:{i}", slot)
+        add(RegionId(RegionKind.SCRATCH, i, device), slot)
     # the workspace's own layout; the padding the model adds to it is spent on the boundaries
-    add("workspace", usage.compute - map_padding_nbytes(spec) if usage.compute else 0)
+    add(regions.workspace(device), usage.compute - map_padding_nbytes(spec) if usage.compute else 0)
     end = budget_bytes // ALIGN * ALIGN
     kv = kv_shape(w, tier)
     for il in sorted(place.kv):
         if place.kv[il] == Loc(PINNED, device):
             n = kv_layer_nbytes(spec, il, kv)
             end = (end - n) // ALIGN * ALIGN
-            regions.append(Region(f"kv:{il}", end, n))
+            out.append(Region(regions.kv(il, device), end, n))
     if end < offset:  # the solver's memory model and this map disagree: a bug, not a user error
         raise AssertionError(
             f"tier {tier}: the memory map overflows the budget by {offset - end} B"
         )
-    return regions
+    return out
 
 
 def fingerprint(
@@ -150,7 +152,7 @@ def plan_json(
                 "memory": {str(d): {"total": device_nbytes(spec, w, t, shares, d)}
                            for d in devices},
                 "memory_map": {
-                    str(d): [[r.name, r.offset_bytes, r.nbytes]
+                    str(d): [r.to_json()
                              for r in split_memory_map(spec, w, t, shares, budgets[d], d)]
                     for d in devices
                 },
@@ -182,7 +184,7 @@ def plan_json(
             },
             "memory_map": {
                 str(d): [
-                    [r.name, r.offset_bytes, r.nbytes]
+                    r.to_json()
                     for r in memory_map(spec, groups, tiers, t, w, budgets[d], d)
                 ]
                 for d in devices
@@ -285,3 +287,49 @@ def plan_workload(d: dict) -> Workload:
         unified=fp.get("kv_unified", False),
         routing=RoutingStats.from_json(d["routing"]) if d.get("routing") else None,
     )
+
+
+@dataclass(frozen=True)
+class TierPlan:
+    """A tier of a plan: where every group and layer's KV lives, and each device's memory map
+    (a `--target refengine` plan's; empty for llama.cpp's)."""
+
+    place: TierPlacement
+    maps: dict[int, list[Region]]
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A plan's JSON, parsed once (what the runtime reads of it)."""
+
+    target: str
+    split_mode: str
+    fingerprint: dict
+    workload: Workload
+    shares: Shares | None  # our runtime's tensor split: each device's share of every layer
+    tiers: dict[int, TierPlan]
+    runtime_nbytes: int  # what the CUDA runtime itself holds on each device, beside the arena
+
+    @property
+    def budgets(self) -> list[int]:
+        return self.fingerprint["budget_bytes"]
+
+    @classmethod
+    def from_json(cls, d: dict, spec: ModelSpec) -> Plan:
+        shares = Shares.from_json(d["shares"]) if d.get("shares") else None
+        places = split_placements(spec, d) if shares is not None else placements_from_json(d, spec)
+        tiers = {
+            t: TierPlan(place, {int(dev): [Region.from_json(r, int(dev)) for r in m]
+                                for dev, m in d["tiers"][str(t)].get("memory_map", {}).items()})
+            for t, place in places.items()
+        }  # fmt: skip
+        return cls(d["target"], d["split_mode"], d["fingerprint"], plan_workload(d), shares,
+                   tiers, d.get("runtime_nbytes", 0))  # fmt: skip
+
+
+def split_placements(spec: ModelSpec, d: dict) -> dict[int, TierPlacement]:
+    """A tensor split's placements as the runtime reads them: the embedding on the host,
+    everything else held on the devices (their shares) in every tier."""
+    groups = {g.name: Loc(CPU) if g.kind == EMBD else Loc(PINNED) for g in tensor_groups(spec)}
+    kv = {il: Loc(PINNED) for il in range(spec.hparams.n_layer)}
+    return {int(t): TierPlacement(groups, kv) for t in d["tiers"]}

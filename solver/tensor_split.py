@@ -33,6 +33,7 @@ from .cost import (
 from .groups import EMBD, EXPERTS, tensor_groups
 from .memory import compute_nbytes, kv_cells, kv_layer_nbytes
 from .profile import HardwareProfile
+from . import regions as region_ids
 from .regions import Region
 from .shares import DIMS, FF, FF_EXP, HEADS, VOCAB, Shares, group_share_nbytes
 from .shares import kv_share_cell_nbytes, shares_for
@@ -179,18 +180,18 @@ def split_memory_map(spec: ModelSpec, w: Workload, tier: int, shares: Shares, bu
     for g in tensor_groups(spec):  # each region on an ALIGN boundary, as plan.memory_map's
         if g.kind != EMBD:
             offset = align_up(offset)
-            regions.append(Region(f"weights:{g.name}", offset,
+            regions.append(Region(region_ids.weights(g.name, d), offset,
                                   group_share_nbytes(spec, g.tensors, shares, d)))  # fmt: skip
             offset += regions[-1].nbytes
     offset = align_up(offset)
-    regions.append(Region("workspace", offset,
+    regions.append(Region(region_ids.workspace(d), offset,
                           workspace_nbytes(spec, w, tier) - map_padding_nbytes(spec)))  # fmt: skip
     offset += regions[-1].nbytes
     end, cell = budget_bytes // ALIGN * ALIGN, kv_share_cell_nbytes(spec, shares, d, w.kv_type)
     for il in range(spec.hparams.n_layer):
         n = kv_cells(spec, il, kv_shape(w, tier)) * cell
         end = (end - n) // ALIGN * ALIGN
-        regions.append(Region(f"kv:{il}", end, n))
+        regions.append(Region(region_ids.kv(il, d), end, n))
     if end < offset:  # the shares were chosen to fit: a bug, not a user error
         raise AssertionError(f"tier {tier}: device {d}'s map overflows its budget by {offset - end} B")
     return regions

@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from cudarun.schedule import Record, Wait, device_of, validate
+from cudarun.schedule import Record, Wait, validate
 from cudarun.standin import StandInDevice
 from cudarun.standin_engine import FAST_DELAYS, StandInEngine
 from refengine.agreement import agreement_along, reference_run
@@ -103,14 +103,14 @@ def test_every_cross_device_wait_is_needed_on_five_seeds():
     stand-in device, run on 5 seeds, reports it."""
     spec, plan = real_plan(*CASES["smollm2-three"][:2])
     engine = StandInEngine(spec, plan)
-    tier = max(engine.tiers.values(), key=lambda t: len({device_of(p.queue) for p in t.parts}))
+    tier = max(engine.tiers.values(), key=lambda t: len({p.queue.device for p in t.parts}))
     ops = tier.schedule
     recorded_on = {op.event: op.queue for op in ops if isinstance(op, Record)}
     crossing = [
         i for i, op in enumerate(ops)
         if isinstance(op, Wait) and recorded_on[op.event] != op.queue
-        and "cpu" not in (op.queue, recorded_on[op.event])
-        and device_of(recorded_on[op.event]) != device_of(op.queue)
+        and not op.queue.on_host and not recorded_on[op.event].on_host
+        and recorded_on[op.event].device != op.queue.device
     ]  # fmt: skip
     assert len(crossing) >= 2  # device 0 -> 1 -> 2
     sizes = engine.unit_nbytes(tier)

@@ -18,7 +18,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from cudarun.expert_cache import ExpertCache
-from cudarun.schedule import Wait, pipeline_schedule, validate
+from cudarun.schedule import Signal, Wait, pipeline_schedule, validate
 from cudarun.standin_engine import StandInEngine
 from refengine.agreement import normwise
 from refengine.engine import NumpyEngine
@@ -155,8 +155,8 @@ def test_every_wait_of_a_prefetch_and_of_a_cached_copy_is_needed(moe, routing):
     sizes = StandInEngine(moe, plan).unit_nbytes(tier)
     assert validate(ops, tier.slots, sizes) == []
     needed = [i for i, op in enumerate(ops) if isinstance(op, Wait)
-              and op.event.startswith(("predicted:", "routed:", "loaded:"))]  # fmt: skip
-    kinds = collections.Counter(ops[i].event.split(":")[0] for i in needed)
+              and op.event.signal in (Signal.PREDICTED, Signal.ROUTED, Signal.LOADED)]  # fmt: skip
+    kinds = collections.Counter(ops[i].event.signal.value for i in needed)
     assert kinds["predicted"] == kinds["routed"] == moe.hparams.n_layer
     for i in needed:
         errors = validate(ops[:i] + ops[i + 1 :], tier.slots, sizes)

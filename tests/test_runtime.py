@@ -134,7 +134,7 @@ def test_every_wait_of_a_real_plans_schedule_is_needed_on_every_seed():
     tier = engine.tiers[1]
     ops = tier.schedule
     waits = [i for i, op in enumerate(ops) if isinstance(op, Wait)]
-    queues = {(op.queue, op.event.split(":")[0]) for op in ops if isinstance(op, Wait)}
+    queues = {(str(op.queue), op.event.signal.value) for op in ops if isinstance(op, Wait)}
     # slot reuse, copy -> compute, and both directions of the CPU hand-off are all exercised
     assert {("copy", "read"), ("compute", "loaded"), ("cpu", "done"), ("compute", "done")} <= queues
     for w in waits:

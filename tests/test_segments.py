@@ -11,6 +11,7 @@ from numba import cuda
 
 from cudarun.counts import Counts, counting, Counter, install, tier_counts
 from cudarun.program import Part
+from cudarun.schedule import HOST, compute_queue
 from cudarun.segments import Segment, cpu_segments, ends_with_sync, whole_layers
 from refengine.synthetic import preset, spec_from_hparams
 from solver.cost import CPU, PINNED, STREAMED, Loc, TierPlacement
@@ -32,8 +33,8 @@ def parts(layout: str, moe: bool = False) -> list[Part]:
     return out
 
 
-def _q(letter: str) -> str:
-    return {"c": "cpu", "d": "compute"}[letter]
+def _q(letter: str):
+    return {"c": HOST, "d": compute_queue()}[letter]
 
 
 def test_the_ffn_on_the_cpu_is_one_segment_per_layer_with_one_hand_off_each_way():

@@ -198,7 +198,7 @@ def test_the_cuda_engine_runs_a_tensor_split_as_numpy_does(tmp_path, arch, fract
         assert normwise(acts["blk.0.out"], ref_acts["blk.0.out"]) < engine.tolerance
     for (t, n, _), (ubatches, counted) in engine.tally.rows.items():
         schedule = engine.tiers[t].schedule
-        host_waits = sum(isinstance(op, Wait) and op.queue == "cpu" for op in schedule)
+        host_waits = sum(isinstance(op, Wait) and op.queue.on_host for op in schedule)
         # and one to read the recorded layer output
         assert counted.syncs == ubatches * (host_waits + 1), (t, n)
         # each device: the embedding's rows and every sum up

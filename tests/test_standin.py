@@ -4,7 +4,9 @@ every event wait removed from it (validator bypassed), over 5 seeds, whatever th
 import numpy as np
 import pytest
 
-from cudarun.schedule import Step, Wait, pipeline_schedule
+from cudarun.schedule import (
+    HOST, SlotKind, Step, Wait, compute_queue, group_unit, pipeline_schedule,
+)
 from cudarun.standin import StandInDevice
 
 from .test_schedule import slots
@@ -25,7 +27,7 @@ def run(ops, seed, n_slots, tensors):
     kernels = {
         op.name: kernel_for(op.name, op.reads[0][0])
         for op in ops
-        if getattr(op, "reads", ()) and op.reads[0][1].startswith("slot")
+        if getattr(op, "reads", ()) and op.reads[0][1].kind is SlotKind.RING
     }
     device = StandInDevice(slots(n_slots), tensors, seed)
     try:
@@ -37,7 +39,8 @@ def run(ops, seed, n_slots, tensors):
 def pipeline(n_layers=6, n_slots=2):
     """Layer 3 runs on the CPU, layer 4 on the device from pinned weights, the others stream."""
     steps = [
-        Step(f"layer{i}", "cpu" if i == 3 else "compute", (f"w{i}",) if i not in (3, 4) else ())
+        Step(f"layer{i}", HOST if i == 3 else compute_queue(),
+             (group_unit(f"w{i}"),) if i not in (3, 4) else ())  # fmt: skip
         for i in range(n_layers)
     ]
     rng = np.random.default_rng(0)
@@ -51,7 +54,7 @@ def test_the_pipeline_runs_clean_and_every_layer_reads_its_own_weights(seed):
     violations, checksums = run(ops, seed, 2, tensors)
     assert violations == []
     for name, value in checksums.items():
-        want = float(tensors["w" + name.removeprefix("layer")].sum())
+        want = float(tensors[group_unit("w" + name.removeprefix("layer"))].sum())
         assert value == pytest.approx(want, rel=1e-6)
 
 

@@ -45,25 +45,6 @@ else:
 
 
 @cuda.jit(device=True)
-def block_reduce(partial, tid, use_max):
-    """The max or sum of partial[0:THREADS], which each thread has just written its share of;
-    every thread gets it. MoE and decode attention reduce through this."""
-    cuda.syncthreads()
-    step = THREADS // 2
-    while step > 0:
-        if tid < step:
-            if use_max:
-                partial[tid] = max(partial[tid], partial[tid + step])
-            else:
-                partial[tid] += partial[tid + step]
-        cuda.syncthreads()
-        step //= 2
-    value = partial[0]
-    cuda.syncthreads()
-    return value
-
-
-@cuda.jit(device=True)
 def warp_sum(v):
     """The sum of v over the THREADS lanes of a warp (a butterfly: every lane gets it)."""
     step = THREADS // 2
