@@ -26,9 +26,8 @@ from . import counts
 from .devicemath import device_tensors
 from .kernels import THREADS, glue
 from .kvstore import host_runs
-from .schedule import Compute, Record, Wait
+from .schedule import HOST, Compute, Record, Wait
 from .shards import share_layout
-from .schedule import HOST
 
 
 class DeviceShards:

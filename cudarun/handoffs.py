@@ -57,8 +57,8 @@ def _bring(out: list[Op], f: str, version: Unit, held: set[int], place: int) -> 
     host = field_slot(f, HOST_DEVICE)
     if HOST_DEVICE not in held:  # down from a device that holds it, before its last hand-off
         src = compute_queue(min(held))
-        at = max(i for i, op in enumerate(out) if isinstance(op, Record) and op.queue == src
-                 and op.event.signal is Signal.DONE)  # fmt: skip
+        at = next(i for i in range(len(out) - 1, -1, -1) if isinstance(out[i], Record)
+                  and out[i].queue == src and out[i].event.signal is Signal.DONE)  # fmt: skip
         out.insert(at, Copy(src, version, host, ((version, field_slot(f, src.device)),)))
         held.add(HOST_DEVICE)
     if place != HOST_DEVICE:
