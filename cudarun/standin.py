@@ -11,7 +11,7 @@ worker thread per queue, so copy and compute queues really run asynchronously.
   read that is not ordered after its copy, or a copy not ordered after the slot's last readers,
   is reported even when the timing happened to work out (`violations`).
 
-It executes `schedule` operations; a `Compute` may carry a kernel (`kernels[name]`) that receives
+It executes `schedule` operations (`issue.Device`); a `Compute` may carry a kernel (`kernels[name]`) that receives
 the slots' byte arrays by name. A slot without memory (the activation hand-off, whose data the
 kernels keep themselves) is tracked all the same.
 """
@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from .issue import issue
 from .schedule import Compute, Copy, Op, Record, Slot, SlotId, SlotKind, Wait
 
 
@@ -71,29 +72,32 @@ class StandInDevice:
         self._workers: dict[str, threading.Thread] = {}
         self._clocks: dict[str, dict[str, int]] = {}
         self._latest: dict[str, _Recorded] = {}
+        self.kernels: dict = {}  # part -> its kernel (`execute`)
 
     # -- issuing (the host side) ------------------------------------------------------------
 
     def execute(self, ops: list[Op], kernels: dict | None = None) -> list[str]:
         """Issue every operation in order, wait for all queues, return the violations."""
-        for op in ops:
-            self.issue(op, kernels or {})
+        self.kernels = kernels or {}
+        issue(ops, self)
         self.synchronize()
         return self.violations
 
-    def issue(self, op: Op, kernels: dict) -> None:
-        q = self._queue(op.queue)
-        if isinstance(op, Record):
-            rec = _Recorded()
-            self._latest[op.event] = rec  # later waits see this record, earlier ones do not
-            q.put((op, rec, None))
-        elif isinstance(op, Wait):
-            q.put((op, self._latest.get(op.event), None))  # never recorded: CUDA waits on nothing
-        else:
-            delay = self.rng.uniform(
-                *(self.copy_delay_s if isinstance(op, Copy) else self.compute_delay_s)
-            )
-            q.put((op, delay, kernels.get(getattr(op, "name", None))))
+    def record(self, op: Record) -> None:
+        rec = _Recorded()
+        self._latest[op.event] = rec  # later waits see this record, earlier ones do not
+        self._queue(op.queue).put((op, rec, None))
+
+    def wait(self, op: Wait) -> None:
+        # never recorded: CUDA waits on nothing
+        self._queue(op.queue).put((op, self._latest.get(op.event), None))
+
+    def copy(self, op: Copy) -> None:
+        self._queue(op.queue).put((op, self.rng.uniform(*self.copy_delay_s), None))
+
+    def compute(self, op: Compute) -> None:
+        delay = self.rng.uniform(*self.compute_delay_s)
+        self._queue(op.queue).put((op, delay, self.kernels.get(op.name)))
 
     def synchronize(self) -> None:
         for q in self._queues.values():
