@@ -6,7 +6,7 @@ launch goes through one place in Numba (`_Kernel.launch` on a GPU, `FakeCUDAKern
 under the simulator), which `install` wraps once to add one to the thread's active counter; the
 cuBLAS products of the prefill path (`kernels.prefill.gemm_fp16`, outside Numba) count one each;
 a CUDA graph's replay counts as one launch, its capture as none. The engine counts its own host
-synchronizations (`CudaEngine._sync`) and hand-offs.
+synchronizations (`CudaEngine.sync`) and hand-offs.
 
 Derived (`tier_counts`): from the tier's parts (`program.parts`), their queues,
 the CPU segments (`segments.cpu_segments`) and whether the tier is captured as a CUDA graph —
@@ -26,7 +26,7 @@ from solver.cost import STREAMED, Operations, TierPlacement, hops_between
 from solver.workspace import MAX_DECODE_TOKENS, matrix_launches
 
 from . import program
-from .schedule import Compute, Copy, Record, Signal, Wait, compute_queue, handed
+from .schedule import HOST, Compute, Copy, Record, Signal, Wait, compute_queue, handed
 from .segments import Segment, cpu_segments, ends_with_sync
 
 
@@ -148,11 +148,17 @@ class Tally:
 # -- derived -------------------------------------------------------------------------------------
 
 
-def glu_layers(parts) -> frozenset[int]:
+def glu_layers(parts, device: int = 0) -> frozenset[int]:
     """The layers whose gate and up products both run on the device (gate first, in program
-    order): there the up product's epilogue gates (`DeviceMath.ffn_up`) and `ffn_down` does not."""
-    on = {(p.layer, p.kind) for p in parts if p.queue == compute_queue()}
-    return frozenset(il for il, kind in on if kind == "ffn_gate" and (il, "ffn_up") in on)
+    order), and whose down product runs there or on the host: there the up product's epilogue
+    gates (`DeviceMath.ffn_up`) and `ffn_down` does not."""
+    where = {(p.layer, p.kind): p.queue for p in parts}
+    on = compute_queue(device)
+    return frozenset(
+        il for (il, kind), q in where.items()
+        if kind == "ffn_gate" and q == on and where.get((il, "ffn_up")) == on
+        and where.get((il, "ffn_down"), on) in (on, HOST)
+    )  # fmt: skip
 
 
 def part_launches(spec: ModelSpec, part, tokens: int, glu: frozenset[int] = frozenset()) -> int:

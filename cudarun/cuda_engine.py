@@ -16,9 +16,6 @@ numba.cuda's streams, events and arrays, so the same code runs under the CUDA si
 from __future__ import annotations
 
 import gc
-import os
-import time
-from contextlib import contextmanager
 from dataclasses import replace
 
 import numpy as np
@@ -26,35 +23,25 @@ import numpy as np
 from refengine.spec import ModelSpec
 from refengine.weights import GGUFWeights
 from solver import regions
-from solver.cost import CPU, PINNED, ROUTED
-from solver.groups import EXPERTS
+from solver.cost import CPU, PINNED
 from solver.workspace import MAX_DECODE_TOKENS, arrays, layout, nbytes
 
-from . import counts, program
-from .device_hops import DeviceHops
+from . import counts
+from .cuda_device import CudaDevice, new_event, simulated
+from .cuda_ubatch import CudaUbatch
 from .device_shards import DeviceShards
-from .devicemath import CACHE_SLOTS, CACHED, ROUTED_IDS, DeviceMath, device_tensors
 from .executor import PlanExecutor, Tier, group_bytes, weight_steps
-from .plan_check import PlanError
-from .expert_cache import Admission
 from .hostmath import Act, HostMath
-from .hostweights import cache_ranges, cache_stacks, routed_ranges
-from .kvstore import EMPTY, host_runs, kv_views
-from .program import routed_experts
-from .schedule import (
-    Compute, Copy, EventId, Lane, Record, Signal, SlotId, SlotKind, Unit, UnitKind, Wait,
-    compute_queue, copy_queue, handed,
-)
-from .segments import Segment, SegmentRunner
+from .issue import issue
+from .kvstore import EMPTY, kv_views
+from .plan_check import PlanError
+from .schedule import Signal, Wait
+from .segments import SegmentRunner
 from .shards import shard_spec, share_bytes
 
 
 # what every ubatch with device parts uploads, beside the KV cells' keys
 INPUTS = ("tokens", "pos", "q_key", "write", "write_swa")
-
-
-def simulated() -> bool:
-    return os.environ.get("NUMBA_ENABLE_CUDASIM") == "1"
 
 
 class CudaEngine(PlanExecutor):
@@ -74,40 +61,27 @@ class CudaEngine(PlanExecutor):
         super().__init__(spec, plan, progress, n_seq, unified)
         # one allocation a device; several budgets are virtual devices of this GPU, each its own
         # arena and streams, the activations handed between them through pinned host memory
-        self.arenas = [cuda.device_array(b, np.uint8) for b in self.budgets]
-        self.arena = self.arenas[0]
-        self.queues, self.dmaths, raw = {}, {}, []
-        for d in range(len(self.budgets)):
-            if simulated():
-                pair = cuda.stream(), cuda.stream()
-            else:  # raw non-blocking streams (graph capture needs their handles)
-                raw.append((driver.Stream(), driver.Stream()))
-                pair = tuple(st.numba_stream() for st in raw[-1])
-            self.queues[compute_queue(d)], self.queues[copy_queue(d)] = pair
-            self.dmaths[d] = DeviceMath(self.device_spec(d), raw[-1][0].ptr if raw else 0)
-            if self.shares is not None:  # gate, up and down of every layer on each device
-                self.dmaths[d].glu_layers = frozenset(range(spec.hparams.n_layer))
-        self.streams = raw[0] if raw else None
-        self.compute, self.copy = self.queues[compute_queue()], self.queues[copy_queue()]
-        self.dmath = self.dmaths[0]
+        self.devices = [CudaDevice(cuda, d, b, self.device_spec(d))
+                        for d, b in enumerate(self.budgets)]  # fmt: skip
+        if self.shares is not None:  # gate, up and down of every layer on each device
+            for dev in self.devices:
+                dev.math.glu_layers = frozenset(range(spec.hparams.n_layer))
         self.graphs: dict[tuple[int, int], object] = {}  # (tier, tokens) -> captured decode
         self.graph_nodes: dict[tuple[int, int], int | None] = {}
         self.ran_eagerly: set[tuple[int, int]] = set()
         self.use_graphs = not simulated()
         self.cpu_math = HostMath(spec, False, threads)
         self.runner = SegmentRunner(spec, self.cpu_math, self.host, self.mirror)
-        self.workspaces: dict[int, dict] = {}  # tier -> its workspace arrays
         self.stagings: dict[int, dict] = {}  # tier -> its pinned host staging arrays
         self.pinned: list = []  # the staging buffers' owners
         self.swa_stages: dict[tuple[int, int], np.ndarray] = {}  # (tier, layer) -> pinned rows
-        self.copy_done = self._event()  # the copy stream's end, waited for by the compute stream
+        self.copy_done = new_event(cuda)  # the copy stream's end, which the compute stream waits for
         self.tally = counts.Tally()  # launches, syncs, segments per (tier, tokens, graph)
         self.counted = ("launches", "syncs", "segments")
         self.counter: counts.Counter | None = None  # the ubatch being issued
         self.pending_logits: np.ndarray | None = None  # filled from staging after the last wait
         self.routed_held: dict[str, int] = {}  # routed stack -> experts its slot holds now
         self.field_buffers: dict[tuple, np.ndarray] = {}  # (tier, key) -> pinned (`pinned_rows`)
-        self.hops = DeviceHops(self)  # a layer split over several devices: their hand-offs
         self.shards = None  # a tensor split: its parts, and the file its shares are cut from
         if self.shares is not None:
             self.shards, self.weights_file = DeviceShards(self), GGUFWeights(spec)
@@ -200,7 +174,7 @@ class CudaEngine(PlanExecutor):
                     arena[s.dst : s.dst + s.nbytes].copy_to_device(data)
         self.current = tier
         for il, buf, heads in self._resident_kv(tier):
-            self._upload_kv(il, buf, tier.kv_cells[il], None, heads)
+            self.upload_kv(il, buf, tier.kv_cells[il], None, heads)
         # the moves and uploads above ran on the legacy default stream, which our non-blocking
         # streams do not wait for: the whole context, before the tier's first kernel
         self.cuda.synchronize()
@@ -225,13 +199,13 @@ class CudaEngine(PlanExecutor):
             for il in range(self.spec.hparams.n_layer) if heads[1] > heads[0] else ():
                 yield il, self.region(tier, regions.kv(il, d)), heads
 
-    def _upload_kv(self, il: int, buf, cells: int, stream, heads=None) -> None:
+    def upload_kv(self, il: int, buf, cells: int, stream, heads=None) -> None:
         """Lay the mirror's keys and values of layer il (of KV `heads` [lo, hi) only, under a
         tensor split) into a device KV buffer `buf` of the current tier
         (`PlanExecutor.kv_rows`): a full-context layer's straight from the mirror; the
         sliding-window pool's gathered into pinned staging first (every copy from it has ended by
         the next ubatch's: each has a reader that a later hand-off or sync waits for)."""
-        k, v = self._kv(buf, cells, heads)
+        k, v = self.kv(buf, cells, heads)
         dev, host = self.kv_rows(il)
         lo, hi = heads or (0, self.mirror.k_shape[0])
         if isinstance(dev, slice) and heads is None:  # straight from the mirror
@@ -240,7 +214,7 @@ class CudaEngine(PlanExecutor):
             n = dev.stop
             src_k, src_v = (m[il][:n, lo:hi].copy() for m in (self.mirror.k, self.mirror.v))
         else:
-            src_k, src_v = self._kv(self._swa_stage(il, cells), cells, heads)
+            src_k, src_v = self.kv(self._swa_stage(il, cells), cells, heads)
             src_k[dev], src_v[dev] = (m[il][host, lo:hi] for m in (self.mirror.k, self.mirror.v))
             n = self.pool.n_used
         if n == 0:  # nothing cached yet (an empty gather's strides are not the buffer's)
@@ -250,7 +224,7 @@ class CudaEngine(PlanExecutor):
 
     def _download_kv(self, il: int, buf, cells: int, heads=None) -> None:
         """A device KV buffer of the current tier (of KV `heads`) back into the mirror."""
-        k, v = self._kv(buf, cells, heads)
+        k, v = self.kv(buf, cells, heads)
         dev, host = self.kv_rows(il)
         if isinstance(dev, slice) and heads is None:  # straight into the mirror
             k[dev].copy_to_host(self.mirror.k[il][host])
@@ -266,7 +240,7 @@ class CudaEngine(PlanExecutor):
             self.swa_stages[key] = self.host_alloc(cells * self.cell_nbytes)
         return self.swa_stages[key]
 
-    def _kv(self, buf, cells: int, heads=None):
+    def kv(self, buf, cells: int, heads=None):
         """A KV buffer's keys and values [cells, heads, dim] (of KV `heads` [lo, hi) only)."""
         if heads is None:
             return kv_views(buf, cells, self.mirror.k_shape, self.mirror.v_shape)
@@ -274,22 +248,29 @@ class CudaEngine(PlanExecutor):
         return kv_views(buf, cells, (n, *self.mirror.k_shape[1:]),
                         (n, *self.mirror.v_shape[1:]))  # fmt: skip
 
+    @property
+    def arenas(self) -> list:
+        return [dev.arena for dev in self.devices]
+
+    @property
+    def arena(self):
+        return self.devices[0].arena
+
     def synchronize(self) -> None:
-        for stream in self.queues.values():
-            stream.synchronize()
+        for dev in self.devices:
+            dev.synchronize()
 
     def close(self) -> None:
         """Give the arenas, workspaces, graphs and pinned buffers back now, not at Numba's next
         deallocation sweep: a benchmark then runs the next engine, or llama.cpp, on the memory."""
-        self.synchronize()
-        for dmath in self.dmaths.values():
-            if dmath.blas is not None:
-                dmath.blas.close()
+        for dev in self.devices:
+            dev.close()
+        self.devices = None
         for owner in self.pinned:  # the driver's pinned buffers have no finalizer
             owner.free()
         for graph in (self.graphs or {}).values():
             graph.close()
-        self.arenas = self.arena = self.workspaces = self.graphs = None
+        self.graphs = None
         self.pinned, self.stagings, self.field_buffers, self.swa_stages = [], {}, {}, {}
         self.pool = self.mirror = None
         gc.collect()
@@ -301,7 +282,8 @@ class CudaEngine(PlanExecutor):
     def workspace(self, tier: Tier, d: int = 0) -> dict:
         """Device d's workspace arrays in a tier (logit rows where the head is: its memory map's
         size)."""
-        if (tier.tier, d) not in self.workspaces:
+        dev = self.devices[d]
+        if tier.tier not in dev.workspaces:
             head = tier.place.groups["output"]
             on_head = self.shares is not None or head.device == d  # a tensor split: every device
             rows = self._logit_rows(tier) if head.kind != CPU and on_head else 0
@@ -318,8 +300,8 @@ class CudaEngine(PlanExecutor):
                 raise PlanError(f"tier {tier.tier}: the plan reserves {region.size} B of "
                                 f"workspace on device {d} where this runtime needs "
                                 f"{nbytes(slices)} B; solve again")  # fmt: skip
-            self.workspaces[tier.tier, d] = arrays(region, slices)
-        return self.workspaces[tier.tier, d]
+            dev.workspaces[tier.tier] = arrays(region, slices)
+        return dev.workspaces[tier.tier]
 
     def staging(self, tier: Tier) -> dict:
         """Pinned host arrays, allocated once per tier, through which the activations go down and
@@ -378,49 +360,64 @@ class CudaEngine(PlanExecutor):
     def execute(self, tier: Tier, st: Act) -> None:
         if self.shards is not None:
             return self.shards.execute(tier, st)
-        if len(self.budgets) > 1:
-            return self.hops.execute(tier, st)
         n = st.tokens.size
-        ws, stage = self.workspace(tier), self.staging(tier)
-        host = st.for_host()  # the CPU segments' activations
-        key = (tier.tier, n)
-        self.dmath.glu_layers = counts.glu_layers(tier.parts)
+        stage, key = self.staging(tier), (tier.tier, n)
+        used = sorted({p.queue.device for p in tier.parts if not p.queue.on_host})
+        for d in used:
+            self.devices[d].math.glu_layers = counts.glu_layers(tier.parts, d)
         graph = self._graphable(tier, st) and key in self.ran_eagerly  # kernels compiled by then
         self.counter = counter = counts.Counter()
         with counts.counting(counter):
-            if "tokens" in stage:  # some part runs on the device
-                self._upload_inputs(tier, st, ws, stage)
+            for d in used:
+                self._upload_inputs(tier, st, self.workspace(tier, d), stage, d)
             if graph:
                 if key not in self.graphs:
                     with counts.counting(None):  # the capture's kernels run in the replays
-                        self.graphs[key] = self._capture(tier, st, ws)
-                self.graphs[key].launch(self.streams[0])
+                        self.graphs[key] = self._capture(tier, st)
+                self.graphs[key].launch(self.devices[0].streams[0])
                 counter.launches += 1
                 st.logits = np.empty((1, self.spec.hparams.n_vocab), np.float32)
-                ws["logits"][:1].copy_to_host(stage["logits"][:1], stream=self.compute)
+                self.workspace(tier)["logits"][:1].copy_to_host(stage["logits"][:1],
+                                                                stream=self.devices[0].compute)
                 self.pending_logits = st.logits
             else:
-                self._issue(tier, st, ws, stage, host, capturing=False)
+                ubatch = CudaUbatch(self, tier, st)
+                issue(tier.schedule, ubatch)
+                ubatch.finish()
                 self.ran_eagerly.add(key)
-            if graph or tier.final_sync:
-                self.copy_done.record(self.copy)  # every copy has a reader on the compute
-                self.copy_done.wait(self.compute)  # stream; made sure of, without a wait
-                self._sync(self.compute)
+            if len(self.devices) > 1:  # every stream waited for
+                for dev in self.devices:
+                    self.sync(dev.compute)
+                    self.sync(dev.copy)
+            elif graph or tier.final_sync:
+                dev = self.devices[0]
+                self.copy_done.record(dev.copy)  # every copy has a reader on the compute
+                self.copy_done.wait(dev.compute)  # stream; made sure of, without a wait
+                self.sync(dev.compute)
         if self.pending_logits is not None:
             self.pending_logits[:] = stage["logits"][: self.pending_logits.shape[0]]
             self.pending_logits = None
         self.counter = None
         self.tally.add(tier.tier, n, graph, counter.counts())
 
-    def _sync(self, waitable) -> None:
+    def sync(self, waitable) -> None:
         """A host synchronization (a stream or an event), counted."""
         if self.counter is not None:
             self.counter.syncs += 1
         waitable.synchronize()
 
-    def _event(self):
-        # untimed events are cheaper; the simulator's take no arguments
-        return self.cuda.event() if simulated() else self.cuda.event(False)
+    def record_activation(self, st: Act, name: str, dev, stream) -> None:
+        """A requested activation (`SequenceCalls.requested`), read back: a counted sync."""
+        if name in self.requested:
+            st.record[name] = dev.copy_to_host(stream=stream)
+            self.sync(stream)
+
+    def _cell_counts(self, tier: Tier) -> dict[str, int]:
+        out = {}
+        for il, cells in tier.kv_cells.items():
+            if tier.place.kv[il].kind != CPU:
+                out["k_pos_swa" if self.spec.is_swa(il) else "k_pos"] = cells
+        return out
 
     def _upload_inputs(self, tier: Tier, st: Act, ws: dict, stage: dict, device: int = 0) -> None:
         """Token ids, positions, the device cells the tokens write and the keys they and every
@@ -434,7 +431,7 @@ class CudaEngine(PlanExecutor):
             src = stage[key][:count]
             src[: values[key].size] = values[key]
             src[values[key].size :] = EMPTY
-            ws[key][:count].copy_to_device(src, stream=self.queues[compute_queue(device)])
+            ws[key][:count].copy_to_device(src, stream=self.devices[device].compute)
 
     def _graphable(self, tier: Tier, st: Act) -> bool:
         """A decode ubatch whose work is all on the device, its KV resident: one CUDA graph (its
@@ -448,308 +445,22 @@ class CudaEngine(PlanExecutor):
             and self.trace_events is None  # a traced run is timed op by op, eagerly
         )
 
-    def _capture(self, tier: Tier, st: Act, ws: dict):
+    def _capture(self, tier: Tier, st: Act):
         from . import driver
 
-        compute, copy = self.streams
+        compute, copy = self.devices[0].streams
         # Numba frees what it holds pending in batches; a cuMemFree inside a capture invalidates it
         with self.cuda.current_context().deallocations.disable():
             compute.begin_capture()
             fork, join = driver.Event(timing=False), driver.Event(timing=False)
             fork.record(compute)
             copy.wait(fork)  # the copy stream joins the capture
-            self._issue(tier, st, ws, None, None, capturing=True)
+            issue(tier.schedule, CudaUbatch(self, tier, st, capturing=True))
             join.record(copy)
             compute.wait(join)
             graph = compute.end_capture()
         self.graph_nodes[(tier.tier, st.tokens.size)] = graph.node_count()
         return graph
-
-    def _issue(self, tier: Tier, st: Act, ws: dict, stage: dict | None, host: Act | None,
-               capturing: bool) -> None:  # fmt: skip
-        """Issue the tier's schedule: copies on the copy stream, device parts on the compute
-        stream, each CPU segment on this thread at its first part, events between them."""
-        events: dict[EventId, object] = {}
-        routed: dict[tuple[str, bool], Admission] = {}  # (router step, prefetch) -> its choice
-        index = {p.name: i for i, p in enumerate(tier.parts)}
-        starts = {seg.first: seg for seg in tier.segments}
-        timer = _Timer(self) if self.trace_events is not None and not capturing else None
-        for op in tier.schedule:
-            if isinstance(op, Record):
-                ev = events[op.event] = self._event()
-                # (the host's: on the compute stream, which its segment's hand-off is last on)
-                ev.record(self.copy if op.queue.lane is Lane.COPY else self.compute)
-            elif isinstance(op, Wait):
-                if not op.queue.on_host:  # a CPU wait is the segment's hand-off (`staging`)
-                    events[op.event].wait(self.queues[op.queue])
-            elif isinstance(op, Copy) and not handed(op):  # (the segments hand fields over)
-                with _span(timer, "copy", f"copy {op.tensor}", self.copy):
-                    if op.reads:  # routed or prefetched: the router's choice (or guess) first
-                        by = op.reads[0][0].key  # the router's step
-                        prefetch = op.tensor.kind is UnitKind.PREFETCH
-                        if (by, prefetch) not in routed:
-                            part = tier.parts[index[by]]
-                            admission, ids = self._route(tier, part, events, st, host, ws,
-                                                         prefetch)  # fmt: skip
-                            if not prefetch:
-                                self._place_experts(tier, part.layer, admission, ids, ws,
-                                                    self.copy)  # fmt: skip
-                            routed[by, prefetch] = admission
-                        self._copy_routed(tier, op.tensor.key, op.slot, routed[by, prefetch],
-                                          prefetch)  # fmt: skip
-                    else:
-                        self._copy_unit(tier, op.tensor, op.slot)
-            elif isinstance(op, Compute):
-                i = index[op.name]
-                part = tier.parts[i]
-                if part.queue.on_host:
-                    if i in starts:  # the segment's other parts ran with it
-                        seg = starts[i]
-                        with _span(timer, "cpu", _segment_name(tier, seg), None):
-                            self._segment(tier, seg, st, host, ws, stage)
-                    continue
-                slot = next((s for _, s in op.reads if s.kind is SlotKind.RING), None)
-                with _span(timer, "compute", op.name, self.compute):
-                    self._device_part(tier, part, st, ws, stage, slot, capturing)
-        if timer is not None:
-            self._sync(self.compute)
-            self._sync(self.copy)
-            self.trace_events.extend(timer.events())
-
-    def _cell_counts(self, tier: Tier) -> dict[str, int]:
-        out = {}
-        for il, cells in tier.kv_cells.items():
-            if tier.place.kv[il].kind != CPU:
-                out["k_pos_swa" if self.spec.is_swa(il) else "k_pos"] = cells
-        return out
-
-    def _slot(self, tier: Tier, slot: SlotId):
-        return self.region(tier, tier.slot_region[slot])
-
-    def _copy_unit(self, tier: Tier, unit: Unit, slot: SlotId, copy=None) -> None:
-        buf, copy = self._slot(tier, slot), copy or self.copy
-        if unit.kind is UnitKind.KV:
-            il = unit.key
-            self._upload_kv(il, buf, tier.kv_cells[il], copy)
-        else:
-            data = self.host.group(unit.key)
-            buf[: data.size].copy_to_device(data, stream=copy)
-            if self.groups[unit.key].kind == EXPERTS:
-                self.expert_copied_nbytes += data.size
-
-    def _route(self, tier: Tier, part, events: dict, st: Act, host: Act, ws: dict,
-               prefetch: bool) -> tuple[Admission, np.ndarray]:  # fmt: skip
-        """The experts a router chose (or, for a prefetch, is predicted to choose: `part` is the
-        layer's `qkv`), read back from `ws` (a sync: the copies depend on them, as under
-        llama.cpp's op-offload), and where each goes (`Admission`: its expert cache, else the
-        routed copy); with the ids [T, k]."""
-        n, il = st.tokens.size, part.layer
-        if part.queue.on_host:
-            ids = host.ids
-        else:
-            name = "pred" if prefetch else "ids"
-            self._sync(events[EventId(Signal.PREDICTED if prefetch else Signal.ROUTED, part.name)])
-            ids = ws[name][:n].copy_to_host()
-        if il in tier.cache_slots:
-            admission = self.admit(tier, il, ids, prefetch)
-        else:
-            admission = Admission(overflow=routed_experts(ids))
-        return admission, ids
-
-    def _place_experts(self, tier: Tier, il: int, admission: Admission, ids, ws: dict,
-                       copy) -> None:  # fmt: skip
-        """Each chosen expert's place (its expert cache slot, else its place in the routed copy)
-        into the workspace the expert products read it from, on the copy stream before the
-        copies' events, which the products wait for."""
-        slots = tier.cache_slots.get(il, 0)
-        places = np.vectorize(lambda e: admission.place(int(e), slots), otypes=[np.int32])
-        ws["slot_ids"][: ids.shape[0]].copy_to_device(places(ids), stream=copy)
-
-    def _copy_routed(self, tier: Tier, unit: str, slot: SlotId, admission: Admission,
-                     prefetch: bool, copy=None) -> None:  # fmt: skip
-        """A routed stack's experts from pinned host memory: those its expert cache keeps
-        (`admission.inserted`) into their cache slots, the others chosen into its ring slot, one
-        copy per run of consecutive experts (`routed_ranges`); a prefetch fills the cache only."""
-        src, layout, at = self.host.group(unit), self.host.layouts[unit], 0
-        copy = copy or self.copy
-        if admission.inserted:
-            loc = tier.place.groups[unit]
-            cache, slots = self.region(tier, regions.cache(unit, loc.device)), loc.cache
-            for e, place in admission.inserted.items():
-                for lo, to, nbytes in cache_ranges(layout, slots, e, place):
-                    cache[to : to + nbytes].copy_to_device(src[lo : lo + nbytes], stream=copy)
-                    self.expert_copied_nbytes += nbytes
-        if prefetch:
-            return
-        buf = self._slot(tier, slot)
-        for lo, nbytes in routed_ranges(layout, admission.overflow):
-            buf[at : at + nbytes].copy_to_device(src[lo : lo + nbytes], stream=copy)
-            at += nbytes
-        self.routed_held[unit] = len(admission.overflow)
-        self.expert_copied_nbytes += at
-
-    def _weights(self, tier: Tier, group: str, slot: SlotId | None, ws: dict) -> dict:
-        loc = tier.place.groups[group]
-        if loc.kind == ROUTED:  # as many experts as the router chose, in their places
-            layout = self.host.layouts[group]
-            w = device_tensors(layout, self._slot(tier, slot), self.routed_held[group])
-            w[ROUTED_IDS] = ws["slot_ids"]
-            if loc.cache:  # each stack's cached experts, before the copy's
-                cache = self.region(tier, regions.cache(group, loc.device))
-                for p, at, nbytes in cache_stacks(layout, loc.cache):
-                    w[p.info.name + CACHED] = cache[at : at + nbytes]
-                w[CACHE_SLOTS] = loc.cache
-            return w
-        buf = (self.region(tier, regions.weights(group, loc.device)) if loc.kind == PINNED
-               else self._slot(tier, slot))  # fmt: skip
-        return device_tensors(self.host.layouts[group], buf[: self.groups[group].nbytes])
-
-    def _device_part(self, tier: Tier, part, st: Act, ws: dict, stage: dict | None,
-                     slot: SlotId | None, capturing: bool = False) -> None:  # fmt: skip
-        n, s, dmath = st.tokens.size, self.queues[part.queue], self.dmaths[part.queue.device]
-        if part.kind == "kq":
-            il = part.layer
-            loc = tier.place.kv[il]
-            buf = (self.region(tier, regions.kv(il, loc.device)) if loc.kind == PINNED
-                   else self._slot(tier, slot))  # fmt: skip
-            cells = tier.kv_cells[il]
-            k, v = self._kv(buf, cells)
-            swa = self.spec.is_swa(il)
-            k_pos = ws["k_pos_swa" if swa else "k_pos"][:cells]
-            # a graph replays with other cells in use: over every cell, EMPTY ones masked
-            ranges = [(0, n, 0, cells)] if capturing else self.attention_ranges(st, il)
-            dmath.kq(ws, n, il, k, v, k_pos, ws["write_swa" if swa else "write"][:n],
-                          self.attention_window(il), ranges, s)  # fmt: skip
-            if loc.kind == PINNED:  # the buffer stays; the mirror catches up at the next switch
-                return
-            for t, cell, count in host_runs(st.cells.write):  # streamed: new rows to the host
-                ws["k_stage"][t : t + count].copy_to_host(
-                    self.mirror.k[il][cell : cell + count].reshape(count, -1), stream=s
-                )
-                ws["v_stage"][t : t + count].copy_to_host(
-                    self.mirror.v[il][cell : cell + count].reshape(count, -1), stream=s
-                )
-            return
-        w = self._weights(tier, part.group, slot, ws)
-        getattr(dmath, part.kind)(ws, n, w, part.layer, s)
-        if part.kind == "qkv" and program.predicts(tier.parts, tier.parts.index(part)):
-            dmath.predict(ws, n, w, part.layer, s)
-        if part.kind.startswith("ffn_down"):
-            self._record(st, f"blk.{part.layer}.out", ws["x"][:n], s)
-        elif part.kind == "output" and capturing:
-            dmath.head(ws, w, n - 1, 1, s)  # the logits are read after the replay
-        elif part.kind == "output":
-            self._record(st, "output_norm", ws["h"][:n], s)
-            rows = ws["logits"].shape[0]
-            chunks = [(t + i, c + i, min(rows, count - i)) for t, c, count in
-                      host_runs(st.logit_rows) for i in range(0, count, rows)]  # fmt: skip
-            st.logits = np.empty((st.logit_rows.size, self.spec.hparams.n_vocab), np.float32)
-            for j, (first, row, count) in enumerate(chunks):
-                # consecutive rows at once; staged, the last read after the end's wait
-                dmath.head(ws, w, row, count, s)
-                ws["logits"][:count].copy_to_host(stage["logits"][:count], stream=s)
-                if j + 1 < len(chunks):
-                    self._sync(s)
-                    st.logits[first : first + count] = stage["logits"][:count]
-            if chunks:  # (a prompt's ubatch before its last wants none)
-                first, _, count = chunks[-1]
-                self.pending_logits = st.logits[first : first + count]
-
-    def _record(self, st: Act, name: str, dev, stream) -> None:
-        if name in self.requested:
-            st.record[name] = dev.copy_to_host(stream=stream)
-            self._sync(stream)
-
-    def _segment(self, tier: Tier, seg: Segment, st: Act, host: Act, ws: dict,
-                 stage: dict) -> None:  # fmt: skip
-        """A CPU segment: its inputs down in one batch and one wait, its parts on the host, what
-        the device reads next up in one batch."""
-        n, counter = st.tokens.size, self.counter
-        counter.segments += 1
-        if seg.sync:
-            for f in seg.reads:
-                dev, staged = self._rows(ws, stage, f, n)
-                dev.copy_to_host(staged, stream=self.compute)
-            self._sync(self.compute)
-            for f in seg.reads:  # fresh views: HostMath keys its quantized inputs by identity
-                setattr(host, f, self._host_value(f, stage, n))
-            counter.downloads += bool(seg.reads)
-        self.runner.run(seg, tier.parts, host, self.requested)
-        for f in seg.writes:
-            dev, staged = self._rows(ws, stage, f, n)
-            staged[...] = np.reshape(getattr(host, f), staged.shape)
-            dev.copy_to_device(staged, stream=self.compute)
-        counter.uploads += bool(seg.writes)
-        if tier.parts[seg.stop - 1].kind == "output":
-            st.logits = host.logits
-
-    def _per_slot(self, field: str) -> bool:
-        """MoE's gate and up: a row per (token, chosen expert) on the device, [T, k, n] on the
-        host."""
-        return field in ("gate", "up") and self.spec.arch.moe
-
-    def _row_count(self, field: str, n: int) -> int:
-        """Rows of a field for n tokens (MoE's gate and up: a row per chosen expert)."""
-        return n * self.spec.hparams.n_expert_used if self._per_slot(field) else n
-
-    def _rows(self, ws: dict, stage: dict, field: str, n: int):
-        """The device rows and the staging rows of a field for n tokens."""
-        rows = self._row_count(field, n)
-        return ws[field][:rows], stage[field][:rows]
-
-    def _host_value(self, field: str, stage: dict, n: int) -> np.ndarray:
-        """A field as the CPU kernels take it (int64 ids), viewing the staging rows."""
-        _, staged = self._rows(stage, stage, field, n)
-        if self._per_slot(field):
-            return staged.reshape(n, self.spec.hparams.n_expert_used, -1)
-        return staged.astype(np.int64) if field == "ids" else staged
-
-
-def _segment_name(tier: Tier, seg: Segment) -> str:
-    first, last = tier.parts[seg.first].name, tier.parts[seg.stop - 1].name
-    return first if first == last else f"{first} .. {last}"
-
-
-class _Timer:
-    """Spans of a traced ubatch: device work timed by CUDA events on its stream (against one
-    event recorded, and waited for, when the host clock is read), CPU parts by the host clock.
-    Under the simulator, whose streams run as they are issued, the host clock times everything."""
-
-    def __init__(self, engine: CudaEngine):
-        self.engine, self.spans = engine, []
-        if not simulated():
-            self.base = engine.cuda.event()
-            self.base.record(engine.compute)
-            engine._sync(self.base)
-        self.host0 = time.perf_counter()
-
-    def events(self) -> list[tuple[str, str, float, float]]:
-        out = []
-        for lane, name, a, b in self.spans:
-            if isinstance(a, float):
-                out.append((lane, name, a, b))
-            else:
-                start = self.host0 + self.engine.cuda.event_elapsed_time(self.base, a) / 1e3
-                out.append((lane, name, start, self.host0 +
-                            self.engine.cuda.event_elapsed_time(self.base, b) / 1e3))  # fmt: skip
-        return out
-
-
-@contextmanager
-def _span(timer: _Timer | None, lane: str, name: str, stream):
-    if timer is None:
-        yield
-        return
-    if stream is None or simulated():
-        start = time.perf_counter()
-        yield
-        timer.spans.append((lane, name, start, time.perf_counter()))
-        return
-    a, b = timer.engine.cuda.event(), timer.engine.cuda.event()
-    a.record(stream)
-    yield
-    b.record(stream)
-    timer.spans.append((lane, name, a, b))
 
 
 def require_gpu() -> None:

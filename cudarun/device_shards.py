@@ -26,43 +26,51 @@ from . import counts
 from .devicemath import device_tensors
 from .kernels import THREADS, glue
 from .kvstore import host_runs
-from .schedule import HOST, Compute, Record, Wait
+from .cuda_device import new_event
+from .issue import issue
+from .schedule import HOST, Compute, Copy, Record, Wait
 from .shards import share_layout
 
 
 class DeviceShards:
+    """A tensor split's ubatches (`issue.Device`): each part a method of its kind."""
+
     def __init__(self, engine):
         self.e, self.shares = engine, engine.shares
         self.devices = self.shares.devices
         self.weight_views: dict[tuple, dict] = {}  # (tier, group, device) -> its tensors
         self.pending: dict[int, tuple[int, int]] = {}  # device -> its last logits chunk's rows
+        self.events: dict = {}
 
     def execute(self, tier, st) -> None:
         e, n = self.e, st.tokens.size
         stage = e.staging(tier)
-        wss = {d: e.workspace(tier, d) for d in self.devices}
+        self.tier, self.st = tier, st
+        self.wss = {d: e.workspace(tier, d) for d in self.devices}
+        self.parts, self.events = {p.name: p for p in tier.parts}, {}
         e.counter = counter = counts.Counter()
         with counts.counting(counter):
             for d in self.devices:
-                e._upload_inputs(tier, st, wss[d], stage, d)
-            self._issue(tier, st, wss)
+                e._upload_inputs(tier, st, self.wss[d], stage, d)
+            issue(tier.schedule, self)
         e.counter = None
         e.tally.add(tier.tier, n, False, counter.counts())
 
-    def _issue(self, tier, st, wss: dict) -> None:
-        parts = {p.name: p for p in tier.parts}
-        events = {}
-        for op in tier.schedule:
-            if isinstance(op, Record):
-                if op.queue != HOST:  # the host's sums are done when it issues the next op
-                    events[op.event] = ev = self.e._event()
-                    ev.record(self.e.queues[op.queue])
-            elif isinstance(op, Wait):
-                if op.queue == HOST:  # a partial output (or logits' rows) is down
-                    self.e._sync(events[op.event])
-            elif isinstance(op, Compute):
-                part = parts[op.name]
-                getattr(self, part.kind)(tier, part, st, wss)
+    def record(self, op: Record) -> None:
+        if op.queue != HOST:  # the host's sums are done when it issues the next op
+            self.events[op.event] = ev = new_event(self.e.cuda)
+            ev.record(self.e.devices[op.queue.device].stream(op.queue.lane))
+
+    def wait(self, op: Wait) -> None:
+        if op.queue == HOST:  # a partial output (or logits' rows) is down
+            self.e.sync(self.events[op.event])
+
+    def copy(self, op: Copy) -> None:
+        raise AssertionError(f"a tensor split copies nothing: {op}")
+
+    def compute(self, op: Compute) -> None:
+        part = self.parts[op.name]
+        getattr(self, part.kind)(self.tier, part, self.st, self.wss)
 
     # -- the host's parts ------------------------------------------------------------------------
 
@@ -97,7 +105,7 @@ class DeviceShards:
 
     def attn(self, tier, part, st, wss) -> None:
         e, d, il, n = self.e, part.device, part.layer, st.tokens.size
-        ws, s, dm = wss[d], e.queues[part.queue], e.dmaths[d]
+        ws, s, dm = wss[d], e.devices[d].compute, e.devices[d].math
         w = self._weights(tier, f"blk.{il}.attn", d)
         if il:
             self._take_in(tier, d, ws, n, st, self._weights(tier, f"blk.{il - 1}.{self._down}", d),
@@ -121,7 +129,7 @@ class DeviceShards:
 
     def ffn(self, tier, part, st, wss) -> None:
         e, d, il, n = self.e, part.device, part.layer, st.tokens.size
-        ws, s, dm = wss[d], e.queues[part.queue], e.dmaths[d]
+        ws, s, dm = wss[d], e.devices[d].compute, e.devices[d].math
         w_attn = self._weights(tier, f"blk.{il}.attn", d)  # its norms (and a MoE router)
         self._take_in(tier, d, ws, n, st, w_attn, f"blk.{il}.attn_output.bias",
                       f"blk.{il}.post_attention_norm.weight", None, s)  # fmt: skip
@@ -144,7 +152,7 @@ class DeviceShards:
 
     def output(self, tier, part, st, wss) -> None:
         e, d, n = self.e, part.device, st.tokens.size
-        ws, s, dm = wss[d], e.queues[part.queue], e.dmaths[d]
+        ws, s, dm = wss[d], e.devices[d].compute, e.devices[d].math
         last = e.spec.hparams.n_layer - 1
         self._take_in(tier, d, ws, n, st, self._weights(tier, f"blk.{last}.{self._down}", d),
                       f"blk.{last}.ffn_down.bias", f"blk.{last}.post_ffw_norm.weight",
@@ -152,7 +160,7 @@ class DeviceShards:
         w = self._weights(tier, "output", d)
         dm.output(ws, n, w, None, s)
         if d == self.devices[0]:
-            e._record(st, "output_norm", ws["h"][:n], s)
+            e.record_activation(st, "output_norm", ws["h"][:n], s)
         if not _holds(self.shares.vocab[d]):
             return
         rows, staged = ws["logits"].shape[0], self._logit_rows(tier, d)
@@ -163,7 +171,7 @@ class DeviceShards:
             dm.head(ws, w, row, count, s)
             ws["logits"][:count].copy_to_host(staged[:count], stream=s)
             if j + 1 < len(chunks):  # the staging rows are needed again: read them now
-                e._sync(s)
+                e.sync(s)
                 st.logits[first : first + count, lo:hi] = staged[:count]
         if chunks:  # (a prompt's ubatch before its last wants none)
             self.pending[d] = chunks[-1][0], chunks[-1][2]
@@ -179,9 +187,9 @@ class DeviceShards:
         e.counter.uploads += 1
         if bias in w:
             glue.add_bias[n, THREADS, s](f, w[bias])
-        e.dmaths[d].residual(ws, n, f, w, post_norm if e.spec.arch.post_norms else None, s)
+        e.devices[d].math.residual(ws, n, f, w, post_norm if e.spec.arch.post_norms else None, s)
         if layer_out and d == self.devices[0]:
-            e._record(st, layer_out, ws["x"][:n], s)
+            e.record_activation(st, layer_out, ws["x"][:n], s)
 
     def _down_partial(self, tier, d: int, ws, n: int, s) -> None:
         ws["f"][:n].copy_to_host(self.e.pinned_rows(tier, ("partial", d), "f")[:n], stream=s)
@@ -202,7 +210,7 @@ class DeviceShards:
         return self.weight_views[key]
 
     def _kv(self, tier, il: int, d: int, cells: int):
-        return self.e._kv(self.e.region(tier, regions.kv(il, d)), cells,
+        return self.e.kv(self.e.region(tier, regions.kv(il, d)), cells,
                           self.shares.kv_heads(self.e.spec, d))  # fmt: skip
 
     @property

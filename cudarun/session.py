@@ -100,7 +100,7 @@ def plan_for_run(
         say(f"reusing the plan {cached}")
         return _told(load_plan(cached), say)
     # on a GPU, cuBLAS's handle and our kernels' code come out of the budget too
-    from .cuda_engine import simulated
+    from .cuda_device import simulated
 
     runtime = B.CUDA_RUNTIME_NBYTES if engine == "cuda" and not simulated() else 0
     plan = solve_plan(spec, prof, w, budgets.tiers, budgets.bytes, strategy,

@@ -81,7 +81,7 @@ def test_the_cuda_engine_agrees_with_numpy_across_tier_switches(tiny):
     assert lanes == {"copy", "compute", "cpu"}
     assert all(end >= start for *_, start, end in engine.trace_events)
     engine.close()  # a benchmark's next engine, or llama.cpp, runs on what it held
-    assert engine.arenas is None and not engine.pinned
+    assert engine.devices is None and not engine.pinned
 
 
 def test_a_prompt_of_one_token_ubatches_returns_its_last_tokens_logits(tiny):

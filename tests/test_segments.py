@@ -74,7 +74,7 @@ def test_the_host_waits_for_an_upload_still_reading_the_staging():
 def test_an_all_cpu_tier_is_one_segment_without_a_wait():
     p = parts("c cccccc cccccc c")
     (seg,) = cpu_segments(p, moe=False)
-    assert seg == Segment(0, len(p), (), (), False, (0, 1))
+    assert seg == Segment(0, len(p), (), (), False, (0, 1), ())
     assert not ends_with_sync(p, [seg])
 
 
@@ -225,6 +225,20 @@ def test_a_segment_covering_a_whole_layer_runs_it_fused_and_counts_as_scheduled(
     assert seg.layers == ((0,) if not tiny_spec.arch.moe else ())
     fused = engine.runner._fused
     assert (fused is not None and fused.layers is not None) == (not tiny_spec.arch.moe)
+
+
+def test_a_segment_waits_while_an_upload_may_still_read_staging(tiny_spec):
+    """The attention and KV on the CPU, the up product on the CPU between the gate and down products
+    on the device: the up product's segment reads nothing from the device (the host wrote h), but
+    the previous segment's uploads (h, x) may still be reading staging, so it waits; counted as
+    scheduled."""
+    groups = tensor_groups(tiny_spec)
+    on_cpu = {g.name for g in groups if g.kind == "attn" or "ffn_up" in g.name}
+    place = {g.name: Loc(CPU if g.name in on_cpu else PINNED) for g in groups}
+    tiers = {t: TierPlacement(place, {0: Loc(CPU)}) for t in (1, 4)}
+    engine = engine_runs(tiny_spec, tiers)
+    assert any(s.sync and not s.reads for s in engine.tiers[1].segments)
+    assert_counted_as_scheduled(engine)
 
 
 @pytest.fixture(scope="module", params=["gemma3", "qwen3moe"])
