@@ -28,12 +28,14 @@ from solver.workspace import MAX_DECODE_TOKENS, arrays, layout, nbytes
 
 from . import counts
 from .cuda_device import CudaDevice, new_event, simulated
+from .cuda_graphs import DecodeGraphs
 from .cuda_ubatch import CudaUbatch
 from .device_shards import DeviceShards
 from .executor import PlanExecutor, Tier, group_bytes, weight_steps
 from .hostmath import Act, HostMath
 from .issue import issue
-from .kvstore import EMPTY, kv_views
+from .kvstore import EMPTY
+from .pinned_host import PinnedHost
 from .plan_check import PlanError
 from .schedule import Signal, Wait
 from .segments import SegmentRunner
@@ -46,6 +48,7 @@ INPUTS = ("tokens", "pos", "q_key", "write", "write_swa")
 
 class CudaEngine(PlanExecutor):
     name = "cuda"
+    ubatch_class = CudaUbatch  # what issues an eager ubatch (a check may wrap it)
 
     def __init__(self, spec: ModelSpec, plan: dict, threads: int = 0, progress: bool = False,
                  n_seq: int = 1, unified: bool = False):  # fmt: skip
@@ -58,6 +61,7 @@ class CudaEngine(PlanExecutor):
         from numba import cuda
 
         self.cuda = cuda
+        self.pinned = PinnedHost(cuda)  # (the host weights and the KV mirror are allocated in it)
         super().__init__(spec, plan, progress, n_seq, unified)
         # one allocation a device; several budgets are virtual devices of this GPU, each its own
         # arena and streams, the activations handed between them through pinned host memory
@@ -66,22 +70,15 @@ class CudaEngine(PlanExecutor):
         if self.shares is not None:  # gate, up and down of every layer on each device
             for dev in self.devices:
                 dev.math.glu_layers = frozenset(range(spec.hparams.n_layer))
-        self.graphs: dict[tuple[int, int], object] = {}  # (tier, tokens) -> captured decode
-        self.graph_nodes: dict[tuple[int, int], int | None] = {}
-        self.ran_eagerly: set[tuple[int, int]] = set()
-        self.use_graphs = not simulated()
+        self.graphs = DecodeGraphs(self)
         self.cpu_math = HostMath(spec, False, threads)
         self.runner = SegmentRunner(spec, self.cpu_math, self.host, self.mirror)
-        self.stagings: dict[int, dict] = {}  # tier -> its pinned host staging arrays
-        self.pinned: list = []  # the staging buffers' owners
-        self.swa_stages: dict[tuple[int, int], np.ndarray] = {}  # (tier, layer) -> pinned rows
         self.copy_done = new_event(cuda)  # the copy stream's end, which the compute stream waits for
         self.tally = counts.Tally()  # launches, syncs, segments per (tier, tokens, graph)
         self.counted = ("launches", "syncs", "segments")
         self.counter: counts.Counter | None = None  # the ubatch being issued
         self.pending_logits: np.ndarray | None = None  # filled from staging after the last wait
         self.routed_held: dict[str, int] = {}  # routed stack -> experts its slot holds now
-        self.field_buffers: dict[tuple, np.ndarray] = {}  # (tier, key) -> pinned (`pinned_rows`)
         self.shards = None  # a tensor split: its parts, and the file its shares are cut from
         if self.shares is not None:
             self.shards, self.weights_file = DeviceShards(self), GGUFWeights(spec)
@@ -102,11 +99,7 @@ class CudaEngine(PlanExecutor):
         return self.spec if self.shares is None else shard_spec(self.spec, self.shares, d)
 
     def host_alloc(self, nbytes: int) -> np.ndarray:
-        """Pinned host memory: copies from it are asynchronous, and nothing streams from pageable
-        memory."""
-        if simulated():
-            return np.empty(nbytes, np.uint8)
-        return self.cuda.pinned_array(nbytes, np.uint8)
+        return self.pinned.alloc(nbytes)
 
     def device_path(self, tier: int, kind: str) -> str:
         """The named path of a device part (`PlanExecutor.path`): past MAX_DECODE_TOKENS a dense
@@ -143,15 +136,7 @@ class CudaEngine(PlanExecutor):
         return out
 
     def launch_report(self, launch_seconds: float) -> list[str]:
-        out = []
-        for (tier, n), nodes in sorted(self.graph_nodes.items()):
-            out.append(f"tier {tier}, {n} token(s): 1 CUDA graph launch per ubatch replays {nodes} "
-                       f"kernels and copies, which at the profile's {launch_seconds * 1e6:.1f} us "
-                       f"per launch would cost {nodes * launch_seconds * 1e3:.2f} ms")  # fmt: skip
-        if not self.graph_nodes:
-            out.append("no tier ran as a CUDA graph (a decode tier qualifies when all its work is "
-                       "on the GPU and its KV resident)")  # fmt: skip
-        return out
+        return self.graphs.report(launch_seconds)
 
     # -- tier switch -----------------------------------------------------------------------------
 
@@ -205,7 +190,7 @@ class CudaEngine(PlanExecutor):
         (`PlanExecutor.kv_rows`): a full-context layer's straight from the mirror; the
         sliding-window pool's gathered into pinned staging first (every copy from it has ended by
         the next ubatch's: each has a reader that a later hand-off or sync waits for)."""
-        k, v = self.kv(buf, cells, heads)
+        k, v = self.mirror.views(buf, cells, heads)
         dev, host = self.kv_rows(il)
         lo, hi = heads or (0, self.mirror.k_shape[0])
         if isinstance(dev, slice) and heads is None:  # straight from the mirror
@@ -214,7 +199,7 @@ class CudaEngine(PlanExecutor):
             n = dev.stop
             src_k, src_v = (m[il][:n, lo:hi].copy() for m in (self.mirror.k, self.mirror.v))
         else:
-            src_k, src_v = self.kv(self._swa_stage(il, cells), cells, heads)
+            src_k, src_v = self.mirror.views(self._swa_stage(il, cells), cells, heads)
             src_k[dev], src_v[dev] = (m[il][host, lo:hi] for m in (self.mirror.k, self.mirror.v))
             n = self.pool.n_used
         if n == 0:  # nothing cached yet (an empty gather's strides are not the buffer's)
@@ -224,7 +209,7 @@ class CudaEngine(PlanExecutor):
 
     def _download_kv(self, il: int, buf, cells: int, heads=None) -> None:
         """A device KV buffer of the current tier (of KV `heads`) back into the mirror."""
-        k, v = self.kv(buf, cells, heads)
+        k, v = self.mirror.views(buf, cells, heads)
         dev, host = self.kv_rows(il)
         if isinstance(dev, slice) and heads is None:  # straight into the mirror
             k[dev].copy_to_host(self.mirror.k[il][host])
@@ -236,17 +221,7 @@ class CudaEngine(PlanExecutor):
 
     def _swa_stage(self, il: int, cells: int) -> np.ndarray:
         key = (self.current.tier, il)
-        if key not in self.swa_stages:
-            self.swa_stages[key] = self.host_alloc(cells * self.cell_nbytes)
-        return self.swa_stages[key]
-
-    def kv(self, buf, cells: int, heads=None):
-        """A KV buffer's keys and values [cells, heads, dim] (of KV `heads` [lo, hi) only)."""
-        if heads is None:
-            return kv_views(buf, cells, self.mirror.k_shape, self.mirror.v_shape)
-        n = heads[1] - heads[0]
-        return kv_views(buf, cells, (n, *self.mirror.k_shape[1:]),
-                        (n, *self.mirror.v_shape[1:]))  # fmt: skip
+        return self.pinned.array(("swa", *key), lambda: ((cells * self.cell_nbytes,), np.uint8))
 
     @property
     def arenas(self) -> list:
@@ -266,12 +241,9 @@ class CudaEngine(PlanExecutor):
         for dev in self.devices:
             dev.close()
         self.devices = None
-        for owner in self.pinned:  # the driver's pinned buffers have no finalizer
-            owner.free()
-        for graph in (self.graphs or {}).values():
-            graph.close()
-        self.graphs = None
-        self.pinned, self.stagings, self.field_buffers, self.swa_stages = [], {}, {}, {}
+        self.pinned.close()
+        self.graphs.close()
+        self.pinned = None
         self.pool = self.mirror = None
         gc.collect()
         if not simulated():  # the simulator's arrays are NumPy's
@@ -307,8 +279,9 @@ class CudaEngine(PlanExecutor):
         """Pinned host arrays, allocated once per tier, through which the activations go down and
         up at the CPU segments' hand-offs, the inputs up and the logits down: copies from and to
         them are asynchronous (pageable ones would wait, or be staged by the driver)."""
-        if tier.tier in self.stagings:
-            return self.stagings[tier.tier]
+        return self.pinned.laid_out(("staging", tier.tier), lambda: self._staged(tier))
+
+    def _staged(self, tier: Tier) -> dict:
         for op in tier.schedule:  # each CPU wait is on a device part's end: the hand-off's wait
             if isinstance(op, Wait) and op.queue.on_host:
                 assert op.event.signal is Signal.DONE and any(
@@ -320,35 +293,18 @@ class CudaEngine(PlanExecutor):
             # a tensor split's logits come down per device (`DeviceShards`)
             logits = {"logits"} if rows and self.shares is None else set()
             names |= {*INPUTS, *self._cell_counts(tier)} | logits
-        want = {n: slices[n] for n in sorted(names)}
-        sizes = {n: int(np.prod(sl.shape)) * np.dtype(sl.dtype).itemsize for n, sl in want.items()}
-        total = sum(-(-b // 256) * 256 for b in sizes.values())
-        if simulated():
-            buf = np.empty(max(total, 1), np.uint8)
-        else:
-            from . import driver
-
-            owner = driver.PinnedHostBuffer(max(total, 1))
-            self.pinned.append(owner)
-            buf = owner.array
-        out, offset = {}, 0
-        for n, sl in want.items():
-            out[n] = buf[offset : offset + sizes[n]].view(sl.dtype).reshape(sl.shape)
-            offset += -(-sizes[n] // 256) * 256
-        self.stagings[tier.tier] = out
-        return out
+        return {n: slices[n] for n in sorted(names)}
 
     def pinned_rows(self, tier: Tier, key: tuple, field: str, d: int | None = None) -> np.ndarray:
         """A pinned host buffer of a workspace field's rows (device d's layout: under a tensor
-        split, its share's), one a tier and key: each kind of copy its own, so no later copy
-        overwrites one an earlier copy still reads."""
-        if (tier.tier, key) not in self.field_buffers:
+        split, its share's), one a tier and key (`PinnedHost.array`)."""
+
+        def shape():
             spec = self.spec if d is None else self.device_spec(d)
             sl = layout(spec, tier.tier, self._logit_rows(tier), self.n_ctx)[field]
-            nbytes = int(np.prod(sl.shape)) * np.dtype(sl.dtype).itemsize
-            buf = self.host_alloc(max(nbytes, 1))[:nbytes]
-            self.field_buffers[tier.tier, key] = buf.view(sl.dtype).reshape(sl.shape)
-        return self.field_buffers[tier.tier, key]
+            return sl.shape, sl.dtype
+
+        return self.pinned.array((tier.tier, *key), shape)
 
     def _logit_rows(self, tier: Tier) -> int:
         """Rows of logits the device head computes at once: one a sequence (what the memory
@@ -365,26 +321,22 @@ class CudaEngine(PlanExecutor):
         used = sorted({p.queue.device for p in tier.parts if not p.queue.on_host})
         for d in used:
             self.devices[d].math.glu_layers = counts.glu_layers(tier.parts, d)
-        graph = self._graphable(tier, st) and key in self.ran_eagerly  # kernels compiled by then
+        graph = self.graphs.replays(tier, st)
         self.counter = counter = counts.Counter()
         with counts.counting(counter):
             for d in used:
                 self._upload_inputs(tier, st, self.workspace(tier, d), stage, d)
             if graph:
-                if key not in self.graphs:
-                    with counts.counting(None):  # the capture's kernels run in the replays
-                        self.graphs[key] = self._capture(tier, st)
-                self.graphs[key].launch(self.devices[0].streams[0])
-                counter.launches += 1
+                self.graphs.launch(tier, st)
                 st.logits = np.empty((1, self.spec.hparams.n_vocab), np.float32)
                 self.workspace(tier)["logits"][:1].copy_to_host(stage["logits"][:1],
                                                                 stream=self.devices[0].compute)
                 self.pending_logits = st.logits
             else:
-                ubatch = CudaUbatch(self, tier, st)
+                ubatch = self.ubatch_class(self, tier, st)
                 issue(tier.schedule, ubatch)
                 ubatch.finish()
-                self.ran_eagerly.add(key)
+                self.graphs.ran_eagerly.add(key)
             if len(self.devices) > 1:  # every stream waited for
                 for dev in self.devices:
                     self.sync(dev.compute)
@@ -433,34 +385,6 @@ class CudaEngine(PlanExecutor):
             src[values[key].size :] = EMPTY
             ws[key][:count].copy_to_device(src, stream=self.devices[device].compute)
 
-    def _graphable(self, tier: Tier, st: Act) -> bool:
-        """A decode ubatch whose work is all on the device, its KV resident: one CUDA graph (its
-        streamed-weight copies included) replayed per token."""
-        return (
-            self.use_graphs
-            and counts.graphable(tier.parts, tier.place, st.tokens.size)
-            and not st.all_logits
-            and list(st.logit_rows) == [st.tokens.size - 1]  # the head's one captured row
-            and not self.requested
-            and self.trace_events is None  # a traced run is timed op by op, eagerly
-        )
-
-    def _capture(self, tier: Tier, st: Act):
-        from . import driver
-
-        compute, copy = self.devices[0].streams
-        # Numba frees what it holds pending in batches; a cuMemFree inside a capture invalidates it
-        with self.cuda.current_context().deallocations.disable():
-            compute.begin_capture()
-            fork, join = driver.Event(timing=False), driver.Event(timing=False)
-            fork.record(compute)
-            copy.wait(fork)  # the copy stream joins the capture
-            issue(tier.schedule, CudaUbatch(self, tier, st, capturing=True))
-            join.record(copy)
-            compute.wait(join)
-            graph = compute.end_capture()
-        self.graph_nodes[(tier.tier, st.tokens.size)] = graph.node_count()
-        return graph
 
 
 def require_gpu() -> None:

@@ -289,7 +289,7 @@ class CudaUbatch:
             buf = (e.region(tier, regions.kv(il, loc.device)) if loc.kind == PINNED
                    else self._slot(slot))  # fmt: skip
             cells = tier.kv_cells[il]
-            k, v = e.kv(buf, cells)
+            k, v = e.mirror.views(buf, cells)
             swa = e.spec.is_swa(il)
             k_pos = ws["k_pos_swa" if swa else "k_pos"][:cells]
             # a graph replays with other cells in use: over every cell, EMPTY ones masked

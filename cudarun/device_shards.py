@@ -210,8 +210,8 @@ class DeviceShards:
         return self.weight_views[key]
 
     def _kv(self, tier, il: int, d: int, cells: int):
-        return self.e.kv(self.e.region(tier, regions.kv(il, d)), cells,
-                          self.shares.kv_heads(self.e.spec, d))  # fmt: skip
+        buf = self.e.region(tier, regions.kv(il, d))
+        return self.e.mirror.views(buf, cells, self.shares.kv_heads(self.e.spec, d))
 
     @property
     def _ffn_rows(self):

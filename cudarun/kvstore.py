@@ -35,6 +35,14 @@ class KVMirror:
         self.k = [flat[il, :k_n].reshape(n_ctx, *self.k_shape) for il in range(hp.n_layer)]
         self.v = [flat[il, k_n:].reshape(n_ctx, *self.v_shape) for il in range(hp.n_layer)]
 
+    def views(self, buf, cells: int, heads: tuple[int, int] | None = None):
+        """K and V views of a device KV buffer of `cells` cells (`kv_views`) holding every KV
+        head, or only KV `heads` [lo, hi) (a tensor split's device)."""
+        if heads is None:
+            return kv_views(buf, cells, self.k_shape, self.v_shape)
+        n = heads[1] - heads[0]
+        return kv_views(buf, cells, (n, *self.k_shape[1:]), (n, *self.v_shape[1:]))
+
 
 def kv_views(buf: np.ndarray, cells: int, k_shape, v_shape) -> tuple[np.ndarray, np.ndarray]:
     """K [cells, Hkv, D] and V [cells, Hkv, Dv] fp16 views of a device KV buffer (uint8)."""

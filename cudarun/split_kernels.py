@@ -9,7 +9,6 @@ from solver import regions
 from solver.groups import FFN_ORDER
 
 from .hostweights import tensors_of
-from .kvstore import kv_views
 from .shard_math import Shard, ShardMath
 from .shards import share_layout
 
@@ -117,8 +116,7 @@ def _kq(engine, tier, math: ShardMath, il: int, d: int, st, sh: Shard) -> None:
             mirror.k[il][st.cells.write, h] = k16[:, h - lo]
             mirror.v[il][st.cells.write, h] = v16[:, h - lo]
     buf = engine.region(tier, regions.kv(il, d))
-    k_shape, v_shape = (hi - lo, *mirror.k_shape[1:]), (hi - lo, *mirror.v_shape[1:])
-    k, v = kv_views(buf, tier.kv_cells[il], k_shape, v_shape)
+    k, v = mirror.views(buf, tier.kv_cells[il], (lo, hi))
     dc = st.device
     write, keys = (dc.write_swa, dc.keys_swa) if spec.is_swa(il) else (dc.write, dc.keys)
     k[write], v[write] = k16, v16

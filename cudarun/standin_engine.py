@@ -18,7 +18,6 @@ from . import counts, program
 from .executor import PlanExecutor, Tier, group_bytes, weight_steps
 from .hostmath import Act, HostMath
 from .hostweights import cache_ranges, routed_pack, routed_tensors_of, tensors_of
-from .kvstore import kv_views
 from .program import routed_experts
 from .segments import SegmentRunner
 from .shards import share_bytes
@@ -75,8 +74,7 @@ class StandInEngine(PlanExecutor):
         split) in the device layout (`kvstore`)."""
         buf[:] = 0  # cells never written must not hold NaN (0 x NaN in the masked sum)
         lo, hi = heads or (0, self.mirror.k_shape[0])
-        k_shape, v_shape = (hi - lo, *self.mirror.k_shape[1:]), (hi - lo, *self.mirror.v_shape[1:])
-        k, v = kv_views(buf, cells, k_shape, v_shape)
+        k, v = self.mirror.views(buf, cells, heads)
         dev, host = self.kv_rows(il)
         k[dev], v[dev] = self.mirror.k[il][host, lo:hi], self.mirror.v[il][host, lo:hi]
         return buf
@@ -184,7 +182,7 @@ class StandInEngine(PlanExecutor):
         self.mirror.v[il][st.cells.write] = v16
         buf = (self.region(tier, regions.kv(il, loc.device)) if loc.kind == PINNED
                else next(iter(views.values())))  # fmt: skip
-        k, v = kv_views(buf, tier.kv_cells[il], self.mirror.k_shape, self.mirror.v_shape)
+        k, v = self.mirror.views(buf, tier.kv_cells[il])
         swa = self.spec.is_swa(il)
         write, keys = (d.write_swa, d.keys_swa) if swa else (d.write, d.keys)
         k[write], v[write] = k16, v16

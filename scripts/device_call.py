@@ -179,20 +179,28 @@ def serialized(engine_class):
     streams, and no CUDA graphs: a case that agrees this way and not the other is an ordering
     race between streams or with the host, not arithmetic."""
 
+    from cudarun.cuda_ubatch import CudaUbatch
+
     def then_wait(method):
         def run(self, *args, **kwargs):
             method(self, *args, **kwargs)
-            self.synchronize()
+            self.e.synchronize()
 
         return run
 
-    class Serial(engine_class):
-        def __init__(self, *args, **kwargs):
-            super().__init__(*args, **kwargs)
-            self.use_graphs = False
+    class SerialUbatch(CudaUbatch):
+        pass
 
     for name in ("_copy_unit", "_copy_routed", "_device_part", "_segment"):
-        setattr(Serial, name, then_wait(getattr(engine_class, name)))
+        setattr(SerialUbatch, name, then_wait(getattr(CudaUbatch, name)))
+
+    class Serial(engine_class):
+        ubatch_class = SerialUbatch
+
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            self.graphs.enabled = False
+
     return Serial
 
 
