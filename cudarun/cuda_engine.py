@@ -1,18 +1,16 @@
-"""The runtime on a GPU: the plan's arena as one device allocation of the budget, weights and KV
-copied from pinned host memory, the tier's schedule issued on a compute stream and a copy stream
-ordered by CUDA events, the compute parts as Numba CUDA kernels (`devicemath`), the CPU parts on
-the host thread with the CPU kernels (`hostmath`), a segment at a time.
-
-The CPU queue is the host thread itself. Consecutive CPU parts run as one segment
-(`segments.py`): the activations it reads go down from the device once, into pinned staging on
-the compute stream, and the host waits once; its parts run back to back on the host; what the
-device reads next goes up once, on the compute stream, so the device's later work is ordered
-after it by issue, without a wait. Meanwhile the copy stream goes on prefetching. The engine counts
-its kernel launches and host synchronizations per ubatch (`counts.py`, `tally`). It runs on
-numba.cuda's streams, events and arrays, so the same code runs under the CUDA simulator in CI
-(tiny models, tiers of at most 16 tokens) and on a GPU.
+"""The runtime on a GPU. Each device (`cuda_device.CudaDevice`: a real GPU, or a virtual one, a
+budget of it) holds its arena, one allocation of its budget laid out as the plan's memory map, and
+its compute and copy streams; the weights and the KV mirror are in pinned host memory
+(`pinned_host`). A tier switch moves and uploads the arenas' weights and lays the resident KV out
+(`device_kv`). A ubatch is issued by the one loop (`issue.issue`) onto a `cuda_ubatch.CudaUbatch`
+(one device, or a layer split over several: copies on the copy streams, device parts as Numba
+CUDA kernels on the compute streams, each CPU segment on the host thread with the CPU kernels,
+the activations handed over between them) or onto `device_shards.DeviceShards` (a tensor split),
+or replayed as a CUDA graph (`cuda_graphs`). The engine counts its kernel launches and host
+synchronizations per ubatch (`counts.py`, `tally`). It runs on numba.cuda's streams, events and
+arrays, so the same code runs under the CUDA simulator in CI (tiny models, tiers of at most 16
+tokens) and on a GPU.
 """
-
 from __future__ import annotations
 
 import gc
@@ -23,12 +21,13 @@ import numpy as np
 from refengine.spec import ModelSpec
 from refengine.weights import GGUFWeights
 from solver import regions
-from solver.cost import CPU, PINNED
+from solver.cost import CPU
 from solver.workspace import MAX_DECODE_TOKENS, arrays, layout, nbytes
 
 from . import counts
 from .cuda_device import CudaDevice, new_event, simulated
 from .cuda_graphs import DecodeGraphs
+from .device_kv import DeviceKV
 from .cuda_ubatch import CudaUbatch
 from .device_shards import DeviceShards
 from .executor import PlanExecutor, Tier, group_bytes, weight_steps
@@ -71,9 +70,10 @@ class CudaEngine(PlanExecutor):
             for dev in self.devices:
                 dev.math.glu_layers = frozenset(range(spec.hparams.n_layer))
         self.graphs = DecodeGraphs(self)
+        self.kv = DeviceKV(self)
         self.cpu_math = HostMath(spec, False, threads)
         self.runner = SegmentRunner(spec, self.cpu_math, self.host, self.mirror)
-        self.copy_done = new_event(cuda)  # the copy stream's end, which the compute stream waits for
+        self.copy_done = new_event(cuda)  # the copy stream's end, waited for by compute
         self.tally = counts.Tally()  # launches, syncs, segments per (tier, tokens, graph)
         self.counted = ("launches", "syncs", "segments")
         self.counter: counts.Counter | None = None  # the ubatch being issued
@@ -143,8 +143,8 @@ class CudaEngine(PlanExecutor):
     def switch(self, tier: Tier) -> None:
         self.synchronize()
         if self.current is not None:  # device-resident KV back to the mirror first
-            for il, buf, heads in self._resident_kv(self.current):
-                self._download_kv(il, buf, self.current.kv_cells[il], heads)
+            for il, buf, heads in self.kv.resident(self.current):
+                self.kv.download(il, buf, self.current.kv_cells[il], heads)
         self.pool = self.new_pool(tier)
         for d, arena in enumerate(self.arenas):
             before = self.current.map.get(d, []) if self.current else None
@@ -158,8 +158,8 @@ class CudaEngine(PlanExecutor):
                     data = self._group_bytes(s.region.key, d)
                     arena[s.dst : s.dst + s.nbytes].copy_to_device(data)
         self.current = tier
-        for il, buf, heads in self._resident_kv(tier):
-            self.upload_kv(il, buf, tier.kv_cells[il], None, heads)
+        for il, buf, heads in self.kv.resident(tier):
+            self.kv.upload(il, buf, tier.kv_cells[il], None, heads)
         # the moves and uploads above ran on the legacy default stream, which our non-blocking
         # streams do not wait for: the whole context, before the tier's first kernel
         self.cuda.synchronize()
@@ -169,59 +169,6 @@ class CudaEngine(PlanExecutor):
         if self.shares is None:
             return group_bytes(self, group)
         return share_bytes(self.spec, self.groups[group], self.shares, d, self.weights_file.raw)
-
-    def _resident_kv(self, tier: Tier):
-        """(layer, device buffer, KV heads it holds; None: all) of a tier's device-resident KV:
-        under a tensor split, each device's KV heads of every layer (a head held by several is
-        the same on each, so each may write it back)."""
-        if self.shares is None:
-            for il, loc in tier.place.kv.items():
-                if loc.kind == PINNED:
-                    yield il, self.region(tier, regions.kv(il, loc.device)), None
-            return
-        for d in self.shares.devices:
-            heads = self.shares.kv_heads(self.spec, d)
-            for il in range(self.spec.hparams.n_layer) if heads[1] > heads[0] else ():
-                yield il, self.region(tier, regions.kv(il, d)), heads
-
-    def upload_kv(self, il: int, buf, cells: int, stream, heads=None) -> None:
-        """Lay the mirror's keys and values of layer il (of KV `heads` [lo, hi) only, under a
-        tensor split) into a device KV buffer `buf` of the current tier
-        (`PlanExecutor.kv_rows`): a full-context layer's straight from the mirror; the
-        sliding-window pool's gathered into pinned staging first (every copy from it has ended by
-        the next ubatch's: each has a reader that a later hand-off or sync waits for)."""
-        k, v = self.mirror.views(buf, cells, heads)
-        dev, host = self.kv_rows(il)
-        lo, hi = heads or (0, self.mirror.k_shape[0])
-        if isinstance(dev, slice) and heads is None:  # straight from the mirror
-            src_k, src_v, n = self.mirror.k[il], self.mirror.v[il], dev.stop
-        elif isinstance(dev, slice):  # a tier switch's: its heads, gathered
-            n = dev.stop
-            src_k, src_v = (m[il][:n, lo:hi].copy() for m in (self.mirror.k, self.mirror.v))
-        else:
-            src_k, src_v = self.mirror.views(self._swa_stage(il, cells), cells, heads)
-            src_k[dev], src_v[dev] = (m[il][host, lo:hi] for m in (self.mirror.k, self.mirror.v))
-            n = self.pool.n_used
-        if n == 0:  # nothing cached yet (an empty gather's strides are not the buffer's)
-            return
-        k[:n].copy_to_device(src_k[:n], stream=stream or 0)
-        v[:n].copy_to_device(src_v[:n], stream=stream or 0)
-
-    def _download_kv(self, il: int, buf, cells: int, heads=None) -> None:
-        """A device KV buffer of the current tier (of KV `heads`) back into the mirror."""
-        k, v = self.mirror.views(buf, cells, heads)
-        dev, host = self.kv_rows(il)
-        if isinstance(dev, slice) and heads is None:  # straight into the mirror
-            k[dev].copy_to_host(self.mirror.k[il][host])
-            v[dev].copy_to_host(self.mirror.v[il][host])
-        else:
-            lo, hi = heads or (0, self.mirror.k_shape[0])
-            self.mirror.k[il][host, lo:hi] = k.copy_to_host()[dev]
-            self.mirror.v[il][host, lo:hi] = v.copy_to_host()[dev]
-
-    def _swa_stage(self, il: int, cells: int) -> np.ndarray:
-        key = (self.current.tier, il)
-        return self.pinned.array(("swa", *key), lambda: ((cells * self.cell_nbytes,), np.uint8))
 
     @property
     def arenas(self) -> list:

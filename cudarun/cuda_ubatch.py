@@ -207,7 +207,7 @@ class CudaUbatch:
     def _copy_unit(self, unit: Unit, slot: SlotId, stream) -> None:
         e, buf = self.e, self._slot(slot)
         if unit.kind is UnitKind.KV:
-            e.upload_kv(unit.key, buf, self.tier.kv_cells[unit.key], stream)
+            e.kv.upload(unit.key, buf, self.tier.kv_cells[unit.key], stream)
             return
         data = e.host.group(unit.key)
         buf[: data.size].copy_to_device(data, stream=stream)
@@ -224,7 +224,8 @@ class CudaUbatch:
             ids = self.host.ids
         else:
             e.sync(self.events[EventId(Signal.PREDICTED if prefetch else Signal.ROUTED, part.name)])
-            ids = self.wss[part.queue.device]["pred" if prefetch else "ids"][: self.n].copy_to_host()
+            ws = self.wss[part.queue.device]
+            ids = ws["pred" if prefetch else "ids"][: self.n].copy_to_host()
         if il in self.tier.cache_slots:
             return e.admit(self.tier, il, ids, prefetch), ids
         return Admission(overflow=routed_experts(ids)), ids
@@ -358,9 +359,8 @@ class _Timer:
             if isinstance(a, float):
                 out.append((lane, name, a, b))
             else:
-                start = self.host0 + self.cuda.event_elapsed_time(self.base, a) / 1e3
-                out.append((lane, name, start,
-                            self.host0 + self.cuda.event_elapsed_time(self.base, b) / 1e3))  # fmt: skip
+                at = (self.host0 + self.cuda.event_elapsed_time(self.base, x) / 1e3 for x in (a, b))
+                out.append((lane, name, *at))
         return out
 
 

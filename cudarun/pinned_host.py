@@ -30,7 +30,7 @@ class PinnedHost:
         if key in self.arrays:
             return self.arrays[key]
         slices = slices_of()
-        sizes = {n: int(np.prod(sl.shape)) * np.dtype(sl.dtype).itemsize for n, sl in slices.items()}
+        sizes = {n: int(np.prod(s.shape)) * np.dtype(s.dtype).itemsize for n, s in slices.items()}
         total = sum(_aligned(b) for b in sizes.values())
         if simulated():
             buf = np.empty(max(total, 1), np.uint8)
