@@ -33,7 +33,7 @@ from solver.plan import Plan
 from solver.regions import Region, RegionId, RegionKind
 from solver.usage import kv_shape
 
-from . import program, tensor_program
+from . import program, split_parts
 from .plan_check import check_plan, check_users
 from .kvstore import SEQ_WINDOW, KVCells, SwaPool, device_cells
 from .counts import schedule_operations
@@ -44,7 +44,7 @@ from .schedule import (
 )
 from .segments import cpu_segments, ends_with_sync
 from .switch import switch_steps
-from .tensor_program import SUMS
+from .split_parts import SUMS
 
 
 # parts whose arithmetic is exact on every queue: the token rows, the attention over the fp16 KV,
@@ -61,8 +61,8 @@ class Tier:
         self.map = maps  # device -> its memory map
         self.regions = {r.id: r for m in maps.values() for r in m}  # every device's
         if engine.shares is not None:  # a tensor split: every device's parts and the sums
-            self.parts = tensor_program.parts(engine.spec.hparams.n_layer, engine.shares)
-            self.schedule = tensor_program.schedule(self.parts)
+            self.parts = split_parts.parts(engine.spec.hparams.n_layer, engine.shares)
+            self.schedule = split_parts.schedule(self.parts)
             self.segments, self.final_sync = [], True
         else:
             self.parts = program.parts(engine.spec, place)

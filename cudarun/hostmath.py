@@ -286,8 +286,11 @@ class HostMath:
         st.up = self.mm(st.h, w, f"blk.{il}.ffn_up.weight")
 
     def ffn_down(self, st: Act, w: dict, il: int) -> None:
-        f = self.mm(self.gated(st.gate, st.up), w, f"blk.{il}.ffn_down.weight")
-        self._residual(st, w, il, f)
+        self._residual(st, w, il, self.down(st, w, il))
+
+    def down(self, st: Act, w: dict, il: int) -> np.ndarray:
+        """The gated activations times down (and its bias, where `w` has it)."""
+        return self.mm(self.gated(st.gate, st.up), w, f"blk.{il}.ffn_down.weight")
 
     def _experts(self, st: Act, w: dict, name: str, x: np.ndarray) -> np.ndarray:
         """Per (token, slot), the chosen expert's product with x ([T, n] shared by a token's
@@ -328,13 +331,17 @@ class HostMath:
         st.up = self._experts(st, w, f"blk.{il}.ffn_up_exps.weight", st.h)
 
     def ffn_down_exps(self, st: Act, w: dict, il: int) -> None:
+        self._residual(st, w, il, self.down_exps(st, w, il))
+
+    def down_exps(self, st: Act, w: dict, il: int) -> np.ndarray:
+        """Each token's chosen experts' down products, weighted by their gates and summed."""
         act = self.gated(st.gate, st.up)
         down = self._experts(st, w, f"blk.{il}.ffn_down_exps.weight", act)
         f = np.zeros((st.tokens.size, down.shape[2]), np.float32)
         for e in np.unique(st.ids):  # the reference's order of summation
             rows, slot = np.nonzero(st.ids == e)
             f[rows] += st.gates[rows, slot][:, None] * down[rows, slot]
-        self._residual(st, w, il, f)
+        return f
 
     def _residual(self, st: Act, w: dict, il: int, f: np.ndarray) -> None:
         if self.tr.post_norms:

@@ -66,3 +66,21 @@ def shard_spec(spec: ModelSpec, shares: Shares, d: int) -> ModelSpec:
                  n_head_kv=max(span(shares.kv_heads(spec, d)), 1), n_ff=span(shares.ff[d]),
                  n_ff_exp=span(shares.ff_exp[d]), n_vocab=span(shares.vocab[d]))  # fmt: skip
     return replace(spec, hparams=hp, tensors=tuple(tensors))
+
+
+class CutReference:
+    """Device d's cut of the file's tensors, as `GGUFWeights` gives whole ones (`raw`, `dense`):
+    what the reference operations over its shard spec check its shares against."""
+
+    def __init__(self, reference, spec: ModelSpec, shares: Shares, d: int):
+        self.reference, self.spec, self.shares, self.d = reference, spec, shares, d
+
+    def raw(self, name: str) -> np.ndarray:
+        info = self.spec.by_name[name]
+        return np.ascontiguousarray(cut_raw(self.reference.raw(name), info, self._cut(name)))
+
+    def dense(self, name: str) -> np.ndarray:
+        return cut_dense(self.reference.dense(name), self._cut(name))
+
+    def _cut(self, name: str) -> Cut | None:
+        return cut_of(self.spec, name, self.shares, self.d)

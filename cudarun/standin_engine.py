@@ -21,7 +21,7 @@ from .hostweights import cache_ranges, routed_pack, routed_tensors_of, tensors_o
 from .program import routed_experts
 from .segments import SegmentRunner
 from .shards import share_bytes
-from .split_kernels import split_kernels
+from .split_parts import HostShards, SplitForward, shard_maths
 from .schedule import SlotKind, Unit, UnitKind
 from .standin import POISON, StandInDevice
 from .switch import apply_steps
@@ -49,6 +49,8 @@ class StandInEngine(PlanExecutor):
         self.counted = ("segments",)
         self.seed, self.ubatches = seed, 0
         self.delays = FAST_DELAYS if delays is None else delays
+        if self.shares is not None:  # each device's reference operations over its shares
+            self.shard_maths = shard_maths(spec, self.shares, self.math["compute"].reference)
 
     # -- tier switch -----------------------------------------------------------------------------
 
@@ -124,7 +126,8 @@ class StandInEngine(PlanExecutor):
                                self.seed + self.ubatches, memory, **self.delays)  # fmt: skip
         self.ubatches += 1
         if self.shares is not None:
-            kernels = split_kernels(self, tier, st)
+            forward = SplitForward(self.spec, self.shares, self.groups, HostShards(self, tier, st))
+            kernels = {p.name: (lambda views, p=p: forward.run(p)) for p in tier.parts}
         else:
             starts = {seg.first: seg for seg in tier.segments}
             kernels = {p.name: self._kernel(tier, i, p, st, starts)

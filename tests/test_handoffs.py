@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 from hypothesis import given, settings, strategies as st
 
-from cudarun import tensor_program
+from cudarun import split_parts
 from cudarun.handoffs import handoffs
 from cudarun.schedule import (
     ACT, HOST, Compute, Copy, Step, Wait, compute_queue, handed, pipeline_schedule, validate,
@@ -102,8 +102,8 @@ def test_a_field_crosses_devices_through_the_host():
 @settings(max_examples=20, deadline=None)
 @given(st.integers(2, 3), st.integers(1, 3))
 def test_every_wait_of_a_tensor_split_is_proven_needed(n_devices, n_layer):
-    ops = tensor_program.schedule(
-        tensor_program.parts(n_layer, SimpleNamespace(devices=list(range(n_devices)))))
+    ops = split_parts.schedule(
+        split_parts.parts(n_layer, SimpleNamespace(devices=list(range(n_devices)))))
     assert validate(ops, {}, {}) == []
     for i, op in enumerate(ops):
         if isinstance(op, Wait):

@@ -14,7 +14,7 @@ from cudarun.schedule import Compute, Record, Wait, validate
 from cudarun.shards import cut_raw, share_bytes
 from cudarun.standin import StandInDevice
 from cudarun.standin_engine import FAST_DELAYS, StandInEngine
-from cudarun.tensor_program import SUMS
+from cudarun.split_parts import SUMS
 from refengine.agreement import agreement_along, reference_run
 from refengine.engine import NumpyEngine
 from refengine.errors import UserError
