@@ -36,7 +36,7 @@ from .issue import issue
 from .kvstore import EMPTY
 from .pinned_host import PinnedHost
 from .plan_check import PlanError
-from .schedule import Signal, Wait
+from .schedule import Copy, Signal, Wait, handed
 from .segments import SegmentRunner
 from .shards import shard_spec, share_bytes
 
@@ -235,7 +235,7 @@ class CudaEngine(PlanExecutor):
                     p.name == op.event.of and not p.queue.on_host for p in tier.parts), op
         rows = self._logit_rows(tier)
         slices = layout(self.spec, tier.tier, rows, self.n_ctx)
-        names = {f for seg in tier.segments for f in seg.reads + seg.writes}
+        names = {op.tensor.key for op in tier.schedule if isinstance(op, Copy) and handed(op)}
         if any(not p.queue.on_host for p in tier.parts):
             # a tensor split's logits come down per device (`DeviceShards`)
             logits = {"logits"} if rows and self.shares is None else set()

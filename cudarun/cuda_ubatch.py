@@ -2,20 +2,15 @@
 each device's copy stream, device parts on its compute stream, each CPU segment on this thread at
 its first part, the schedule's events between the streams.
 
-The activation fields (`segments.FIELDS`) are handed over where they are read. The ubatch tracks
-which places (devices, and the host) hold each field's current version:
-- a CPU segment brings what it reads down from the devices holding it into pinned staging, and
-  the host waits once per device it waited on: those it copied from, and those whose compute
-  stream may still be reading staging (an earlier segment's upload), so that no staging row is
-  written while a copy reads it (`segments.Segment.sync` is that count on one device);
-- at its end, what a device part reads next goes up on that device's compute stream, so the
-  device's later work is ordered after it by issue, without a wait;
-- a device part reading a field its device does not hold has it brought from the host's staging,
-  or from another device through a pinned buffer of that hop (down on the holder's compute
-  stream, an event, up on the reader's).
-The schedule's hand-off copies (`handoffs`) prove this order; these follow it, batched.
+The activation fields (`segments.FIELDS`) move as the schedule's hand-off copies say
+(`handoffs`), each on a device's compute stream through the tier's pinned staging rows: down after
+the part that wrote the field, up before the part that reads it (after the host's rows are filled
+from its activations, where the host wrote it), device to device as a copy down then a copy up,
+ordered by the schedule's events. The host waits only at a CPU segment's start, once per device
+whose copies down it is about to read or whose stream may still read staging (an upload since the
+last wait: the staging rows are written again only after it), so that copies down are batched in
+one wait (`segments.Segment.sync` counts it on one device) and uploads need none.
 """
-
 from __future__ import annotations
 
 import time
@@ -38,7 +33,7 @@ from .schedule import (
     HOST_DEVICE, Compute, Copy, EventId, Record, Signal, SlotId, SlotKind, Unit, UnitKind, Wait,
     handed,
 )
-from .segments import Segment, fields
+from .segments import Segment
 
 
 class CudaUbatch:
@@ -53,8 +48,10 @@ class CudaUbatch:
         self.events: dict[EventId, object] = {}
         self.routed: dict[tuple[str, bool], tuple] = {}  # (router, prefetch) -> admission, ids
         self.placed: set[tuple[str, int]] = set()  # (router, device): experts' places written
-        self.holders: dict[str, set[int]] = {}  # field -> the places holding its version
+        self.down: dict[str, int] = {}  # field -> the device copying it down, since a wait
         self.uploading: set[int] = set()  # devices whose compute streams may read staging
+        self.uploaded = False  # since the last segment (a batch of uploads, counted once)
+        self.staged: dict[str, Unit] = {}  # field -> the version its staging rows hold
         self.index = {p.name: i for i, p in enumerate(tier.parts)}
         self.starts = {seg.first: seg for seg in tier.segments}
         self.timer = _Timer(e) if e.trace_events is not None and not capturing else None
@@ -87,7 +84,8 @@ class CudaUbatch:
             self.events[op.event].wait(self.e.devices[op.queue.device].stream(op.queue.lane))
 
     def copy(self, op: Copy) -> None:
-        if handed(op):  # (moved, batched, at the segments and before the device parts)
+        if handed(op):
+            self._hand_off(op)
             return
         d = op.queue.device
         stream = self.e.devices[d].stream(op.queue.lane)
@@ -116,69 +114,46 @@ class CudaUbatch:
                 with _span(self.timer, "cpu", _segment_name(self.tier, seg), None):
                     self._segment(seg)
             return
-        d = part.queue.device
-        reads, writes = fields(part.kind, self.moe)
-        for f in reads:
-            if d not in self.holders.get(f, {d}):  # (never written: not handed)
-                self._bring(f, d)
         slot = next((s for _, s in op.reads if s.kind is SlotKind.RING), None)
-        with _span(self.timer, "compute", op.name, self.e.devices[d].compute):
+        with _span(self.timer, "compute", op.name, self.e.devices[part.queue.device].compute):
             self._device_part(part, slot)
-        self.holders.update((f, {d}) for f in writes)
 
     # -- hand-offs ---------------------------------------------------------------------------------
 
+    def _hand_off(self, op: Copy) -> None:
+        """A field's version between a device's workspace and its staging rows, on the device's
+        compute stream where the schedule puts it: down after the part that wrote it; up before
+        the part that reads it (from the host's activations first, where the host wrote it)."""
+        f, version, d = op.tensor.key, op.tensor, op.queue.device
+        rows, staged = self._rows(self.wss[d], f)
+        stream = self.e.devices[d].compute
+        if op.slot.device == HOST_DEVICE:
+            rows.copy_to_host(staged, stream=stream)
+            self.down[f] = d
+        else:
+            if self.tier.parts[self.index[version.writer]].queue.on_host:
+                if self.staged.get(f) != version:
+                    staged[...] = np.reshape(getattr(self.host, f), staged.shape)
+                self.e.counter.uploads += not self.uploaded
+                self.uploaded = True
+            rows.copy_to_device(staged, stream=stream)
+            self.uploading.add(d)
+        self.staged[f] = version
+
     def _segment(self, seg: Segment) -> None:
-        """A CPU segment: its inputs down in one batch and a wait per device, its parts on the
-        host, what the devices read next up in one batch."""
+        """A CPU segment: a wait per device whose copies down it reads or whose stream may still
+        read staging (an earlier upload), its parts on the host."""
         e, host, counter = self.e, self.host, self.e.counter
         counter.segments += 1
-        down = [f for f in seg.reads if HOST_DEVICE not in self.holders.get(f, {HOST_DEVICE})]
-        waits = set(self.uploading)
-        for f in down:
-            src = min(self.holders[f])
-            dev, staged = self._rows(self.wss[src], f)
-            dev.copy_to_host(staged, stream=e.devices[src].compute)
-            waits.add(src)
-        for d in sorted(waits):
+        for d in sorted(self.uploading | set(self.down.values())):
             e.sync(e.devices[d].compute)
-        self.uploading = set()
-        for f in down:  # fresh views: HostMath keys its quantized inputs by identity
+        for f in self.down:  # fresh views: HostMath keys its quantized inputs by identity
             setattr(host, f, self._host_value(f))
-            self.holders[f].add(HOST_DEVICE)
-        counter.downloads += bool(down)
+        counter.downloads += bool(self.down)
+        self.down, self.uploading, self.uploaded = {}, set(), False
         e.runner.run(seg, self.tier.parts, host, e.requested)
-        for p in self.tier.parts[seg.first : seg.stop]:
-            self.holders.update((f, {HOST_DEVICE}) for f in fields(p.kind, self.moe)[1])
-        for f, d in zip(seg.writes, seg.to):
-            dev, staged = self._rows(self.wss[d], f)
-            staged[...] = np.reshape(getattr(host, f), staged.shape)
-            dev.copy_to_device(staged, stream=e.devices[d].compute)
-            self.holders[f].add(d)
-            self.uploading.add(d)
-        counter.uploads += bool(seg.writes)
         if self.tier.parts[seg.stop - 1].kind == "output":
             self.st.logits = host.logits
-
-    def _bring(self, f: str, d: int) -> None:
-        """Field f onto device d: from the host's staging, or from another device through the
-        host."""
-        e, count = self.e, self._row_count(f)
-        to, dst = e.devices[d].compute, self.wss[d][f][:count]
-        if HOST_DEVICE in self.holders[f]:  # its staging rows hold it (a segment's up or down)
-            dst.copy_to_device(self.stage[f][:count], stream=to)
-            e.counter.uploads += 1
-            self.uploading.add(d)
-        else:
-            src = min(self.holders[f])
-            frm = e.devices[src].compute
-            rows = e.pinned_rows(self.tier, ("hop", f, src, d), f)[:count]
-            self.wss[src][f][:count].copy_to_host(rows, stream=frm)
-            ev = new_event(e.cuda)
-            ev.record(frm)
-            ev.wait(to)
-            dst.copy_to_device(rows, stream=to)
-        self.holders[f].add(d)
 
     def _row_count(self, f: str) -> int:
         """Rows of a field (MoE's gate and up: a row per chosen expert on the device)."""

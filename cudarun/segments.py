@@ -68,7 +68,6 @@ class Segment:
     writes: tuple[str, ...]  # handed host -> device at its end
     sync: bool  # the host waits for the compute stream at its start
     layers: tuple[int, ...]  # dense layers it covers whole
-    to: tuple[int, ...] = ()  # per write, the device that reads it next
 
 
 @dataclass(frozen=True)
@@ -81,7 +80,6 @@ class _Unit:
     reads: tuple[str, ...]
     writes: tuple[str, ...]
     layer: int | None = None
-    device: int = 0  # a device part's
 
 
 def whole_layers(parts, moe: bool) -> set[int]:
@@ -109,7 +107,7 @@ def _units(parts, moe: bool) -> list[_Unit]:
             i = j
             continue
         reads, writes = fields(p.kind, moe)
-        out.append(_Unit(i, i + 1, p.queue.on_host, reads, writes, None, p.queue.device))
+        out.append(_Unit(i, i + 1, p.queue.on_host, reads, writes))
         i += 1
     return out
 
@@ -143,26 +141,24 @@ def cpu_segments(parts, moe: bool) -> list[Segment]:
         for u in units[i:j]:
             reads += [f for f in u.reads if f not in written | host_has and f not in reads]
             written |= set(u.writes)
-        readers = {f: _device_reading_next(units[j:], f) for f in sorted(written)}
-        writes = tuple(f for f, d in readers.items() if d is not None)
+        writes = tuple(f for f in sorted(written) if _read_on_device_next(units[j:], f))
         sync = bool(reads) or upload_in_flight
         out.append(Segment(units[i].first, units[j - 1].stop, tuple(reads), writes, sync,
-                           tuple(u.layer for u in units[i:j] if u.layer is not None),
-                           tuple(readers[f] for f in writes)))  # fmt: skip
+                           tuple(u.layer for u in units[i:j] if u.layer is not None)))  # fmt: skip
         host_has |= set(reads) | written
         upload_in_flight = bool(writes) or (upload_in_flight and not sync)
         i = j
     return out
 
 
-def _device_reading_next(later: list[_Unit], field: str) -> int | None:
-    """The device whose part reads `field` before anything writes it again, if any."""
+def _read_on_device_next(later: list[_Unit], field: str) -> bool:
+    """Whether a device part reads `field` before anything writes it again."""
     for u in later:
         if field in u.reads and not u.cpu:
-            return u.device
+            return True
         if field in u.writes:
-            return None
-    return None
+            return False
+    return False
 
 
 def ends_with_sync(parts, segments: list[Segment]) -> bool:

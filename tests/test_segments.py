@@ -74,7 +74,7 @@ def test_the_host_waits_for_an_upload_still_reading_the_staging():
 def test_an_all_cpu_tier_is_one_segment_without_a_wait():
     p = parts("c cccccc cccccc c")
     (seg,) = cpu_segments(p, moe=False)
-    assert seg == Segment(0, len(p), (), (), False, (0, 1), ())
+    assert seg == Segment(0, len(p), (), (), False, (0, 1))
     assert not ends_with_sync(p, [seg])
 
 
