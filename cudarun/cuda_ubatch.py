@@ -68,8 +68,10 @@ class CudaUbatch:
 
     def record(self, op: Record) -> None:
         if op.queue.on_host:
-            # the host's work is done when it issues the next op; on one device, its hand-off
-            # is the last work on the compute stream, which a copy waiting for it then follows
+            # the host's work is done when it issues the next op. On one device it is recorded
+            # on the compute stream: a routed copy after a CPU router then follows the device's
+            # earlier expert products, whose expert places it rewrites (on several devices the
+            # router's segment waited for the device that ran them: it reads their x)
             if len(self.e.devices) > 1:
                 return
             stream = self.e.devices[0].compute
