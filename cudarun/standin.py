@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from .issue import issue
-from .schedule import Compute, Copy, Op, Record, Slot, SlotId, SlotKind, Wait
+from .schedule import Compute, Copy, Op, Record, Slot, SlotId, SlotKind, Unit, Wait
 
 
 @dataclass
@@ -151,7 +151,7 @@ class StandInDevice:
     def _ordered(self, clock: dict[str, int], at: tuple[str, int]) -> bool:
         return clock.get(at[0], 0) >= at[1]
 
-    def _begin_write(self, slot_name: str, tensor: str, what: str, clock: dict[str, int]):
+    def _begin_write(self, slot_name: SlotId, tensor: Unit, what: str, clock: dict[str, int]):
         slot = self.state.setdefault(slot_name, _SlotState())
         for reader in slot.readers:
             if not self._ordered(clock, reader):
@@ -197,7 +197,8 @@ class StandInDevice:
             for slot in written:
                 slot.landed, slot.written_at = True, (name, clock[name])
 
-    def _read(self, label: str, tensor: str, slot_name: str, name: str, clock: dict[str, int]):
+    def _read(self, label: str, tensor: Unit, slot_name: SlotId, name: str,
+              clock: dict[str, int]):
         slot = self.state.setdefault(slot_name, _SlotState())
         with self._lock:
             if slot.tensor != tensor or not slot.landed:
