@@ -91,13 +91,17 @@ def measure_cpu(
     progress("a layer's fixed cost")
     layer_gbps = matvec[LAYER["qtype"]][threads].value if LAYER["qtype"] in matvec else (
         memory_gbps.value)  # fmt: skip
-    per_layer = layer_seconds(threads, quick, layer_gbps)
-    per_type = {LAYER["qtype"]: per_layer} | {
-        t: layer_seconds(threads, quick, matvec[t][threads].value, qtype=t)
-        for t in types if t != LAYER["qtype"] and t in matvec and not quick}
-    per_type[ANY_TYPE] = per_layer
-    per_routed_layer, per_expert = routed_fixed(
-        lambda kind: layer_seconds(threads, quick, layer_gbps, kind))
+    others = [t for t in types if t != LAYER["qtype"] and t in matvec and not quick]
+
+    def fixed(kind: dict | None = None, t: str | None = None) -> float:  # twins of type t
+        gbps = layer_gbps if t is None else matvec[t][threads].value
+        return layer_seconds(threads, quick, gbps, kind, qtype=t)
+
+    per_layer = fixed()
+    per_type = {LAYER["qtype"]: per_layer, ANY_TYPE: per_layer} | {t: fixed(t=t) for t in others}
+    per_routed_layer, per_expert = routed_fixed(fixed)
+    per_expert_type = {LAYER["qtype"]: per_expert, ANY_TYPE: per_expert} | {
+        t: routed_fixed(lambda kind, t=t: fixed(kind, t))[1] for t in others}
     q8_gflops = (q8[LAYER["qtype"]] if LAYER["qtype"] in q8 else matmul[types[0]])[Q8_TOKENS[-1]]
     slot = routed_slot_seconds(threads, quick, q8_gflops.value, glu)
     layers = " and ".join(map(str, layer_counts(quick)))
@@ -140,6 +144,10 @@ def measure_cpu(
                                                       "intercept at none used"),
         expert_seconds=Figure(per_expert, f"{src}; the same qwen3moe, the slope per expert "
                                           "used"),
+        expert_type_seconds=RateTable("s", {t: {threads: Figure(x, f"{src}; the same routed "
+                                                                f"twins with every matrix {t}, "
+                                                                "the slope per expert used")}
+                                            for t, x in per_expert_type.items()}),  # fmt: skip
         q8_matmul_gflops=RateTable("GFLOP/s", q8),
         routed_slot_seconds=Figure(slot, f"{src}; the cpu engine's prompts of {SLOT_LAYERS}-layer "
                                          "qwen3moe twins (8 experts 64 wide, 2 and 6 used), the "
@@ -459,13 +467,10 @@ def layer_seconds(threads: int, quick: bool, gbps: float, kind: dict | None = No
                                  4 * tokens)  # fmt: skip
             engine.prefill(np.arange(4))
 
-            def decode():
-                engine.decode(7)
-
             # a profile's is the median token, as a run's mean prices it (the least disturbed
             # token's slope read 152 us a layer where the median's read 162); the tests' quick
             # profile, measured beside the suite's other worker, takes the least disturbed one
-            per_token.append(_median_seconds(decode, tokens, fastest=quick))
+            per_token.append(_median_seconds(lambda: engine.decode(7), tokens, fastest=quick))
     return fixed_layer_seconds(tuple(per_token), counts, engine.spec, gbps)
 
 

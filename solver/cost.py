@@ -257,7 +257,7 @@ class CostModel:
         # activations crossing inside a layer: the wider of the residual and the FFN's inner rows
         self.hop_width = max(hp.n_embd, hp.n_ff_active)
         self._panel_launches: dict[str, int] = {}
-        self._layer_fixed: dict[int, Figure | None] = {}
+        self._layer_fixed: dict[tuple[int, str], Figure | None] = {}
 
     def effective(self, g: Group, loc: Loc, tokens: int) -> Loc:
         """Where g really runs: llama.cpp copies CPU-held weights to the GPU for ubatches of 32
@@ -325,6 +325,8 @@ class CostModel:
             fixed = (cpu.llamacpp_routed_layer_seconds if llama else
                      cpu.routed_layer_seconds) or fixed  # fmt: skip
             each = cpu.llamacpp_expert_seconds if llama else cpu.expert_seconds
+            if not llama and g.kind == ATTN_SIDE:  # by its stacks' types, where measured
+                each = self.our_expert_fixed(g.layer) or each
             if each:  # each expert the ubatch's tokens chose starts its own products
                 per_expert = each.value * expected_distinct_experts(hp.n_expert,
                                                                     hp.n_expert_used, tokens)
@@ -357,14 +359,24 @@ class CostModel:
     def our_layer_fixed(self, il: int) -> Figure | None:
         """Our decode layer's cost beyond its bytes, by its matrices' types as the profile
         measured them, weighted by each type's share of the layer's bytes."""
-        if il not in self._layer_fixed:  # asked for every pricing of the layer's attention side
-            table = self.profile.cpu.layer_type_seconds
-            mats = [g for g in self.by_layer[il] if g.nbytes]
+        return self._by_types(il, "layer_type_seconds", lambda g: True)
+
+    def our_expert_fixed(self, il: int) -> Figure | None:
+        """Our cost of each expert a decode chose beyond its bytes, by the types of the layer's
+        expert stacks as the profile measured them, weighted by their bytes."""
+        return self._by_types(il, "expert_type_seconds", lambda g: g.kind == EXPERTS)
+
+    def _by_types(self, il: int, field: str, which) -> Figure | None:
+        """A per-type figure of the profile's (`field`) for layer il's groups that `which`
+        keeps, each type weighted by its share of their bytes."""
+        if (il, field) not in self._layer_fixed:  # asked for every pricing of the layer
+            table = getattr(self.profile.cpu, field)
+            mats = [g for g in self.by_layer[il] if g.nbytes and which(g)]
             total = sum(g.nbytes for g in mats)
-            self._layer_fixed[il] = Figure(
+            self._layer_fixed[il, field] = Figure(
                 sum(g.nbytes * table.at(g.qtype, self.threads) for g in mats) / total,
-                "the layer's types' fixed costs, by their bytes") if table and total else None
-        return self._layer_fixed[il]
+                f"the layer's types' {field}, by their bytes") if table and total else None
+        return self._layer_fixed[il, field]
 
     def host_elementwise_seconds(self, g: Group, tokens: int) -> float:
         """A token's element-wise work on our host that rides with group g: act(gate) * up with

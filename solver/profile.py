@@ -172,6 +172,9 @@ class CPUProfile:
     # llama.cpp's): where these are measured, the routed layer's figure is its cost before any
     expert_seconds: Figure | None = None
     llamacpp_expert_seconds: Figure | None = None
+    # ours by type, on routed twins whose every matrix is of the type: each expert a decode chose
+    # costs beyond its bytes by type (Q8_0's 1-5 us, Q4_K's 12-17 on 512-wide twins); by threads
+    expert_type_seconds: RateTable | None = None
     # llama.cpp's routed experts (its mul_mat_id) on a prompt, by the tokens an expert draws, and
     # in a decode, the expert bytes a token reads per second
     llamacpp_expert_gflops: RateTable | None = None

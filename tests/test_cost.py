@@ -19,6 +19,7 @@ from solver.cost import (
     Workload,
     evaluate,
 )
+from solver.groups import EXPERTS
 from solver.memory import KVShape, expected_distinct_experts, kv_layer_nbytes
 from solver.profile import ANY_TYPE, CPUProfile, Figure, GPUProfile, HardwareProfile, RateTable
 
@@ -277,6 +278,33 @@ def test_our_decode_layer_pays_its_types_fixed_costs_by_their_bytes():
     assert cm.cpu_seconds(groups[1], 1) == before.cpu_seconds(groups[1], 1)  # once a layer
     llama = CostModel(mixed, measured, W, "llamacpp")
     assert llama.cpu_seconds(attn, 1) == CostModel(mixed, plain, W, "llamacpp").cpu_seconds(attn, 1)
+
+
+def test_our_routed_layer_pays_its_expert_stacks_types_per_expert_chosen():
+    """Where the profile measured our cost of each chosen expert per type (routed twins whose
+    every matrix is of the type), a decode's routed layer pays, for each expert chosen, its
+    stacks' types' figures weighted by their bytes; llama.cpp's target keeps its own figure."""
+    moe = spec_from_hparams(SyntheticConfig("qwen3moe", n_layer=2, n_embd=1024, n_ff=3072,
+                                            n_head=16, n_head_kv=4, head_dim=64, n_vocab=32000,
+                                            qtype="Q4_K_M", n_expert=32, n_expert_used=4,
+                                            n_ff_exp=512))  # fmt: skip
+    base = toy_profile()
+    plain = replace(base, cpu=replace(base.cpu, routed_layer_seconds=Figure(9e-5, "toy"),
+                                      expert_seconds=Figure(3e-6, "toy")))  # fmt: skip
+    table = RateTable("s", {"Q4_K": {8: Figure(15e-6, "toy")}, ANY_TYPE: {8: Figure(3e-6, "toy")}})
+    measured = replace(plain, cpu=replace(plain.cpu, expert_type_seconds=table))
+    cm, before = CostModel(moe, measured, W), CostModel(moe, plain, W)
+    for il in range(2):
+        stacks = [g for g in cm.by_layer[il] if g.kind == EXPERTS]
+        q4k = sum(g.nbytes for g in stacks if g.qtype == "Q4_K")
+        total = sum(g.nbytes for g in stacks)
+        attn = cm.by_layer[il][0]
+        each = (q4k * 15e-6 + (total - q4k) * 3e-6) / total
+        assert cm.cpu_seconds(attn, 1) - before.cpu_seconds(attn, 1) == pytest.approx(
+            4 * (each - 3e-6))  # a decode token chose 4 experts
+    assert 0 < q4k < total  # the mix's last layer holds a Q6_K stack
+    llama = CostModel(moe, measured, W, "llamacpp")
+    assert llama.cpu_seconds(attn, 1) == CostModel(moe, plain, W, "llamacpp").cpu_seconds(attn, 1)
 
 
 def test_attention_at_real_depth_and_token_count():
