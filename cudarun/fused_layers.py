@@ -10,11 +10,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from refengine import reference as ref
 from refengine.spec import ModelSpec
 
 from .hostmath import Act
-from .kernels import cpu, cpu_layer
+from .kernels import cpu, cpu_layer, cpu_ops
 
 
 @dataclass
@@ -116,7 +115,7 @@ class FusedLayers:
             h = np.empty_like(x)
             cpu_layer.attention_kernel(layer.qtypes[:4], key)(x, *layer.attention, *cells, h)
             logits = self.math.mm(h, self.weights[f"blk.{il}.attn"], layer.router)
-            ids, gates = ref.moe_route(logits, self.spec.hparams.n_expert_used,
+            ids, gates = cpu_ops.route(logits, self.spec.hparams.n_expert_used,
                                        self.spec.arch.expert_weights_norm)  # fmt: skip
             cpu_layer.moe_ffn_kernel(layer.qtypes[4:])(x, h, ids, gates, *layer.ffn,
                                                       layer.ints, layer.floats)  # fmt: skip

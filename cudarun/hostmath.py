@@ -243,7 +243,7 @@ class HostMath:
 
     def embed(self, st: Act, w: dict, il) -> None:
         t = self.spec.by_name["token_embd.weight"]
-        x = ref.get_rows(w[t.name], t.qtype, t.shape, st.tokens)
+        x = cpu.get_rows(w[t.name], t.qtype, t.shape, st.tokens)
         if self.tr.embed_scale:
             x = x * np.float32(math.sqrt(self.hp.n_embd))
         st.x = x
@@ -268,16 +268,15 @@ class HostMath:
         st.h = self.norm(st.x, w, p + "ffn_norm.weight")
         if self.tr.moe:
             logits = self.mm(st.h, w, p + "ffn_gate_inp.weight")
-            st.ids, st.gates = ref.moe_route(
-                logits, self.hp.n_expert_used, self.tr.expert_weights_norm
-            )
+            st.ids, st.gates = cpu_ops.route(logits, self.hp.n_expert_used,
+                                             self.tr.expert_weights_norm)  # fmt: skip
 
     def predict(self, st: Act, w: dict, il: int) -> None:
         """The layer's router on the layer's input, normed as its FFN's input will be: the
         experts a prefetch copies before the router runs (st.pred)."""
         p = f"blk.{il}."
         logits = self.mm(self.norm(st.x, w, p + "ffn_norm.weight"), w, p + "ffn_gate_inp.weight")
-        st.pred, _ = ref.moe_route(logits, self.hp.n_expert_used, self.tr.expert_weights_norm)
+        st.pred, _ = cpu_ops.route(logits, self.hp.n_expert_used, self.tr.expert_weights_norm)
 
     def ffn_gate(self, st: Act, w: dict, il: int) -> None:
         st.gate = self.mm(st.h, w, f"blk.{il}.ffn_gate.weight")

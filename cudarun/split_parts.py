@@ -29,13 +29,13 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from refengine import reference as ref
 from solver import regions
 from solver.groups import FFN_ORDER
 from solver.shares import Shares
 
 from .hostmath import Act, HostMath
 from .hostweights import tensors_of
+from .kernels import cpu_ops
 from .schedule import (
     HOST, Compute, EventId, Op, QueueId, Record, Signal, SlotId, SlotKind, Unit, UnitKind, Wait,
     compute_queue, drop_implied_waits,
@@ -240,7 +240,7 @@ class HostShards:
         act.h = m.norm(act.x, w, p + "ffn_norm.weight")
         if self.e.spec.arch.moe:
             logits = m.mm(act.h, w, p + "ffn_gate_inp.weight")
-            act.ids, act.gates = ref.moe_route(logits, m.hp.n_expert_used,
+            act.ids, act.gates = cpu_ops.route(logits, m.hp.n_expert_used,
                                                m.tr.expert_weights_norm)  # fmt: skip
             m.ffn_gate_exps(act, w, il)
             m.ffn_up_exps(act, w, il)

@@ -47,3 +47,14 @@ def test_gated(act):
 def test_softmax():
     x = RNG.standard_normal((2, 500)).astype(np.float32) * 10
     assert normwise(cpu_ops.softmax(x), ref.softmax(x)) < 1e-5
+
+
+@pytest.mark.parametrize("normalize", [True, False])
+def test_route_chooses_and_weighs_the_experts_as_the_reference(normalize):
+    logits = RNG.standard_normal((37, 64)).astype(np.float32) * 3
+    logits[0] = 0.5  # every expert tied: the lowest ids
+    logits[1, [9, 40]] = 20.0  # two tied first: the lower id first
+    ids, weights = cpu_ops.route(logits, 6, normalize)
+    want_ids, want_weights = ref.moe_route(logits, 6, normalize)
+    assert np.array_equal(ids, want_ids) and list(ids[1, :2]) == [9, 40]
+    assert np.allclose(weights, want_weights, rtol=1e-6, atol=0)

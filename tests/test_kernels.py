@@ -107,6 +107,18 @@ def test_cpu_matmul(qtype, tokens):
     assert error < CPU_TOLERANCE[cpu.path(qtype, tokens)]
 
 
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+def test_cpu_embedding_rows_from_a_quantized_table(qtype):
+    from refengine.reference import get_rows as ref
+
+    rng = np.random.default_rng(400 + int(qtype))
+    n_cols = cols(qtype, 64) * 2
+    raw = weights(rng, qtype, 7, n_cols)
+    ids = rng.integers(0, 7, 5)
+    assert np.array_equal(cpu.get_rows(raw, qtype, (7, n_cols), ids),
+                          ref(raw, qtype, (7, n_cols), ids))  # fmt: skip
+
+
 @pytest.mark.parametrize("qtype", sorted(cpu.Q8_ROWS, key=lambda t: t.name), ids=lambda t: t.name)
 def test_cpu_exact_path_on_request(qtype):
     rng = np.random.default_rng(300 + int(qtype))

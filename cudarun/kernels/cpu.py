@@ -200,6 +200,29 @@ def _dequantize_kernel(qtype):
     return dequantize
 
 
+@lru_cache(maxsize=None)
+def _rows_kernel(qtype):
+    decode, per_block, block_nbytes = layout(qtype)
+
+    @njit
+    def rows(raw, ids, out):
+        blocks = out.shape[1] // per_block
+        for r in range(ids.size):
+            base = ids[r] * blocks * block_nbytes
+            for b in range(blocks):
+                decode(raw, base + b * block_nbytes, out[r, b * per_block : (b + 1) * per_block])
+
+    return rows
+
+
+def get_rows(raw: np.ndarray, qtype, shape: tuple[int, int], ids: np.ndarray) -> np.ndarray:
+    """Rows `ids` of a [n_rows, n_cols] table held as GGUF blocks -> [len(ids), n_cols] fp32:
+    an embedding lookup, row by row (NumPy's dequantize of a token's row took ~0.2 ms)."""
+    out = np.empty((len(ids), shape[1]), np.float32)
+    _rows_kernel(Q(qtype))(np.asarray(raw).reshape(-1), np.asarray(ids, np.int64), out)
+    return out
+
+
 class threads_set:
     """Run with `n` Numba threads (0: all), restoring the previous count after."""
 
