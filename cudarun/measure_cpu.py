@@ -439,15 +439,15 @@ def our_head_rates(threads: int, quick: bool) -> tuple[float, float]:
 
     import numpy as np
 
-    seconds, specs = [], []
+    engines = []
     with tempfile.TemporaryDirectory(prefix="refengine-rows-") as tmp:
         for width, vocab in row_twins(quick):
-            engine = twin_engine(Path(tmp) / f"{width}.gguf", row_twin_config(width, vocab),
-                                 threads, 64)  # fmt: skip
-            specs.append(engine.spec)
-            engine.prefill(np.arange(4))
-            seconds.append(_median_seconds(lambda: engine.decode(7), 8 if quick else 32))
-    return row_seconds_and_gbps(tuple(seconds), specs)
+            engines.append(twin_engine(Path(tmp) / f"{width}.gguf",
+                                       row_twin_config(width, vocab), threads, 128))  # fmt: skip
+            engines[-1].prefill(np.arange(4))
+        seconds = _median_seconds([lambda e=e: e.decode(7) for e in engines],
+                                  8 if quick else 64)  # fmt: skip
+    return row_seconds_and_gbps(tuple(seconds), [e.spec for e in engines])
 
 
 def layer_seconds(threads: int, quick: bool, gbps: float, kind: dict | None = None,
@@ -459,34 +459,42 @@ def layer_seconds(threads: int, quick: bool, gbps: float, kind: dict | None = No
 
     import numpy as np
 
-    tokens, per_token, counts = (8 if quick else 48), [], layer_counts(quick)
+    tokens, engines, counts = (8 if quick else 96), [], layer_counts(quick)
     with tempfile.TemporaryDirectory(prefix="refengine-layers-") as tmp:
         for n_layer in counts:
-            engine = twin_engine(Path(tmp) / f"{n_layer}.gguf",
-                                 layer_config(n_layer, kind, quick, qtype), threads,
-                                 4 * tokens)  # fmt: skip
-            engine.prefill(np.arange(4))
+            engines.append(twin_engine(Path(tmp) / f"{n_layer}.gguf",
+                                       layer_config(n_layer, kind, quick, qtype), threads,
+                                       4 * tokens))  # fmt: skip
+            engines[-1].prefill(np.arange(4))
+        # a profile's is the median token, as a run's mean prices it (the least disturbed
+        # token's slope read 152 us a layer where the median's read 162); the tests' quick
+        # profile, measured beside the suite's other worker, takes the least disturbed one
+        per_token = _median_seconds([lambda e=e: e.decode(7) for e in engines], tokens,
+                                    fastest=quick)  # fmt: skip
+    return fixed_layer_seconds(tuple(per_token), counts, engines[0].spec, gbps)
 
-            # a profile's is the median token, as a run's mean prices it (the least disturbed
-            # token's slope read 152 us a layer where the median's read 162); the tests' quick
-            # profile, measured beside the suite's other worker, takes the least disturbed one
-            per_token.append(_median_seconds(lambda: engine.decode(7), tokens, fastest=quick))
-    return fixed_layer_seconds(tuple(per_token), counts, engine.spec, gbps)
 
-
-def _median_seconds(run: Callable[[], object], runs: int, fastest: bool = False) -> float:
+def _median_seconds(run, runs: int, fastest: bool = False):
     """The median time of `run` (`fastest`: the least disturbed run's, for a fixed cost of
-    microseconds that a busy host's scheduler can inflate a thousandfold)."""
+    microseconds that a busy host's scheduler can inflate a thousandfold). Given a list of runs,
+    a list of their times, timed in turn: the host's speed drifts over the seconds a measurement
+    takes, and twins timed one after the other carried that drift into their difference (a
+    routed layer's fixed cost read 44-62 us and a dense one's 13-57 us in four profiles in a
+    row)."""
     import statistics
     import time
 
-    run()  # compiled and warm
-    times = []
+    each = run if isinstance(run, list) else [run]
+    times = [[] for _ in each]
+    for r in each:
+        r()  # compiled and warm
     for _ in range(max(runs, 3)):
-        start = time.perf_counter()
-        run()
-        times.append(time.perf_counter() - start)
-    return min(times) if fastest else statistics.median(times)
+        for r, seconds in zip(each, times):
+            start = time.perf_counter()
+            r()
+            seconds.append(time.perf_counter() - start)
+    medians = [min(t) if fastest else statistics.median(t) for t in times]
+    return medians if isinstance(run, list) else medians[0]
 
 
 def _cpu_name() -> str:
