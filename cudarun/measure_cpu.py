@@ -93,15 +93,16 @@ def measure_cpu(
         memory_gbps.value)  # fmt: skip
     others = [t for t in types if t != LAYER["qtype"] and t in matvec and not quick]
 
-    def fixed(kind: dict | None = None, t: str | None = None) -> float:  # twins of type t
+    def fixed(kinds: tuple, t: str | None = None) -> list[float]:  # twins of type t
         gbps = layer_gbps if t is None else matvec[t][threads].value
-        return layer_seconds(threads, quick, gbps, kind, qtype=t)
+        return layer_seconds(threads, quick, gbps, kinds, qtype=t)
 
-    per_layer = fixed()
-    per_type = {LAYER["qtype"]: per_layer, ANY_TYPE: per_layer} | {t: fixed(t=t) for t in others}
-    per_routed_layer, per_expert = routed_fixed(fixed)
+    per_layer = fixed((None,))[0]
+    per_type = {LAYER["qtype"]: per_layer, ANY_TYPE: per_layer} | {
+        t: fixed((None,), t)[0] for t in others}
+    per_routed_layer, per_expert = routed_fixed(*fixed(ROUTED_TWINS))
     per_expert_type = {LAYER["qtype"]: per_expert, ANY_TYPE: per_expert} | {
-        t: routed_fixed(lambda kind, t=t: fixed(kind, t))[1] for t in others}
+        t: routed_fixed(*fixed(ROUTED_TWINS, t))[1] for t in others}
     q8_gflops = (q8[LAYER["qtype"]] if LAYER["qtype"] in q8 else matmul[types[0]])[Q8_TOKENS[-1]]
     slot = routed_slot_seconds(threads, quick, q8_gflops.value, glu)
     layers = " and ".join(map(str, layer_counts(quick)))
@@ -308,12 +309,14 @@ def layer_config(n_layer: int, kind: dict | None = None, quick: bool = False,
                                                **({"qtype": qtype} if qtype else {})})  # fmt: skip
 
 
-def routed_fixed(fixed_at: Callable[[dict], float]) -> tuple[float, float]:
+ROUTED_TWINS = (ROUTED, MORE_USED)
+
+
+def routed_fixed(a: float, b: float) -> tuple[float, float]:
     """(a routed layer's fixed cost before its experts, the fixed cost of each expert it chose)
-    from `fixed_at(kind)`, its fixed cost with ROUTED's and MORE_USED's counts of chosen experts
-    (a decode's expert products are small, and each costs its own start beyond its bytes)."""
+    from its fixed cost with ROUTED's (`a`) and MORE_USED's (`b`) counts of chosen experts (a
+    decode's expert products are small, and each costs its own start beyond its bytes)."""
     k0, k1 = ROUTED["n_expert_used"], MORE_USED["n_expert_used"]
-    a, b = fixed_at(ROUTED), fixed_at(MORE_USED)
     per_expert = max((b - a) / (k1 - k0), 0.0)
     return max(a - k0 * per_expert, 0.0), per_expert
 
@@ -450,28 +453,32 @@ def our_head_rates(threads: int, quick: bool) -> tuple[float, float]:
     return row_seconds_and_gbps(tuple(seconds), [e.spec for e in engines])
 
 
-def layer_seconds(threads: int, quick: bool, gbps: float, kind: dict | None = None,
-                  qtype: str | None = None) -> float:  # fmt: skip
-    """Our cpu engine's fixed cost of a layer per decoded token (`fixed_layer_seconds`): a dense
-    llama's, or (`ROUTED`) a routed layer's; `gbps`: the profile's matvec rate of LAYER's type
-    (of `qtype`, the twins' type, when given)."""
+def layer_seconds(threads: int, quick: bool, gbps: float, kinds: tuple = (None,),
+                  qtype: str | None = None) -> list[float]:  # fmt: skip
+    """Our cpu engine's fixed cost of a layer per decoded token (`fixed_layer_seconds`) for each
+    of `kinds`: None, a dense llama's; ROUTED or MORE_USED, a routed layer's; `gbps`: the
+    profile's matvec rate of LAYER's type (of `qtype`, the twins' type, when given). Every
+    kind's twins are timed in turn, token by token."""
     import tempfile
 
     import numpy as np
 
     tokens, engines, counts = (8 if quick else 96), [], layer_counts(quick)
     with tempfile.TemporaryDirectory(prefix="refengine-layers-") as tmp:
-        for n_layer in counts:
-            engines.append(twin_engine(Path(tmp) / f"{n_layer}.gguf",
-                                       layer_config(n_layer, kind, quick, qtype), threads,
-                                       4 * tokens))  # fmt: skip
-            engines[-1].prefill(np.arange(4))
+        for i, kind in enumerate(kinds):
+            for n_layer in counts:
+                engines.append(twin_engine(Path(tmp) / f"{i}-{n_layer}.gguf",
+                                           layer_config(n_layer, kind, quick, qtype), threads,
+                                           4 * tokens))  # fmt: skip
+                engines[-1].prefill(np.arange(4))
         # a profile's is the median token, as a run's mean prices it (the least disturbed
         # token's slope read 152 us a layer where the median's read 162); the tests' quick
         # profile, measured beside the suite's other worker, takes the least disturbed one
         per_token = _median_seconds([lambda e=e: e.decode(7) for e in engines], tokens,
                                     fastest=quick)  # fmt: skip
-    return fixed_layer_seconds(tuple(per_token), counts, engines[0].spec, gbps)
+    return [fixed_layer_seconds(tuple(per_token[2 * i : 2 * i + 2]), counts,
+                                engines[2 * i].spec, gbps)
+            for i in range(len(kinds))]  # fmt: skip
 
 
 def _median_seconds(run, runs: int, fastest: bool = False):

@@ -27,9 +27,10 @@ from solver.memory import expected_distinct_experts, kv_cell_nbytes
 from solver.profile import ANY_TYPE, Figure, RateTable
 
 from .measure_cpu import (ATTENTION_DIMS, LAYER, MATMUL_TOKENS, MATVEC_TYPES, ROUTED,
-                          SCORE_HEADS, fixed_layer_seconds, layer_config, layer_counts,
-                          layer_read_nbytes, matrices, routed_fixed, row_seconds_and_gbps,
-                          row_twin_config, row_twins, score_twin_config, token_nbytes)
+                          ROUTED_TWINS, SCORE_HEADS, fixed_layer_seconds, layer_config,
+                          layer_counts, layer_read_nbytes, matrices, routed_fixed,
+                          row_seconds_and_gbps, row_twin_config, row_twins, score_twin_config,
+                          token_nbytes)
 
 # wide enough that the matrices, not the per-op overheads, take the time; as deep as a 1B model,
 # so that a prompt runs for seconds over weights many times the last-level cache, as a real
@@ -292,8 +293,9 @@ def measure_llamacpp_cpu(
                            f"{' and '.join(map(str, layer_counts(quick)))} layers generating 64 "
                            f"tokens, the slope per layer less its bytes at llama.cpp's {qtype} "
                            "rate")  # fmt: skip
-        routed, per_expert = routed_fixed(
-            lambda kind: layer_seconds(llama_bench, threads, runs, Path(tmp), gbps, quick, kind))
+        routed, per_expert = routed_fixed(*(
+            layer_seconds(llama_bench, threads, runs, Path(tmp), gbps, quick, kind)
+            for kind in ROUTED_TWINS))  # fmt: skip
         qwen3moe = per_layer.source.replace("llamas", "qwen3moe (8 experts, 2 and 6 used)")
         per_routed_layer = Figure(routed, f"{qwen3moe}, the intercept at none used")
         per_expert = Figure(per_expert, f"{qwen3moe}, the slope per expert used")
