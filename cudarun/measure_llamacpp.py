@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import math
+import statistics
 import subprocess
 import tempfile
 from datetime import date
@@ -116,18 +117,27 @@ def measured_differences(twins: Callable[[int], tuple[dict, dict]], runs: int
 
 
 def layer_seconds(llama_bench: Path, threads: int, runs: int, tmp: Path, gbps: float,
-                  quick: bool = False, kind: dict | None = None) -> float:  # fmt: skip
+                  quick: bool = False, kinds: tuple = (None,)) -> list[float]:  # fmt: skip
     """llama.cpp's fixed cost of a layer per decoded token, as ours is measured
-    (`measure_cpu.fixed_layer_seconds`): llamas (or, `ROUTED`, qwen3moe) of two depths
-    generate; the slope per layer less its bytes at `gbps`, llama.cpp's rate for LAYER's type."""
-    per_token, counts = [], layer_counts(quick)
-    for n_layer in counts:
-        path = tmp / f"layers-{n_layer}.gguf"
-        write_synthetic(path, layer_config(n_layer, kind, quick))
-        per_token.append(1.0 / bench(llama_bench, path, threads, runs, (0,), 64)["tg64"])
-        spec = load_spec(str(path))
+    (`measure_cpu.fixed_layer_seconds`), for each of `kinds`: llamas (None) or qwen3moe (ROUTED,
+    MORE_USED) of two depths generate; the slope per layer less its bytes at `gbps`, llama.cpp's
+    rate for LAYER's type. Run after run, every twin generates once in turn (`measure_cpu.
+    layer_seconds` times ours token by token in turn): the median run of each."""
+    paths, counts = [], layer_counts(quick)
+    for i, kind in enumerate(kinds):
+        for n_layer in counts:
+            paths.append(tmp / f"layers-{i}-{n_layer}.gguf")
+            write_synthetic(paths[-1], layer_config(n_layer, kind, quick))
+    seconds = [[] for _ in paths]
+    for _ in range(max(runs, 3)):
+        for path, each in zip(paths, seconds):
+            each.append(1.0 / bench(llama_bench, path, threads, 1, (0,), 64)["tg64"])
+    per_token = [statistics.median(each) for each in seconds]
+    specs = [load_spec(str(path)) for path in paths]
+    for path in paths:
         path.unlink()
-    return fixed_layer_seconds(tuple(per_token), counts, spec, gbps)
+    return [fixed_layer_seconds(tuple(per_token[2 * i : 2 * i + 2]), counts, specs[2 * i], gbps)
+            for i in range(len(kinds))]
 
 
 def head_rates(llama_bench: Path, threads: int, runs: int, tmp: Path,
@@ -288,14 +298,13 @@ def measure_llamacpp_cpu(
         progress("llama.cpp's fixed cost of a layer")
         qtype = LAYER["qtype"]
         gbps = (matvec.get(qtype) or next(iter(matvec.values())))[threads].value
-        per_layer = Figure(layer_seconds(llama_bench, threads, runs, Path(tmp), gbps, quick),
+        per_layer = Figure(layer_seconds(llama_bench, threads, runs, Path(tmp), gbps, quick)[0],
                            f"{short}; synthetic {qtype} llamas of "
                            f"{' and '.join(map(str, layer_counts(quick)))} layers generating 64 "
                            f"tokens, the slope per layer less its bytes at llama.cpp's {qtype} "
                            "rate")  # fmt: skip
-        routed, per_expert = routed_fixed(*(
-            layer_seconds(llama_bench, threads, runs, Path(tmp), gbps, quick, kind)
-            for kind in ROUTED_TWINS))  # fmt: skip
+        routed, per_expert = routed_fixed(*layer_seconds(llama_bench, threads, runs, Path(tmp),
+                                                         gbps, quick, ROUTED_TWINS))  # fmt: skip
         qwen3moe = per_layer.source.replace("llamas", "qwen3moe (8 experts, 2 and 6 used)")
         per_routed_layer = Figure(routed, f"{qwen3moe}, the intercept at none used")
         per_expert = Figure(per_expert, f"{qwen3moe}, the slope per expert used")
