@@ -77,6 +77,25 @@ def bench(*args, **kwargs) -> dict[str, float]:
     return {test: float(r["avg_ts"]) for test, r in bench_runs(*args, **kwargs).items()}
 
 
+def bench_alternated(llama_bench: Path, models: list[Path], threads: int, runs: int,
+                     *args) -> list[dict[str, dict]]:  # fmt: skip
+    """`bench_runs` of each of `models` (twins), one run of each in turn, `runs` times: the host's
+    speed drifts over the minutes a measurement takes, and twins run one after the other carried
+    that drift into their difference. A test's record holds every run's samples ("samples_ts")."""
+    merged = [{} for _ in models]
+    for _ in range(runs):
+        for model, records in zip(models, merged):
+            for test, r in bench_runs(llama_bench, model, threads, 1, *args).items():
+                kept = records.setdefault(test, dict(r, samples_ts=[]))
+                kept["samples_ts"] = kept["samples_ts"] + list(r["samples_ts"])
+    return merged
+
+
+def median_seconds(record: dict) -> float:
+    """A record's median run, as seconds per token."""
+    return statistics.median(token_seconds(record))
+
+
 def token_seconds(record: dict) -> list[float]:
     """A llama-bench record's seconds per token, run by run."""
     return [1.0 / ts for ts in record["samples_ts"]]
@@ -128,11 +147,8 @@ def layer_seconds(llama_bench: Path, threads: int, runs: int, tmp: Path, gbps: f
         for n_layer in counts:
             paths.append(tmp / f"layers-{i}-{n_layer}.gguf")
             write_synthetic(paths[-1], layer_config(n_layer, kind, quick))
-    seconds = [[] for _ in paths]
-    for _ in range(max(runs, 3)):
-        for path, each in zip(paths, seconds):
-            each.append(1.0 / bench(llama_bench, path, threads, 1, (0,), 64)["tg64"])
-    per_token = [statistics.median(each) for each in seconds]
+    per_token = [median_seconds(records["tg64"]) for records in
+                 bench_alternated(llama_bench, paths, threads, max(runs, 3), (0,), 64)]
     specs = [load_spec(str(path)) for path in paths]
     for path in paths:
         path.unlink()
@@ -144,12 +160,13 @@ def head_rates(llama_bench: Path, threads: int, runs: int, tmp: Path,
                quick: bool) -> tuple[float, float]:  # fmt: skip
     """(seconds per row, GB/s) of llama.cpp's output head in a decode (`row_seconds_and_gbps`
     on ROW_TWINS)."""
-    seconds, specs = [], []
-    for width, vocab in row_twins(quick):
-        path = tmp / f"rows-{width}.gguf"
+    paths = [tmp / f"rows-{width}.gguf" for width, _ in row_twins(quick)]
+    for path, (width, vocab) in zip(paths, row_twins(quick)):
         write_synthetic(path, row_twin_config(width, vocab))
-        seconds.append(1.0 / bench(llama_bench, path, threads, runs, (0,), 32)["tg32"])
-        specs.append(load_spec(str(path)))
+    seconds = [median_seconds(records["tg32"]) for records in
+               bench_alternated(llama_bench, paths, threads, max(runs, 3), (0,), 32)]
+    specs = [load_spec(str(path)) for path in paths]
+    for path in paths:
         path.unlink()
     return row_seconds_and_gbps(tuple(seconds), specs)
 
@@ -172,7 +189,8 @@ def attention_gbps(llama_bench: Path, threads: int, runs: int, tmp: Path,
     generated = f"tg{GEN_TOKENS}"
 
     def twins(n: int) -> tuple[dict, dict]:
-        records = bench_runs(llama_bench, path, threads, n, (0,), GEN_TOKENS, (0, depth))
+        records = bench_alternated(llama_bench, [path], threads, n, (0,), GEN_TOKENS,
+                                   (0, depth))[0]  # fmt: skip
         return {generated: records[f"{generated}@{depth}"]}, {generated: records[generated]}
 
     deeper_seconds = measured_differences(twins, runs)[generated]
@@ -195,9 +213,11 @@ def prompt_score_seconds(llama_bench: Path, threads: int, runs: int, tmp: Path,
     for dim in ATTENTION_DIMS:
         path = tmp / f"prompt-{dim}.gguf"
         write_synthetic(path, score_twin_config(PROMPT_SCORE_LAYERS, dim, 2 * (depth + tokens)))
-        rates = bench(llama_bench, path, threads, runs, (tokens,), 0, (0, depth))
+        records = bench_alternated(llama_bench, [path], threads, max(runs, 3), (tokens,), 0,
+                                   (0, depth))[0]  # fmt: skip
         path.unlink()
-        deeper_seconds = (1.0 / rates[f"pp{tokens}@{depth}"] - 1.0 / rates[f"pp{tokens}"])
+        deeper_seconds = (median_seconds(records[f"pp{tokens}@{depth}"])
+                          - median_seconds(records[f"pp{tokens}"]))  # fmt: skip
         per_score[dim] = max(deeper_seconds / (PROMPT_SCORE_LAYERS * SCORE_HEADS * depth), 0.0)
     return per_score
 
@@ -239,7 +259,7 @@ def expert_rates(llama_bench: Path, threads: int, runs: int, tmp: Path,
         nbytes.append(layer_read_nbytes(spec) * n_layer)  # the twins differ in their experts'
 
     def twins(n: int) -> tuple[dict, dict]:
-        narrow, wide = (bench_runs(llama_bench, path, threads, n) for path in paths)
+        narrow, wide = bench_alternated(llama_bench, paths, threads, n)
         return wide, narrow
 
     differences = measured_differences(twins, runs)
