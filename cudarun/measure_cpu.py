@@ -105,6 +105,7 @@ def measure_cpu(
         t: routed_fixed(*fixed(ROUTED_TWINS, t))[1] for t in others}
     q8_gflops = (q8[LAYER["qtype"]] if LAYER["qtype"] in q8 else matmul[types[0]])[Q8_TOKENS[-1]]
     slot = routed_slot_seconds(threads, quick, q8_gflops.value, glu)
+    handoff = handoff_seconds(quick, runs)
     layers = " and ".join(map(str, layer_counts(quick)))
     width = TINY["n_embd"] if quick else LAYER["n_embd"]
     twins = ("the cpu engine decoding synthetic llamas of one layer whose Q8_0 heads hold the "
@@ -154,6 +155,9 @@ def measure_cpu(
                                          "qwen3moe twins (8 experts 64 wide, 2 and 6 used), the "
                                          "slope per slot less its products and activation, per "
                                          "element of the token's and the expert's widths"),
+        routed_handoff_seconds=Figure(handoff, f"{src}; a {HANDOFF_SHAPES[quick][0]}-token fp32 "
+                                               "panel product right after a parallel Numba "
+                                               "kernel, less the same product alone (medians)"),
         sync_seconds=Figure(
             20e-6,
             "derived: typical CUDA event wait + launch of a copy, "
@@ -357,6 +361,42 @@ def routed_slot_seconds(threads: int, quick: bool, q8_gflops: float, act_seconds
     products = 3 * 2 * hp.n_embd * hp.n_ff_exp / (q8_gflops * 1e9)
     per_slot = (seconds[1] - seconds[0]) / slots - products - hp.n_ff_exp * act_seconds
     return max(per_slot / (hp.n_embd + hp.n_ff_exp), 0.0)
+
+
+HANDOFF_SHAPES = {False: (512, 1024), True: (64, 256)}  # (tokens, width) by `quick`
+
+
+def handoff_seconds(quick: bool, runs: int) -> float:
+    """Seconds a prompt's BLAS product (a layer's first, fp32 panel) takes right after a
+    parallel Numba kernel (the routed experts' q8 kernel) beyond the same product alone: the
+    kernel's OpenMP threads spin on after it on the cores BLAS's threads need (a [512, 1024] x
+    [1024, 1024] product ran 8.4 ms after one where it ran 4.3 alone)."""
+    import statistics
+    import time
+
+    import numpy as np
+
+    from .kernels import cpu_ops
+
+    tokens, width = HANDOFF_SHAPES[quick]
+    rng = np.random.default_rng(0)
+    x, panel = (rng.standard_normal(shape, np.float32) for shape in
+                ((tokens, width), (width, width)))  # fmt: skip
+    busy = rng.standard_normal((tokens, 8 * width), np.float32)
+
+    def product() -> float:
+        start = time.perf_counter()
+        np.matmul(x, panel.T)
+        return time.perf_counter() - start
+
+    alone, after = [], []
+    product(), cpu_ops.gated(busy, busy, False)  # compiled and warm
+    for _ in range(4 * max(runs, 3)):  # the spin's toll varies run to run (0-6 ms)
+        time.sleep(0.05)  # every thread asleep
+        alone.append(product())
+        cpu_ops.gated(busy, busy, False)  # parallel at this size
+        after.append(product())
+    return max(statistics.median(after) - statistics.median(alone), 0.0)
 
 
 def layer_counts(quick: bool) -> tuple[int, int]:

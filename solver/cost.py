@@ -354,6 +354,9 @@ class CostModel:
         seconds = max(read, flops / (rates.at(qtype, at) * 1e9)) + fixed
         if not llama:  # our host's element-wise work beside the matrices, where measured
             seconds += tokens * self.host_elementwise_seconds(g, tokens)
+            if (g.kind == ATTN_SIDE and hp.n_expert and g.layer > 0
+                    and tokens >= HOST_PANEL_TOKENS and cpu.routed_handoff_seconds):  # fmt: skip
+                seconds += cpu.routed_handoff_seconds.value  # after the last layer's experts
         return seconds
 
     def our_layer_fixed(self, il: int) -> Figure | None:

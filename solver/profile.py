@@ -149,6 +149,10 @@ class CPUProfile:
     # a prompt's routed FFN, per (token, slot) and element of n_embd + n_ff_exp: the rows'
     # grouping by expert, gathers, scatters and weighted sum
     routed_slot_seconds: Figure | None = None
+    # a prompt's first BLAS product after a routed layer's experts (Numba's parallel region,
+    # whose OpenMP threads spin ~300,000 times on the cores BLAS's threads need), beyond its time
+    # alone: once per layer that follows a routed one
+    routed_handoff_seconds: Figure | None = None
     # a host-run layer's fixed cost per ubatch, whatever its width (the calls, the graph's nodes):
     # what a small model's decode feels most; ours, and llama.cpp's CPU backend's
     layer_seconds: Figure | None = None

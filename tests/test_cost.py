@@ -307,6 +307,27 @@ def test_our_routed_layer_pays_its_expert_stacks_types_per_expert_chosen():
     assert llama.cpu_seconds(attn, 1) == CostModel(moe, plain, W, "llamacpp").cpu_seconds(attn, 1)
 
 
+def test_a_prompts_layer_after_a_routed_one_pays_the_hand_off_from_numbas_threads_to_blas():
+    """Our host's prompt: each layer after a routed layer pays the profile's hand-off once (its
+    first BLAS product starts while the experts' Numba threads still spin); the first layer, a
+    decode (no BLAS), a dense model and llama.cpp's target do not."""
+    moe = spec_from_hparams(SyntheticConfig("qwen3moe", n_layer=2, n_embd=1024, n_ff=3072,
+                                            n_head=16, n_head_kv=4, head_dim=64, n_vocab=32000,
+                                            qtype="Q4_K_M", n_expert=32, n_expert_used=4,
+                                            n_ff_exp=512))  # fmt: skip
+    plain = toy_profile()
+    measured = replace(plain, cpu=replace(plain.cpu, routed_handoff_seconds=Figure(3e-3, "toy")))
+    for spec, target, tokens, paid in ((moe, "refengine", 512, [0.0, 3e-3]),
+                                       (moe, "refengine", 1, [0.0, 0.0]),
+                                       (moe, "llamacpp", 512, [0.0, 0.0]),
+                                       (DENSE, "refengine", 512, [0.0, 0.0])):  # fmt: skip
+        cm, before = CostModel(spec, measured, W, target), CostModel(spec, plain, W, target)
+        for il in (0, 1):
+            extra = [cm.cpu_seconds(g, tokens) - before.cpu_seconds(g, tokens)
+                     for g in cm.by_layer[il]]
+            assert extra[0] == pytest.approx(paid[il]) and not any(extra[1:])
+
+
 def test_attention_at_real_depth_and_token_count():
     cm = CostModel(DENSE, toy_profile(), W)
     hp = DENSE.hparams
