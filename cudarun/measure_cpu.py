@@ -390,7 +390,8 @@ def handoff_seconds(quick: bool, runs: int) -> float:
         return time.perf_counter() - start
 
     alone, after = [], []
-    product(), cpu_ops.gated(busy, busy, False)  # compiled and warm
+    product()  # compiled and warm
+    cpu_ops.gated(busy, busy, False)
     for _ in range(4 * max(runs, 3)):  # the spin's toll varies run to run (0-6 ms)
         time.sleep(0.05)  # every thread asleep
         alone.append(product())
@@ -413,12 +414,16 @@ def layer_read_nbytes(spec) -> float:
     return total
 
 
-def fixed_layer_seconds(per_token: tuple[float, float], counts: tuple[int, int], spec,
-                        gbps: float) -> float:  # fmt: skip
-    """A layer's fixed cost: the slope per layer of two models' decode times, less the layer's
-    bytes at `gbps` (the rate the cost model prices them at)."""
-    slope = (per_token[1] - per_token[0]) / (counts[1] - counts[0])
-    return max(slope - layer_read_nbytes(spec) / (gbps * 1e9), 0.0)
+def fixed_layer_seconds(per_token: list[float], counts: tuple[int, int], specs: list,
+                        gbps: float) -> list[float]:  # fmt: skip
+    """Each kind's layer fixed cost: the slope per layer of its two models' decode times (kind
+    after kind in `per_token` and `specs`, each kind's twins at `counts`' depths), less the
+    layer's bytes at `gbps` (the rate the cost model prices them at)."""
+    out = []
+    for i in range(0, len(per_token), 2):
+        slope = (per_token[i + 1] - per_token[i]) / (counts[1] - counts[0])
+        out.append(max(slope - layer_read_nbytes(specs[i]) / (gbps * 1e9), 0.0))
+    return out
 
 
 # the output head in a decode, priced apart: its rows' own cost (each dot product's start and
@@ -516,9 +521,7 @@ def layer_seconds(threads: int, quick: bool, gbps: float, kinds: tuple = (None,)
         # profile, measured beside the suite's other worker, takes the least disturbed one
         per_token = _median_seconds([lambda e=e: e.decode(7) for e in engines], tokens,
                                     fastest=quick)  # fmt: skip
-    return [fixed_layer_seconds(tuple(per_token[2 * i : 2 * i + 2]), counts,
-                                engines[2 * i].spec, gbps)
-            for i in range(len(kinds))]  # fmt: skip
+    return fixed_layer_seconds(per_token, counts, [e.spec for e in engines], gbps)
 
 
 def _median_seconds(run, runs: int, fastest: bool = False):

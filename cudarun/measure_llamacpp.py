@@ -152,8 +152,7 @@ def layer_seconds(llama_bench: Path, threads: int, runs: int, tmp: Path, gbps: f
     specs = [load_spec(str(path)) for path in paths]
     for path in paths:
         path.unlink()
-    return [fixed_layer_seconds(tuple(per_token[2 * i : 2 * i + 2]), counts, specs[2 * i], gbps)
-            for i in range(len(kinds))]
+    return fixed_layer_seconds(per_token, counts, specs, gbps)
 
 
 def head_rates(llama_bench: Path, threads: int, runs: int, tmp: Path,

@@ -280,20 +280,23 @@ def test_our_decode_layer_pays_its_types_fixed_costs_by_their_bytes():
     assert llama.cpu_seconds(attn, 1) == CostModel(mixed, plain, W, "llamacpp").cpu_seconds(attn, 1)
 
 
+# a small Qwen3-MoE of the Q4_K_M mix: Q4_K stacks and attention, a Q6_K down stack in some layers
+ROUTED_MIX = spec_from_hparams(SyntheticConfig("qwen3moe", n_layer=2, n_embd=1024, n_ff=3072,
+                                               n_head=16, n_head_kv=4, head_dim=64, n_vocab=32000,
+                                               qtype="Q4_K_M", n_expert=32, n_expert_used=4,
+                                               n_ff_exp=512))  # fmt: skip
+
+
 def test_our_routed_layer_pays_its_expert_stacks_types_per_expert_chosen():
     """Where the profile measured our cost of each chosen expert per type (routed twins whose
     every matrix is of the type), a decode's routed layer pays, for each expert chosen, its
     stacks' types' figures weighted by their bytes; llama.cpp's target keeps its own figure."""
-    moe = spec_from_hparams(SyntheticConfig("qwen3moe", n_layer=2, n_embd=1024, n_ff=3072,
-                                            n_head=16, n_head_kv=4, head_dim=64, n_vocab=32000,
-                                            qtype="Q4_K_M", n_expert=32, n_expert_used=4,
-                                            n_ff_exp=512))  # fmt: skip
     base = toy_profile()
     plain = replace(base, cpu=replace(base.cpu, routed_layer_seconds=Figure(9e-5, "toy"),
                                       expert_seconds=Figure(3e-6, "toy")))  # fmt: skip
     table = RateTable("s", {"Q4_K": {8: Figure(15e-6, "toy")}, ANY_TYPE: {8: Figure(3e-6, "toy")}})
     measured = replace(plain, cpu=replace(plain.cpu, expert_type_seconds=table))
-    cm, before = CostModel(moe, measured, W), CostModel(moe, plain, W)
+    cm, before = CostModel(ROUTED_MIX, measured, W), CostModel(ROUTED_MIX, plain, W)
     for il in range(2):
         stacks = [g for g in cm.by_layer[il] if g.kind == EXPERTS]
         q4k = sum(g.nbytes for g in stacks if g.qtype == "Q4_K")
@@ -303,23 +306,19 @@ def test_our_routed_layer_pays_its_expert_stacks_types_per_expert_chosen():
         assert cm.cpu_seconds(attn, 1) - before.cpu_seconds(attn, 1) == pytest.approx(
             4 * (each - 3e-6))  # a decode token chose 4 experts
     assert 0 < q4k < total  # the mix's last layer holds a Q6_K stack
-    llama = CostModel(moe, measured, W, "llamacpp")
-    assert llama.cpu_seconds(attn, 1) == CostModel(moe, plain, W, "llamacpp").cpu_seconds(attn, 1)
+    llama, llama_before = (CostModel(ROUTED_MIX, p, W, "llamacpp") for p in (measured, plain))
+    assert llama.cpu_seconds(attn, 1) == llama_before.cpu_seconds(attn, 1)
 
 
 def test_a_prompts_layer_after_a_routed_one_pays_the_hand_off_from_numbas_threads_to_blas():
     """Our host's prompt: each layer after a routed layer pays the profile's hand-off once (its
     first BLAS product starts while the experts' Numba threads still spin); the first layer, a
     decode (no BLAS), a dense model and llama.cpp's target do not."""
-    moe = spec_from_hparams(SyntheticConfig("qwen3moe", n_layer=2, n_embd=1024, n_ff=3072,
-                                            n_head=16, n_head_kv=4, head_dim=64, n_vocab=32000,
-                                            qtype="Q4_K_M", n_expert=32, n_expert_used=4,
-                                            n_ff_exp=512))  # fmt: skip
     plain = toy_profile()
     measured = replace(plain, cpu=replace(plain.cpu, routed_handoff_seconds=Figure(3e-3, "toy")))
-    for spec, target, tokens, paid in ((moe, "refengine", 512, [0.0, 3e-3]),
-                                       (moe, "refengine", 1, [0.0, 0.0]),
-                                       (moe, "llamacpp", 512, [0.0, 0.0]),
+    for spec, target, tokens, paid in ((ROUTED_MIX, "refengine", 512, [0.0, 3e-3]),
+                                       (ROUTED_MIX, "refengine", 1, [0.0, 0.0]),
+                                       (ROUTED_MIX, "llamacpp", 512, [0.0, 0.0]),
                                        (DENSE, "refengine", 512, [0.0, 0.0])):  # fmt: skip
         cm, before = CostModel(spec, measured, W, target), CostModel(spec, plain, W, target)
         for il in (0, 1):
