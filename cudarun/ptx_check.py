@@ -42,7 +42,7 @@ def arr(dtype, ndim):
 def kernels():
     """(name, python function, argument types) for every kernel."""
     from .blocks import DECODERS
-    from .kernels import attention, elementwise, glue, matvec, moe, prefill
+    from .kernels import attention, elementwise, glue, int8, matvec, moe, prefill
 
     f32, f16, i64, i32 = t.float32, t.float16, t.int64, t.int32
     words = arr(t.uint16, 1)
@@ -95,6 +95,19 @@ def kernels():
     for layout in "CA":
         merge_args = (t.Array(f32, 4, layout), arr(f32, 3))
         out.append((f"decode_merge[{layout}]", attention.decode_merge, merge_args))
+    u64, u32 = arr(t.uint64, 1), arr(t.uint32, 1)
+    out.append(("quantize_q8_1", int8.quantize, (arr(f32, 2), arr(i32, 1), arr(f32, 1), i64)))
+    for qtype in sorted(int8.UNITS, key=lambda q: q.name):
+        w = u32 if int8.UNITS[qtype].word_bytes == 4 else words
+        for tokens in int8.PASS_TOKENS:
+            # weight words and bytes, xq, xq32, xds, out, bias, has_bias, gate, act, glu, n_cols,
+            # n_tokens
+            out.append((
+                f"int8_matvec[{qtype.name}x{tokens}]",
+                int8.gpu_kernel(qtype, tokens),
+                (w, arr(t.int8, 1), u64, u32, u64, arr(f32, 2), arr(f32, 1), t.boolean,
+                 arr(f32, 2), arr(f32, 2), i64, t.uint32, t.uint32),
+            ))  # fmt: skip
     for qtype in sorted(DECODERS, key=lambda q: q.name):
         name = qtype.name
         out += [

@@ -1,7 +1,10 @@
 """Floats from and to their bit patterns inside CUDA kernels: an fp16 or an fp32 read as an integer
 (a GGUF block's scale, two fp16 KV values in one 32-bit word) becomes a float32 by a bitcast and the
 hardware's conversion (`cvt.f32.f16`), and four float32 go out as four fp16 packed in one 64-bit
-word (`cvt.rn.f16.f32`, round to nearest even) for one wide store.
+word (`cvt.rn.f16.f32`, round to nearest even) for one wide store; `dp4a` is the integer dot
+product of four signed bytes (`dp4a.s32.s32`, one IDP instruction) that the int8 products use,
+and `shr32` a 32-bit shift by a variable amount (Numba widens integer arithmetic to 64 bits, and
+LLVM cannot narrow a variable shift back: a 64-bit shift is several instructions).
 
 Numba has no bitcast between integers and floats, so these are LLVM intrinsics; no arithmetic,
 no f64, nothing in local memory. Under the CUDA simulator the same functions are NumPy views, with
@@ -25,6 +28,19 @@ if config.ENABLE_CUDASIM:
     def pack_halves(a, b, c, d):
         """Four float32 rounded to fp16, a in the low 16 bits: one int64 word to store."""
         return np.array([a, b, c, d], np.float32).astype(np.float16).view(np.int64)[0]
+
+    def dp4a(a, b, c):
+        """c + the dot product of a's and b's four bytes, each a signed int8 (the low 32 bits of
+        each integer), wrapped to an int32 as the GPU's IDP does."""
+        a, b, total = int(a) & 0xFFFFFFFF, int(b) & 0xFFFFFFFF, int(c)
+        for shift in (0, 8, 16, 24):
+            u, v = (a >> shift) & 255, (b >> shift) & 255
+            total += (u - 256 * (u >> 7)) * (v - 256 * (v >> 7))
+        return np.int32(((total + 2**31) & 0xFFFFFFFF) - 2**31)
+
+    def shr32(a, s):
+        """The low 32 bits of a, shifted right by s (0..31) as an unsigned 32-bit word."""
+        return np.uint32((int(a) & 0xFFFFFFFF) >> int(s))
 
 else:
     from llvmlite import ir
@@ -75,3 +91,26 @@ else:
             return builder.bitcast(vec, ir.IntType(64))
 
         return types.int64(a, b, c, d), codegen
+
+    @intrinsic
+    def dp4a(typingctx, a, b, c):
+        if not all(isinstance(x, types.Integer) for x in (a, b, c)):
+            return None
+
+        def codegen(context, builder, signature, args):
+            i32 = ir.IntType(32)
+            asm = ir.InlineAsm(ir.FunctionType(i32, [i32] * 3), "dp4a.s32.s32 $0, $1, $2, $3;",
+                               "=r,r,r,r")  # fmt: skip
+            return builder.call(asm, [_int_to(builder, x, 32) for x in args])
+
+        return types.int32(a, b, c), codegen
+
+    @intrinsic
+    def shr32(typingctx, a, s):
+        if not (isinstance(a, types.Integer) and isinstance(s, types.Integer)):
+            return None
+
+        def codegen(context, builder, signature, args):
+            return builder.lshr(_int_to(builder, args[0], 32), _int_to(builder, args[1], 32))
+
+        return types.uint32(a, s), codegen

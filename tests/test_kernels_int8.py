@@ -1,0 +1,93 @@
+"""The int8 decode products (cudarun.kernels.int8) against the reference on fresh random inputs,
+outputs poisoned with NaN: the integer arithmetic exactly (the reference product of the same
+quantized activations, within fp32 rounding), and the path's error against fp32 activations.
+Without a GPU they run on the Numba simulator at tiny shapes."""
+
+import numpy as np
+import pytest
+from gguf import GGMLQuantizationType as Q
+
+from cudarun.kernels import cpu, int8
+from refengine.reference import gated, matmul_q
+
+from .kernels_common import normwise, poisoned, weights
+
+TYPES = sorted(int8.UNITS, key=lambda t: t.name)
+
+
+def dequantized(x):
+    """The values the int8 activations stand for: d * q per group of 32."""
+    xq, xds = int8.quantize_host(x)
+    q = xq.view(np.int8).astype(np.float32).reshape(x.shape[0], -1, int8.GROUP)
+    d = xds.view(np.float32).reshape(x.shape[0], -1, 2)[:, :, :1]
+    return (q * d).reshape(x.shape)
+
+
+def activations(x, n_tokens=None):
+    """x quantized on the device, in buffers of the words a product of n_tokens reads."""
+    from numba import cuda
+
+    words, groups = int8.activation_words(n_tokens or x.shape[0], x.shape[1])
+    xq, xds = (cuda.to_device(np.zeros(n, np.uint64)) for n in (words, groups))
+    int8.quantize_gpu(cuda.to_device(x), xq, xds)
+    return xq, xds
+
+
+def test_activations_quantized_as_the_cpu_quantizes_them():
+    """The device's int8 values, scales and sums are the host reference's, which are the cpu
+    engine's (kernels.cpu.quantize_activations); an all-zero group gets d = 0."""
+    rng = np.random.default_rng(7)
+    x = (rng.standard_normal((3, 96)) * rng.uniform(0.1, 8, (3, 96))).astype(np.float32)
+    x[1, 32:64] = 0.0
+    xq, xds = activations(x)
+    want_q, want_ds = int8.quantize_host(x)
+    np.testing.assert_array_equal(xq.copy_to_host()[: want_q.size], want_q)
+    np.testing.assert_allclose(xds.copy_to_host()[: want_ds.size].view(np.float32),
+                               want_ds.view(np.float32), rtol=1e-6)  # fmt: skip
+    x8, xd, xs = cpu.quantize_activations(x)
+    np.testing.assert_array_equal(want_q.view(np.int8).reshape(x.shape), x8)
+    ds = want_ds.view(np.float32).reshape(3, -1, 2)
+    np.testing.assert_allclose(ds[:, :, 0], xd, rtol=1e-6)
+    np.testing.assert_allclose(ds[:, :, 1], xs, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+@pytest.mark.parametrize("tokens", [1, 3, 6, 11])
+def test_int8_matvec(qtype, tokens):
+    """1 token, 3 (the 4-token pass), 6 (an 8-token pass) and 11 (two): each row's integer dot
+    products equal the reference's over the same quantized activations; five rows leave the
+    second thread block's last warps without a row (they must store nothing)."""
+    rng = np.random.default_rng(300 + int(qtype) + tokens)
+    n_rows, n_cols = 5, max(64, int8.UNITS[qtype].values)
+    raw = weights(rng, qtype, n_rows, n_cols)
+    x = rng.standard_normal((tokens, n_cols)).astype(np.float32)
+    out = poisoned((tokens, n_rows))
+    int8.matvec_gpu(_device(raw), *activations(x), out, qtype, (n_rows, n_cols))
+    got = out.copy_to_host()
+    assert normwise(got, matmul_q(dequantized(x), raw, qtype, (n_rows, n_cols))) < 1e-5
+    assert normwise(got, matmul_q(x, raw, qtype, (n_rows, n_cols))) < 3e-2
+
+
+@pytest.mark.parametrize("act", ["silu", "gelu"])
+def test_int8_matvec_epilogue_adds_the_bias_and_gates(act):
+    from numba import cuda
+
+    rng = np.random.default_rng(41)
+    qtype, n_rows, n_cols, tokens = Q.Q4_K, 6, 256, 2
+    raw = weights(rng, qtype, n_rows, n_cols)
+    x = rng.standard_normal((tokens, n_cols)).astype(np.float32)
+    bias = rng.standard_normal(n_rows).astype(np.float32)
+    gate = rng.standard_normal((tokens, n_rows)).astype(np.float32)
+    out, act_out = poisoned((tokens, n_rows)), poisoned((tokens, n_rows))
+    int8.matvec_gpu(_device(raw), *activations(x), out, qtype, (n_rows, n_cols),
+                    bias=cuda.to_device(bias),
+                    gated=(cuda.to_device(gate), act_out, act == "gelu"))  # fmt: skip
+    want = matmul_q(dequantized(x), raw, qtype, (n_rows, n_cols)) + bias
+    assert normwise(out.copy_to_host(), want) < 1e-5
+    assert normwise(act_out.copy_to_host(), gated(act, gate, want)) < 1e-5
+
+
+def _device(raw):
+    from numba import cuda
+
+    return cuda.to_device(raw)
