@@ -11,10 +11,11 @@ sdist version and CUDA release, cached beside the llama.cpp build. Both disassem
 
 In each kernel the loop over the weight blocks is the innermost loop holding the most global
 loads; its instructions are counted along every path through one iteration (averaged), and its
-work is read from its induction step (`steps_per_iteration`: compilers unroll). Per KiB of
-weights: the loop's count over the bytes one iteration consumes per warp, and the whole kernel at
-K = 4096 and 14336, where the code outside the loop is added once per warp for ours and once per
-thread block for llama.cpp's (a bound in its favour). Exit 1 when any of ours is above
+work is read from its induction step (`induction_step`: compilers unroll). Per KiB of weights:
+the loop's count over the bytes one iteration consumes per warp, and the whole kernel at K = 4096
+and 14336, where each warp also issues its shortest way into the loop and out of it to an exit
+(the same bound for both). Exit 1 when any of ours is above
+
 `--max-ratio` times llama.cpp's, loop or whole kernel; exit 2 when a kernel cannot be analysed.
 """
 
@@ -219,11 +220,39 @@ def induction_step(ins: list[Ins], head: int, latch: int) -> int:
     return total
 
 
+def successors(ins: list[Ins], labels: dict[str, int], k: int) -> list[int]:
+    i = ins[k]
+    if i.op.startswith("BRA") and i.target in labels:
+        return [labels[i.target]] + ([k + 1] if i.pred is not None else [])
+    if i.op in ("EXIT", "RET") and i.pred is None:
+        return []
+    return [k + 1] if k + 1 < len(ins) else []
+
+
+def shortest(ins, labels, starts: list[int], done, avoid: range) -> int:
+    """The fewest instructions from any of `starts` to an instruction for which `done(k)` holds
+    (itself not counted), never entering `avoid` (breadth first: every instruction costs one)."""
+    seen, frontier, length = set(starts), list(starts), 0
+    while frontier:
+        nxt = []
+        for k in frontier:
+            if done(k):
+                return length
+            for j in successors(ins, labels, k):
+                if j not in seen and (j not in avoid or done(j)):
+                    seen.add(j)
+                    nxt.append(j)
+        frontier, length = nxt, length + 1
+    raise CannotAnalyse("no path around the weight loop")
+
+
 @dataclass(frozen=True)
 class Counts:
     """One kernel's SASS, counted: warp-instructions of one loop iteration (the mean over its
-    paths, and the range), the loop's induction step, the instructions outside the loop, and the
-    iteration's dp4a and widest global load."""
+    paths, and the range), the loop's induction step, the instructions a warp issues outside it
+    (the shortest path from the entry to the loop and from the loop to an exit: both kernels'
+    warps skip code on their way, e.g. llama.cpp's other warps leave before the reduction), and
+    the iteration's dp4a and widest global load."""
 
     loop_instructions: float
     loop_min: int
@@ -248,8 +277,13 @@ def count(ins: list[Ins], labels: dict[str, int]) -> Counts:
     dp4a = sum(sum(ins[k].op.startswith("IDP") for k in p) for p in paths) / len(paths)
     widest = max((_load_bits(ins[k].op) for k in range(head, latch + 1)
                   if ins[k].op.startswith("LDG")), default=0)  # fmt: skip
+    loop = range(head, latch + 1)
+    exits = sorted({j for k in loop for j in successors(ins, labels, k) if j not in loop})
+    is_exit = [i.op == "EXIT" and i.pred is None for i in ins]
+    outside = (shortest(ins, labels, [0], lambda k: k == head, loop)
+               + shortest(ins, labels, exits, lambda k: is_exit[k], loop) + 1)  # fmt: skip
     return Counts(sum(sizes) / len(sizes), min(sizes), max(sizes),
-                  induction_step(ins, head, latch), len(ins) - (latch + 1 - head), dp4a, widest)
+                  induction_step(ins, head, latch), outside, dp4a, widest)
 
 
 # -- what one iteration consumes -------------------------------------------------------------------
@@ -301,13 +335,12 @@ def loop_per_kib(c: Counts, g: Geometry) -> float:
     return c.loop_instructions / (c.step * g.bytes_per_step) * 1024
 
 
-def whole_per_kib(c: Counts, g: Geometry, k: int, outside_per_block: bool) -> float:
+def whole_per_kib(c: Counts, g: Geometry, k: int) -> float:
     """A thread block's instructions over its rows' weight bytes at row length k: each warp's
-    iterations, and the code outside the loop once per warp (or once per block)."""
+    iterations and its way around the loop."""
     row_nbytes = k // g.values * g.block_nbytes
     iterations = -(-row_nbytes * g.rows // int(round(c.step * g.bytes_per_step * g.warps)))
-    outside = c.outside * (1 if outside_per_block else g.warps)
-    return (g.warps * iterations * c.loop_instructions + outside) / (g.rows * row_nbytes) * 1024
+    return g.warps * (iterations * c.loop_instructions + c.outside) / (g.rows * row_nbytes) * 1024
 
 
 # -- compiling -------------------------------------------------------------------------------------
@@ -428,8 +461,8 @@ def measure(qtypes=GATED, tiers=TIERS) -> list[Row]:
             go, gp = our_geometry(qtype), peer_geometry(qtype, tokens)
             rows.append(Row(
                 f"{qtype.name}", tokens, ours, peer, loop_per_kib(ours, go), loop_per_kib(peer, gp),
-                {k: whole_per_kib(ours, go, k, False) for k in KS},
-                {k: whole_per_kib(peer, gp, k, True) for k in KS},
+                {k: whole_per_kib(ours, go, k) for k in KS},
+                {k: whole_per_kib(peer, gp, k) for k in KS},
             ))  # fmt: skip
     return rows
 

@@ -75,16 +75,16 @@ def high(v):
 
 
 @cuda.jit(device=True)
-def scale_sum(xds, i):
-    """d and s of activation group i."""
-    v = xds[uint32(i)]
+def scale_sum(xds, i, k):
+    """d and s of activation group i + k."""
+    v = at(xds, i, k)
     return float_from_bits(low(v)), float_from_bits(high(v))
 
 
 @cuda.jit(device=True)
-def dot8(a, b, x):
-    """The integer dot product of eight weight bytes (a, b) with the eight int8 of word x."""
-    return dp4a(a, low(x), dp4a(b, high(x), int32(0)))
+def dot8(a, b, x, c):
+    """c + the integer dot product of eight weight bytes (a, b) with the eight int8 of word x."""
+    return dp4a(a, low(x), dp4a(b, high(x), c))
 
 
 @cuda.jit(device=True)
@@ -107,8 +107,10 @@ def k_scales(s0, s1, s2, c):
 
 
 # -- the units, per type ---------------------------------------------------------------------------
-# decode(w, base, sub) -> a tuple; dot(u, xq, xq32, xds, xw, xg, sub) -> float32, where xw and xg
-# index token t's first activation word and group, and base the block's first weight word.
+# decode(w, wb, base, sub) -> the unit's quants and its float factors (shared by the tokens);
+# dot(u, xq, xq32, xds, xw, xg, sub, acc) -> acc + the unit's share of a token's dot product, where
+# xw and xg index the token's first activation word and group of the block, and base the block's
+# first weight word. Every sum is an fma chain into the accumulator.
 
 
 @cuda.jit(device=True)
@@ -118,32 +120,25 @@ def q8_0_decode(w, wb, base, sub):
 
 
 @cuda.jit(device=True)
-def q8_0_dot(u, xq, xq32, xds, xw, xg, sub):
+def q8_0_dot(u, xq, xq32, xds, xw, xg, sub, acc):
     a, b, d = u
-    dx, _ = scale_sum(xds, xg)
-    return d * dx * float32(dot8(a, b, xq[uint32(xw + sub)]))
+    dx, _ = scale_sum(xds, xg, 0)
+    return acc + (d * dx) * float32(dot8(a, b, xq[uint32(xw + sub)], int32(0)))
+
+
+@cuda.jit(device=True)
+def nibbles(a, b):
+    """The low nibbles of words a, b and their high ones, each in its own byte."""
+    return ((uint32(a & NIBBLES), uint32(b & NIBBLES)),
+            (uint32((a >> 4) & NIBBLES), uint32((b >> 4) & NIBBLES)))  # fmt: skip
 
 
 @cuda.jit(device=True)
 def q4_0_decode(w, wb, base, sub):
     o = uint32(base + 4 * sub)
-    a, b = word16(w, o, 1), word16(w, o, 3)
-    lo = (uint32(a & NIBBLES), uint32(b & NIBBLES))
-    hi = (uint32((a >> 4) & NIBBLES), uint32((b >> 4) & NIBBLES))
-    return lo, hi, half_to_float(at(w, base, 0))
-
-
-@cuda.jit(device=True)
-def nibble_dot(u, xq, xw, sub):
-    """Low nibbles against values 8 sub.. of the group, high ones against 16 + 8 sub.."""
-    lo, hi = u[0], u[1]
-    return dot8(lo[0], lo[1], xq[uint32(xw + sub)]) + dot8(hi[0], hi[1], xq[uint32(xw + 2 + sub)])
-
-
-@cuda.jit(device=True)
-def q4_0_dot(u, xq, xq32, xds, xw, xg, sub):
-    dx, sx = scale_sum(xds, xg)
-    return u[2] * (dx * float32(nibble_dot(u, xq, xw, sub)) - float32(4.0) * sx)  # -8, half
+    lo, hi = nibbles(word16(w, o, 1), word16(w, o, 3))
+    d = half_to_float(at(w, base, 0))
+    return lo, hi, d, float32(-4.0) * d  # -8 per value, over the block's two lanes
 
 
 @cuda.jit(device=True)
@@ -154,17 +149,20 @@ def half_pair(v):
 @cuda.jit(device=True)
 def q4_1_decode(w, wb, base, sub):
     o = uint32(base + 2 * sub)
-    a, b = at(w, o, 1), at(w, o, 2)
-    lo = (uint32(a & NIBBLES), uint32(b & NIBBLES))
-    hi = (uint32((a >> 4) & NIBBLES), uint32((b >> 4) & NIBBLES))
+    lo, hi = nibbles(at(w, o, 1), at(w, o, 2))
     d, m = half_pair(at(w, base, 0))
-    return lo, hi, d, m
+    return lo, hi, d, float32(0.5) * m  # + m per value, over the block's two lanes
 
 
 @cuda.jit(device=True)
-def q4_1_dot(u, xq, xq32, xds, xw, xg, sub):
-    dx, sx = scale_sum(xds, xg)
-    return u[2] * dx * float32(nibble_dot(u, xq, xw, sub)) + float32(0.5) * u[3] * sx
+def nibble_dot(u, xq, xq32, xds, xw, xg, sub, acc):
+    """Q4_0 to Q5_1: the low quants against values 8 sub.. of the group, the high ones against
+    16 + 8 sub.., and the constant (offset or min) through the group's sum."""
+    lo, hi, d, f = u
+    dx, sx = scale_sum(xds, xg, 0)
+    i = uint32(xw + sub)
+    q = dot8(lo[0], lo[1], at(xq, i, 0), dot8(hi[0], hi[1], at(xq, i, 2), int32(0)))
+    return acc + (d * dx) * float32(q) + f * sx
 
 
 @cuda.jit(device=True)
@@ -182,13 +180,8 @@ def fives(a, b, qh, shift):
 def q5_0_decode(w, wb, base, sub):
     o = uint32(base + 4 * sub)
     lo, hi = fives(word16(w, o, 3), word16(w, o, 5), word16(w, base, 1), uint32(8 * sub))
-    return lo, hi, half_to_float(at(w, base, 0))
-
-
-@cuda.jit(device=True)
-def q5_0_dot(u, xq, xq32, xds, xw, xg, sub):
-    dx, sx = scale_sum(xds, xg)
-    return u[2] * (dx * float32(nibble_dot(u, xq, xw, sub)) - float32(8.0) * sx)  # -16, half
+    d = half_to_float(at(w, base, 0))
+    return lo, hi, d, float32(-8.0) * d  # -16 per value, over the block's two lanes
 
 
 @cuda.jit(device=True)
@@ -196,7 +189,7 @@ def q5_1_decode(w, wb, base, sub):
     o = uint32(base + 2 * sub)
     lo, hi = fives(at(w, o, 2), at(w, o, 3), at(w, base, 1), uint32(8 * sub))
     d, m = half_pair(at(w, base, 0))
-    return lo, hi, d, m
+    return lo, hi, d, float32(0.5) * m
 
 
 @cuda.jit(device=True)
@@ -211,9 +204,9 @@ def k_decode(w, base, sub, a, b, qa, qb):
           uint32((b & NIBBLES) | ((hb & 0x01010101) << 4)))  # fmt: skip
     hi = (uint32(((a >> 4) & NIBBLES) | ((ha & 0x02020202) << 3)),
           uint32(((b >> 4) & NIBBLES) | ((hb & 0x02020202) << 3)))  # fmt: skip
-    quarter = float32(0.25)  # four lanes share a sub-block's sum
-    factors = (d * float32(sc & 255), d * float32(sc >> 8),
-               dmin * quarter * float32(mn & 255), dmin * quarter * float32(mn >> 8))  # fmt: skip
+    quarter = float32(-0.25) * dmin  # minus the min, over the four lanes of a sub-block
+    factors = (d * float32(sc & 255), d * float32(sc >> 8), quarter * float32(mn & 255),
+               quarter * float32(mn >> 8))  # fmt: skip
     return lo, hi, factors
 
 
@@ -231,16 +224,17 @@ def q5_k_decode(w, wb, base, sub):
 
 
 @cuda.jit(device=True)
-def k_dot(u, xq, xq32, xds, xw, xg, sub):
+def k_dot(u, xq, xq32, xds, xw, xg, sub, acc):
     """Sub-blocks 2c and 2c + 1 of the unit: groups xg + 2c and xg + 2c + 1."""
     lo, hi, f = u
     c, p = uint32(sub >> 2), uint32(sub & 3)
     g = uint32(xg + 2 * c)
-    d0, s0 = scale_sum(xds, g)
-    d1, s1 = scale_sum(xds, g + 1)
-    w0 = uint32(xw + 8 * c + p)
-    i0, i1 = dot8(lo[0], lo[1], xq[w0]), dot8(hi[0], hi[1], xq[uint32(w0 + 4)])
-    return f[0] * d0 * float32(i0) + f[1] * d1 * float32(i1) - (f[2] * s0 + f[3] * s1)
+    d0, s0 = scale_sum(xds, g, 0)
+    d1, s1 = scale_sum(xds, g, 1)
+    i = uint32(xw + 8 * c + p)
+    q0 = dot8(lo[0], lo[1], at(xq, i, 0), int32(0))
+    q1 = dot8(hi[0], hi[1], at(xq, i, 4), int32(0))
+    return acc + (f[0] * d0) * float32(q0) + (f[1] * d1) * float32(q1) + f[2] * s0 + f[3] * s1
 
 
 @cuda.jit(device=True)
@@ -261,16 +255,16 @@ def q6_k_decode(w, wb, base, sub):
 
 
 @cuda.jit(device=True)
-def q6_k_dot(u, xq, xq32, xds, xw, xg, sub):
+def q6_k_dot(u, xq, xq32, xds, xw, xg, sub, acc):
     lo, hi, f_lo, f_hi = u
     n, r = uint32(sub >> 4), uint32(sub & 15)
     half_sel, l4 = uint32(r >> 3), uint32(r & 7)
     g = uint32(xg + 4 * n + half_sel)
-    d0, _ = scale_sum(xds, g)
-    d1, _ = scale_sum(xds, g + 2)
-    i0 = dp4a(lo, xq32[uint32(2 * xw + 8 * (4 * n + half_sel) + l4)], int32(0))
-    i1 = dp4a(hi, xq32[uint32(2 * xw + 8 * (4 * n + 2 + half_sel) + l4)], int32(0))
-    return f_lo * d0 * float32(i0) + f_hi * d1 * float32(i1)
+    d0, _ = scale_sum(xds, g, 0)
+    d1, _ = scale_sum(xds, g, 2)
+    i = uint32(2 * xw + 8 * (4 * n + half_sel) + l4)  # int8 x4 words of the token's values
+    q0, q1 = dp4a(lo, at(xq32, i, 0), int32(0)), dp4a(hi, at(xq32, i, 16), int32(0))
+    return acc + (f_lo * d0) * float32(q0) + (f_hi * d1) * float32(q1)
 
 
 @dataclass(frozen=True)
@@ -292,10 +286,10 @@ class Unit:
 
 UNITS = {
     Q.Q8_0: Unit(q8_0_decode, q8_0_dot, 4, 32, 34, 2),
-    Q.Q4_0: Unit(q4_0_decode, q4_0_dot, 2, 32, 18, 2),
-    Q.Q4_1: Unit(q4_1_decode, q4_1_dot, 2, 32, 20, 4),
-    Q.Q5_0: Unit(q5_0_decode, q5_0_dot, 2, 32, 22, 2),
-    Q.Q5_1: Unit(q5_1_decode, q4_1_dot, 2, 32, 24, 4),
+    Q.Q4_0: Unit(q4_0_decode, nibble_dot, 2, 32, 18, 2),
+    Q.Q4_1: Unit(q4_1_decode, nibble_dot, 2, 32, 20, 4),
+    Q.Q5_0: Unit(q5_0_decode, nibble_dot, 2, 32, 22, 2),
+    Q.Q5_1: Unit(q5_1_decode, nibble_dot, 2, 32, 24, 4),
     Q.Q4_K: Unit(q4_k_decode, k_dot, 16, 256, 144, 4),
     Q.Q5_K: Unit(q5_k_decode, k_dot, 16, 256, 176, 4),
     Q.Q6_K: Unit(q6_k_decode, q6_k_dot, 32, 256, 210, 2),
@@ -390,8 +384,8 @@ def row_dots(w, wb, xq, xq32, xds, base, t0, n_blocks, row_words, row_groups, la
     return {accs}
 """
 _PER_TOKEN = (
-    "            a{t} += dot(unit, xq, xq32, xds, uint32((t0 + {t}) * row_words + w_at), "
-    "uint32((t0 + {t}) * row_groups + g_at), sub)"
+    "            a{t} = dot(unit, xq, xq32, xds, uint32((t0 + {t}) * row_words + w_at), "
+    "uint32((t0 + {t}) * row_groups + g_at), sub, a{t})"
 )
 
 
