@@ -2,17 +2,21 @@
 # Build llama.cpp (CPU + RPC) from the llama-cpp-python sdist on PyPI, once, into the cache:
 # ~/.cache/refengine/llama.cpp/<version>/bin (or $REFENGINE_CACHE/llama.cpp/<version>/bin).
 # Prints that bin folder. About 12 minutes on two cores the first time; nothing after.
+# Keeps ggml's headers and CUDA sources beside it (<version>/ggml, 3 MB): `python -m
+# cudarun.sass_check` compiles llama.cpp's decode kernels from them to read their SASS.
 set -euo pipefail
 version=${LLAMA_CPP_PYTHON_VERSION:-0.3.36}
 cache=${REFENGINE_CACHE:-$HOME/.cache/refengine}/llama.cpp/$version
 bin=$cache/bin
+ggml=$cache/ggml
 targets="llama-completion llama-bench ggml-rpc-server llama-batched-bench llama-fit-params llama-quantize"
-if [ -f "$bin/.complete" ]; then echo "$bin"; exit 0; fi
+done_already() { [ -f "$bin/.complete" ] && [ -f "$ggml/.complete" ]; }
+if done_already; then echo "$bin"; exit 0; fi
 mkdir -p "$cache"
 # one build at a time (parallel test workers): a second waits, then finds the first one's
 exec 9>"$cache/.build.lock"
 flock 9
-if [ -f "$bin/.complete" ]; then echo "$bin"; exit 0; fi
+if done_already; then echo "$bin"; exit 0; fi
 work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 py=${PYTHON:-python3}
@@ -20,6 +24,13 @@ py=${PYTHON:-python3}
     -d "$work" "llama-cpp-python==$version" >&2
 tar -xzf "$work"/llama_cpp_python-"$version".tar.gz -C "$work"
 src="$work/llama_cpp_python-$version/vendor/llama.cpp"
+if [ ! -f "$ggml/.complete" ]; then
+    rm -rf "$ggml" && mkdir -p "$ggml/src"
+    cp -r "$src/ggml/include" "$ggml/" && cp "$src"/ggml/src/*.h "$ggml/src/"
+    cp -r "$src/ggml/src/ggml-cuda" "$ggml/src/"
+    touch "$ggml/.complete"
+fi
+if [ -f "$bin/.complete" ]; then echo "$bin"; exit 0; fi
 gen=()
 command -v ninja >/dev/null && gen=(-G Ninja)
 cmake -S "$src" -B "$work/build" "${gen[@]}" -DCMAKE_BUILD_TYPE=Release -DGGML_RPC=ON \

@@ -1,0 +1,84 @@
+"""The decode kernels' static peer gate (cudarun.sass_check): its reading of SASS on a small
+function whose counts are known, and the gate itself, ours beside llama.cpp's mmvq.cu compiled by
+the same CUDA release (no GPU: nvcc, ptxas and nvdisasm from the wheels)."""
+
+import dataclasses
+
+import pytest
+
+from cudarun import sass_check
+
+SASS = """
+        //--------------------- .text.kern --------------------------
+        .text.kern:
+        /*0000*/                   MOV R1, c[0x0][0x28] ;
+        /*0010*/                   ISETP.GE.U32.AND P0, PT, R0, UR4, PT ;
+        /*0020*/               @P0 BRA `(.L_x_1) ;
+.L_x_0:
+        /*0030*/                   LDG.E R2, desc[UR6][R4.64] ;
+        /*0040*/               @P1 BRA `(.L_x_2) ;
+        /*0050*/                   IDP.4A.S8.S8 R3, R2, R2, R3 ;
+.L_x_2:
+        /*0060*/                   VIADD R0, R0, 0x40 ;
+        /*0070*/                   ISETP.LT.U32.AND P0, PT, R0, UR4, PT ;
+        /*0080*/               @P0 BRA `(.L_x_0) ;
+.L_x_1:
+        /*0090*/                   STG.E desc[UR6][R6.64], R3 ;
+        /*00a0*/                   EXIT ;
+"""
+
+
+def test_a_loops_iterations_are_counted_path_by_path():
+    """Two paths through the loop (the dp4a skipped or not: 5 and 6 instructions), its counter
+    stepped by 0x40, three instructions into it and two out of it."""
+    (name, fn), = sass_check.sass_functions(SASS).items()
+    assert name == "kern"
+    c = sass_check.count(*fn)
+    assert (c.loop_instructions, c.loop_min, c.loop_max) == (5.5, 5, 6)
+    assert (c.step, c.outside, c.dp4a, c.widest_load_bits) == (64, 5, 0.5, 32)
+
+
+def test_a_function_without_a_loading_loop_cannot_be_analysed():
+    no_loads = SASS.replace("LDG.E R2, desc[UR6][R4.64]", "MOV R2, R4")
+    with pytest.raises(sass_check.CannotAnalyse, match="no loop with global loads"):
+        sass_check.count(*sass_check.sass_functions(no_loads)["kern"])
+    no_step = SASS.replace("VIADD R0, R0, 0x40", "VIADD R0, R0, R9")
+    with pytest.raises(sass_check.CannotAnalyse, match="no constant step"):
+        sass_check.count(*sass_check.sass_functions(no_step)["kern"])
+
+
+def test_the_gate_fails_a_kernel_above_the_ratio_loop_or_whole():
+    c = sass_check.count(*sass_check.sass_functions(SASS)["kern"])
+    ks = sass_check.KS
+    row = sass_check.Row("Q8_0", 1, c, c, 110.0, 100.0, dict.fromkeys(ks, 100.0),
+                         dict.fromkeys(ks, 100.0))  # fmt: skip
+    assert sass_check.failures([row], 1.1) == []
+    worse = dataclasses.replace(row, ours_loop_per_kib=111.0)
+    want = "Q8_0 x1: loop 111 > 1.1 x 100 instructions per KiB"
+    assert sass_check.failures([worse], 1.1) == [want]
+    whole = dataclasses.replace(row, ours_whole_per_kib={ks[0]: 100.0, ks[1]: 120.0})
+    assert len(sass_check.failures([whole], 1.1)) == 1
+
+
+def test_every_int8_decode_kernel_within_the_gate_of_llamacpps(llama_bin, tmp_path):
+    """python -m cudarun.sass_check: each type and tokens per pass, loop and whole kernel at
+    K = 4096 and 14336, at most 1.1x llama.cpp's mul_mat_vec_q warp-instructions per KiB of
+    weights (the first run compiles llama.cpp's mmvq.cu, minutes, then cached)."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    out = tmp_path / "rows.json"
+    env = dict(os.environ, NUMBA_ENABLE_CUDASIM="0")  # the tests run with the simulator on
+    r = subprocess.run([sys.executable, "-m", "cudarun.sass_check", "--json", str(out)],
+                       capture_output=True, text=True, env=env)  # fmt: skip
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    rows = json.loads(out.read_text())
+    assert {(r["kernel"], r["tier"]) for r in rows} == {
+        (q.name, t) for q in sass_check.GATED for t in sass_check.TIERS
+    }
+    for row in rows:  # both of the dp4a class, and the ratios the exit code stood for
+        assert row["ours"]["dp4a"] > 0 and row["peer"]["dp4a"] > 0, row
+        assert row["ours_loop_per_kib"] <= 1.1 * row["peer_loop_per_kib"], row
+    assert "24 of 24 kernels within 1.1x of llama.cpp" in r.stdout
