@@ -23,7 +23,7 @@ from dataclasses import dataclass, fields
 
 from refengine.spec import ModelSpec
 from solver.cost import STREAMED, Operations, TierPlacement, hops_between
-from solver.workspace import MAX_DECODE_TOKENS, matrix_launches
+from solver.workspace import INT8_TYPES, MAX_DECODE_TOKENS, matrix_launches
 
 from . import program
 from .schedule import HOST, Compute, Copy, Record, Signal, Wait, compute_queue, handed
@@ -170,8 +170,8 @@ def part_launches(spec: ModelSpec, part, tokens: int, glu: frozenset[int] = froz
     if part.kind == "embed":
         return 1 + bool(tr.embed_scale)
     if part.kind == "qkv":  # norm, Q, K, V (one launch up to the matvec tokens), Q/K norm + RoPE
-        if tokens <= MAX_DECODE_TOKENS:
-            return 3
+        if tokens <= MAX_DECODE_TOKENS:  # the input quantized once where all three are int8
+            return 3 + all(_int8(spec, f"{p}attn_{m}.weight") for m in "qkv")
         return 1 + sum(matrix_launches(spec, f"{p}attn_{m}.weight", tokens) for m in "qkv") + 1
     if part.kind == "kq":  # the KV store, then split-KV decode (partial + merge) or prefill
         return 1 + (2 if tokens <= MAX_DECODE_TOKENS else 1)
@@ -182,20 +182,30 @@ def part_launches(spec: ModelSpec, part, tokens: int, glu: frozenset[int] = froz
         return matrix_launches(spec, p + "ffn_gate.weight", tokens)
     if part.kind == "ffn_up":  # the gating: in the matvec's epilogue, after the panels' products
         gating = il in glu and tokens > MAX_DECODE_TOKENS
-        return matrix_launches(spec, p + "ffn_up.weight", tokens) + gating
+        # at decode after the gate product, the input it quantized (`DeviceMath.ffn_up`)
+        ready = il in glu and tokens <= MAX_DECODE_TOKENS and _int8(spec, p + "ffn_gate.weight")
+        return matrix_launches(spec, p + "ffn_up.weight", tokens) + gating - (
+            ready and _int8(spec, p + "ffn_up.weight"))
+
     if part.kind == "ffn_down":  # gating (unless the up product did), product, post-norm, add
         return (il not in glu) + matrix_launches(spec, p + "ffn_down.weight", tokens) + post + 1
-    if part.kind in ("ffn_gate_exps", "ffn_up_exps"):
-        return 1
-    if part.kind == "ffn_down_exps":  # gating, experts, combine, post-norm, residual add
-        return 3 + post + 1
+    if part.kind in ("ffn_gate_exps", "ffn_up_exps"):  # (the input quantized), the experts
+        return 1 + _int8(spec, f"{p}{part.kind}.weight")
+    if part.kind == "ffn_down_exps":  # gating, (quantized), experts, combine, post-norm, add
+        return 3 + _int8(spec, f"{p}ffn_down_exps.weight") + post + 1
     if part.kind == "output":
         head = "token_embd.weight" if spec.tied_output else "output.weight"
         return 1 + matrix_launches(spec, head, 1)
     raise ValueError(f"unknown part kind {part.kind!r}")
 
 
+def _int8(spec: ModelSpec, name: str) -> bool:
+    """A product that runs in integers at decode: its input quantized first (`kernels.int8`)."""
+    return spec.by_name[name].qtype.name in INT8_TYPES
+
+
 def graphable(parts, place: TierPlacement, tokens: int) -> bool:
+
     """The plan's half of `CudaEngine`'s capture condition: a decode ubatch whose parts are all on
     the device and whose KV is resident (the engine adds: on a GPU, not traced, no activations
     requested, the last row's logits only)."""

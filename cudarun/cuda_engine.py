@@ -22,7 +22,8 @@ from refengine.spec import ModelSpec
 from refengine.weights import GGUFWeights
 from solver import regions
 from solver.cost import CPU
-from solver.workspace import MAX_DECODE_TOKENS, arrays, layout, nbytes
+from solver.workspace import INT8_TYPES, MAX_DECODE_TOKENS, arrays, layout, nbytes
+
 
 from . import counts
 from .cuda_device import CudaDevice, new_event, simulated
@@ -104,10 +105,12 @@ class CudaEngine(PlanExecutor):
     def device_path(self, tier: int, kind: str) -> str:
         """The named path of a device part (`PlanExecutor.path`): past MAX_DECODE_TOKENS a dense
         matmul multiplies fp16 panels through cuBLAS (`DeviceMath.mm`); the expert matvecs and
-        the head (one row at a time) stay on the matvec kernels at any tier."""
+        the head (one row at a time) stay on the matvec kernels at any tier, which multiply the
+        quantized types in integers (int8) and the float ones in fp32."""
         if tier > MAX_DECODE_TOKENS and not kind.endswith("_exps") and kind != "output":
             return "fp16"
-        return "fp32"
+        quantized = any(t.qtype.name in INT8_TYPES for t in self.spec.tensors if len(t.shape) > 1)
+        return "int8" if quantized else "fp32"
 
     def warm_up_tokens(self, tier: int) -> int:
         """Past MAX_DECODE_TOKENS a ubatch takes the prefill path (fp16 panels, cuBLAS, the

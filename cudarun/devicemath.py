@@ -3,8 +3,10 @@ over the workspace arrays of `solver.workspace` and the group's tensors in a rin
 region. The same parts as `hostmath`, which is what the tests hold them to (under the simulator
 at tiny shapes in CI, on the GPU at real ones).
 
-Up to 16 tokens the products read the GGUF blocks directly (`matvec_gpu`); beyond, the weight is
-dequantized to fp16 panels for cuBLAS (`matmul_prefill`, the named fp16 tensor-core path).
+Up to 16 tokens the products read the GGUF blocks directly: in integers for the quantized types
+(`int8`: the input quantized to int8 per 32 once, then dp4a, the named int8 path), in fp32 for the
+float ones (`matvec_gpu`); beyond, the weight is dequantized to fp16 panels for cuBLAS
+(`matmul_prefill`, the named fp16 tensor-core path).
 """
 
 from __future__ import annotations
@@ -14,10 +16,10 @@ import math
 import numpy as np
 
 from refengine.spec import ModelSpec
-from solver.workspace import MAX_DECODE_TOKENS
+from solver.workspace import INT8_TYPES, MAX_DECODE_TOKENS
 
 from .hostweights import Placed
-from .kernels import THREADS, attention, elementwise, glue, matvec, moe, prefill
+from .kernels import THREADS, attention, elementwise, glue, int8, matvec, moe, prefill
 
 
 ROUTED_IDS = "routed_ids"  # a routed copy's weights: where each chosen expert sits in it
@@ -51,14 +53,20 @@ class DeviceMath:
 
     # -- primitives ------------------------------------------------------------------------------
 
-    def mm(self, x, w: dict, name: str, out, ws, stream, gated=None, half_ready=False) -> None:
+    def mm(self, x, w: dict, name: str, out, ws, stream, gated=None, half_ready=False,
+           int8_ready=False) -> None:  # fmt: skip
         """out [T, n_out] = x [T, n_in] times the weight (+ its bias); gated = (gate, act,
         use_gelu): act = act(gate) * out as well; half_ready: the workspace's x16 holds x (a
-        prompt's product only)."""
+        prompt's product only); int8_ready: its xq and xds hold x (a decode product's)."""
         t = self.spec.by_name[name]
         bias = name.replace(".weight", ".bias")
         if x.shape[0] <= MAX_DECODE_TOKENS:  # the bias and the gating in the product's epilogue
-            matvec.matvec_gpu(w[name], x, out, t.qtype, t.shape, stream, w.get(bias), gated)
+            if t.qtype.name in INT8_TYPES:
+                xq, xds = (ws["xq"], ws["xds"]) if int8_ready else self.quantized(x, ws, stream)
+                int8.matvec_gpu(w[name], xq, xds, out, t.qtype, t.shape, stream, w.get(bias),
+                                gated)  # fmt: skip
+            else:
+                matvec.matvec_gpu(w[name], x, out, t.qtype, t.shape, stream, w.get(bias), gated)
         else:
             n_in, rows = t.shape[1], ws["panel16"].shape[0]
             # contiguous [rows, n_in] and [T, n_in] views: cuBLAS reads them with ld = n_in
@@ -71,6 +79,12 @@ class DeviceMath:
             if gated is not None:
                 elementwise.launch_rows(elementwise.gated, x.shape[0], gated[0], out, gated[1],
                                         gated[2], stream=stream)  # fmt: skip
+
+    @staticmethod
+    def quantized(x, ws, stream):
+        """x [T, n] quantized to int8 per 32 into the workspace's xq and xds (`kernels.int8`)."""
+        int8.quantize_gpu(x, ws["xq"], ws["xds"], stream)
+        return ws["xq"], ws["xds"]
 
     def cublas(self, workspace):
         """The stream's cuBLAS handle, working in the tier's `cublas` workspace region."""
@@ -120,9 +134,15 @@ class DeviceMath:
         names = [f"{p}attn_{m}.weight" for m in "qkv"]
         outs = [ws[m][:n].reshape(n, -1) for m in "qkv"]
         if n <= MAX_DECODE_TOKENS:  # one launch for the three products
-            matvec.matvec3_gpu([w[m] for m in names], h, outs,
-                               [self.spec.by_name[m].qtype for m in names], h.shape[1],
-                               [w.get(m.replace(".weight", ".bias")) for m in names], stream)  # fmt: skip
+            qtypes = [self.spec.by_name[m].qtype for m in names]
+            biases = [w.get(m.replace(".weight", ".bias")) for m in names]
+            if all(q.name in INT8_TYPES for q in qtypes):  # h quantized once for the three
+                xq, xds = self.quantized(h, ws, stream)
+                int8.matvec3_gpu([w[m] for m in names], xq, xds, outs, qtypes, h.shape[1],
+                                 biases, stream)  # fmt: skip
+            else:
+                matvec.matvec3_gpu([w[m] for m in names], h, outs, qtypes, h.shape[1], biases,
+                                   stream)  # fmt: skip
         else:  # h rounded to fp16 once for the three
             for i, (name, out) in enumerate(zip(names, outs)):
                 self.mm(h, w, name, out, ws, stream, half_ready=i > 0)
@@ -185,10 +205,14 @@ class DeviceMath:
     def ffn_up(self, ws, n, w, il, stream) -> None:
         """Where the gate product ran on the device before (`glu_layers`), the up product's
         epilogue gates too: `ffn_down` then starts at its product."""
-        gated = None
+        gated, ready = None, False
         if il in self.glu_layers:
             gated = (ws["gate"][:n], ws["act"][:n], self.tr.ffn_act == "gelu")
-        self.mm(ws["h"][:n], w, f"blk.{il}.ffn_up.weight", ws["up"][:n], ws, stream, gated)
+            # the gate product just quantized the same h
+            ready = self.spec.by_name[f"blk.{il}.ffn_gate.weight"].qtype.name in INT8_TYPES
+        self.mm(ws["h"][:n], w, f"blk.{il}.ffn_up.weight", ws["up"][:n], ws, stream, gated,
+                int8_ready=ready)  # fmt: skip
+
 
     def ffn_down(self, ws, n, w, il, stream) -> None:
         self.down(ws, n, w, il, stream)
@@ -210,8 +234,15 @@ class DeviceMath:
         t = self.spec.by_name[name]
         slots = n * self.hp.n_expert_used
         ids = w.get(ROUTED_IDS, ws["ids"])[:n]  # routed: the experts' places (cache, copy)
-        moe.expert_matvec(w[name], x, ids, out[:slots], t.qtype, t.shape[1:], per_slot, stream,
-                          w.get(name + CACHED), w.get(CACHE_SLOTS, 0))  # fmt: skip
+        cache, n_cached = w.get(name + CACHED), w.get(CACHE_SLOTS, 0)
+        if t.qtype.name in INT8_TYPES:
+            xq, xds = self.quantized(x, ws, stream)
+            int8.expert_matvec_gpu(w[name], xq, xds, ids, out[:slots], t.qtype, t.shape[1:],
+                                   per_slot, stream, cache, n_cached)  # fmt: skip
+        else:
+            moe.expert_matvec(w[name], x, ids, out[:slots], t.qtype, t.shape[1:], per_slot,
+                              stream, cache, n_cached)  # fmt: skip
+
 
     def ffn_gate_exps(self, ws, n, w, il, stream) -> None:
         name = f"blk.{il}.ffn_gate_exps.weight"

@@ -2,8 +2,10 @@
 pinned host memory, and the host copy loaded from the memory-mapped GGUF.
 
 Inside a group the float tensors (norm weights, biases) come first, so every one of them starts on
-a 4-byte boundary whatever the quantized blocks after them measure; the group takes exactly its
-tensors' bytes (the solver's region and slot sizes), with no padding.
+a 4-byte boundary whatever the quantized blocks after them measure; then the types whose blocks
+measure a multiple of 4 bytes, which the int8 decode kernels read as 32-bit words (Q4_1, Q5_1,
+Q4_K, Q5_K: `kernels.int8`), so they start on one too; the group takes exactly its tensors' bytes
+(the solver's region and slot sizes), with no padding.
 """
 
 from __future__ import annotations
@@ -11,7 +13,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
+from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as T
+
 
 from refengine.quants import dequantize, qtype
 from refengine.spec import ModelSpec, TensorInfo
@@ -26,9 +30,17 @@ class Placed:
     offset: int  # bytes from the group's start
 
 
+def _order(t: TensorInfo) -> int:
+    """Float tensors first, then those whose every block is a multiple of 4 bytes, then the
+    rest (blocks of 2-byte multiples: Q8_0, Q4_0, Q5_0, Q6_K)."""
+    if t.qtype in FLOATS:
+        return 0
+    return 1 if t.nbytes % 4 == 0 and GGML_QUANT_SIZES[t.qtype][1] % 4 == 0 else 2
+
+
 def group_layout(spec: ModelSpec, group: Group) -> list[Placed]:
     infos = [spec.by_name[n] for n in group.tensors]
-    infos.sort(key=lambda t: t.qtype not in FLOATS)  # stable: float tensors first
+    infos.sort(key=_order)  # stable
     out, offset = [], 0
     for t in infos:
         out.append(Placed(t, offset))

@@ -108,6 +108,22 @@ def kernels():
                 (w, arr(t.int8, 1), u64, u32, u64, arr(f32, 2), arr(f32, 1), t.boolean,
                  arr(f32, 2), arr(f32, 2), i64, t.uint32, t.uint32),
             ))  # fmt: skip
+            out.append((  # Q, K and V of one type (mixed types compile the same code)
+                f"int8_matvec3[{qtype.name}x{tokens}]",
+                int8.triple_kernel(qtype, qtype, qtype, tokens),
+                (w, arr(t.int8, 1)) * 3 + (u64, u32, u64) + (arr(f32, 2),) * 3
+                + (arr(f32, 1),) * 3 + (t.boolean,) * 3 + (t.uint32, t.uint32),
+            ))  # fmt: skip
+        out.append((
+            f"int8_experts[{qtype.name}]",
+
+            int8.expert_kernel(qtype),
+            # the copy's words and bytes, the cache's, xq, xq32, xds, ids, out, n_cols,
+            # per_slot_input, n_cached
+            (w, arr(t.int8, 1), w, arr(t.int8, 1), u64, u32, u64, arr(i32, 2), arr(f32, 2),
+             t.uint32, t.boolean, t.uint32),
+        ))  # fmt: skip
+
     for qtype in sorted(DECODERS, key=lambda q: q.name):
         name = qtype.name
         out += [

@@ -261,6 +261,7 @@ class Counts:
     outside: int
     dp4a: float
     widest_load_bits: int
+    narrow_loads: float  # global loads of 8 or 16 bits
 
 
 def _load_bits(op: str) -> int:
@@ -275,6 +276,8 @@ def count(ins: list[Ins], labels: dict[str, int]) -> Counts:
     paths = iteration_paths(ins, labels, head, latch)
     sizes = [len(p) for p in paths]
     dp4a = sum(sum(ins[k].op.startswith("IDP") for k in p) for p in paths) / len(paths)
+    narrow = sum(sum(ins[k].op.startswith("LDG") and _load_bits(ins[k].op) <= 16 for k in p)
+                 for p in paths) / len(paths)  # fmt: skip
     widest = max((_load_bits(ins[k].op) for k in range(head, latch + 1)
                   if ins[k].op.startswith("LDG")), default=0)  # fmt: skip
     loop = range(head, latch + 1)
@@ -283,7 +286,7 @@ def count(ins: list[Ins], labels: dict[str, int]) -> Counts:
     outside = (shortest(ins, labels, [0], lambda k: k == head, loop)
                + shortest(ins, labels, exits, lambda k: is_exit[k], loop) + 1)  # fmt: skip
     return Counts(sum(sizes) / len(sizes), min(sizes), max(sizes),
-                  induction_step(ins, head, latch), outside, dp4a, widest)
+                  induction_step(ins, head, latch), outside, dp4a, widest, narrow)
 
 
 # -- what one iteration consumes -------------------------------------------------------------------
@@ -329,10 +332,14 @@ class Row:
     peer_loop_per_kib: float
     ours_whole_per_kib: dict
     peer_whole_per_kib: dict
+    ours_narrow_loads_per_kib: float
+    peer_narrow_loads_per_kib: float
 
 
-def loop_per_kib(c: Counts, g: Geometry) -> float:
-    return c.loop_instructions / (c.step * g.bytes_per_step) * 1024
+def loop_per_kib(c: Counts, g: Geometry, what: float | None = None) -> float:
+    """Of the loop's instructions (or of `what` per iteration), per KiB of weights."""
+    per_iteration = c.loop_instructions if what is None else what
+    return per_iteration / (c.step * g.bytes_per_step) * 1024
 
 
 def whole_per_kib(c: Counts, g: Geometry, k: int) -> float:
@@ -427,14 +434,15 @@ def peer_kernels(text: str) -> dict[tuple, tuple]:
     return out
 
 
-def our_sass(tools: Toolchain, qtype, tokens: int) -> str:
+def our_sass(tools: Toolchain, qtype, tokens: int | None) -> str:
+    """nvdisasm of our int8 matvec of `tokens` per pass, or (None) of our expert matvec."""
     from numba import cuda
     from numba.cuda import dispatcher
 
     from .ptx_check import kernels
 
     dispatcher.get_current_device = lambda: type("Target", (), {"compute_capability": CC})()
-    name = f"int8_matvec[{qtype.name}x{tokens}]"
+    name = f"int8_matvec[{qtype.name}x{tokens}]" if tokens else f"int8_experts[{qtype.name}]"
     (kernel, argtypes), = [(k, a) for n, k, a in kernels() if n == name]
     ptx, _ = cuda.compile_ptx(kernel.py_func, argtypes, cc=CC)
     with tempfile.TemporaryDirectory() as tmp:
@@ -453,16 +461,22 @@ def measure(qtypes=GATED, tiers=TIERS) -> list[Row]:
     peers = peer_kernels(peer_sass(tools))
     rows = []
     for qtype in qtypes:
-        for tokens in tiers:
-            if (int(qtype), tokens) not in peers:
+        # the expert matvec (None): llama.cpp runs a slot's expert through the same 1-token
+        # kernel, its ids argument set
+        for tokens in (*tiers, None):
+            if (int(qtype), tokens or 1) not in peers:
                 raise CannotAnalyse(f"llama.cpp's mmvq has no {qtype.name} x{tokens} kernel")
             (name, fn), = sass_functions(our_sass(tools, qtype, tokens)).items()
-            ours, peer = count(*fn), count(*peers[(int(qtype), tokens)])
-            go, gp = our_geometry(qtype), peer_geometry(qtype, tokens)
+            ours, peer = count(*fn), count(*peers[(int(qtype), tokens or 1)])
+            go, gp = our_geometry(qtype), peer_geometry(qtype, tokens or 1)
             rows.append(Row(
-                f"{qtype.name}", tokens, ours, peer, loop_per_kib(ours, go), loop_per_kib(peer, gp),
+                qtype.name + ("" if tokens else " experts"), tokens or 1, ours, peer,
+                loop_per_kib(ours, go), loop_per_kib(peer, gp),
+
                 {k: whole_per_kib(ours, go, k) for k in KS},
                 {k: whole_per_kib(peer, gp, k) for k in KS},
+                loop_per_kib(ours, go, ours.narrow_loads),
+                loop_per_kib(peer, gp, peer.narrow_loads),
             ))  # fmt: skip
     return rows
 
@@ -489,7 +503,7 @@ def print_table(rows: list[Row], max_ratio: float) -> None:
                         f"ours / llama.cpp mul_mat_vec_q; gate {max_ratio}x")  # fmt: skip
     heads = ("type", "tokens", "loop ours", "llama.cpp", "ratio",
              *(f"K={k} ours / llama.cpp" for k in KS),
-             "H100 HBM on issue ours / llama.cpp", "widest load ours / llama.cpp",
+             "H100 HBM on issue ours / llama.cpp", "8/16-bit loads per KiB ours / llama.cpp",
              "dp4a per iteration ours / llama.cpp")  # fmt: skip
     for h in heads:
         table.add_column(h, justify="right")
@@ -501,7 +515,8 @@ def print_table(rows: list[Row], max_ratio: float) -> None:
             f"{r.ours_loop_per_kib / r.peer_loop_per_kib:.2f}",
             *(f"{r.ours_whole_per_kib[k]:.0f} / {r.peer_whole_per_kib[k]:.0f}" for k in KS),
             f"{hbm[0]:.0%} / {hbm[1]:.0%}",
-            f"{r.ours.widest_load_bits} / {r.peer.widest_load_bits} bit",
+            f"{r.ours_narrow_loads_per_kib:.0f} / {r.peer_narrow_loads_per_kib:.0f}",
+
             f"{r.ours.dp4a:.0f} / {r.peer.dp4a:.0f}",
         )  # fmt: skip
     console = Console()

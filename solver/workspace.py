@@ -25,6 +25,9 @@ PANEL_ROW_STEP = 256
 SHARED_HALF = ("attn_k.weight", "attn_v.weight")
 CUBLAS_SPLITS = 32  # the split-K partial outputs cuBLAS's workspace holds (`cublas_nbytes`)
 MAX_DECODE_TOKENS = 16  # the matvec kernels' most tokens (cudarun.kernels.matvec.MAX_TOKENS)
+# the types whose decode products run in integers (cudarun.kernels.int8.UNITS): their input is
+# quantized to int8 first, a launch of its own; the float types take the fp32 matvec
+INT8_TYPES = frozenset({"Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"})
 SPLIT_BLOCKS_PER_SM, SMS = 4, 132  # split-KV decode attention's target (kernels.attention)
 GPU_TILE = 32  # keys per tile of decode attention on a GPU (a warp)
 
@@ -82,6 +85,15 @@ def layout(spec: ModelSpec, tokens: int, logit_rows: int, n_ctx: int) -> dict[st
     decode_t = min(t, MAX_DECODE_TOKENS)
     splits = max_splits(hp.n_head_kv, decode_t, n_ctx)
     want["partial"] = ((decode_t, splits, hp.n_head, hp.head_dim_v + 2), "float32")
+    # the int8 activations of a decode product (cudarun.kernels.int8): values packed 8 to a word,
+    # a word of (d, s) per 32, for the widest input of its widest ubatch (whole passes of tokens,
+    # or the experts' slots)
+    # (a prompt's expert products run the matvec kernels too: every slot's row)
+    slots = t * used if spec.arch.moe else decode_t
+    q_rows = max(pass_rows(decode_t), slots) * panel_width(spec)
+
+    want["xq"] = ((q_rows // 8,), "uint64")
+    want["xds"] = ((q_rows // 32,), "uint64")
     if t > MAX_DECODE_TOKENS:  # the prefill GEMM's fp16 panels, and cuBLAS's workspace
         widest = panel_width(spec)
         want["panel16"] = ((panel_rows(spec), widest), "float16")
@@ -92,6 +104,13 @@ def layout(spec: ModelSpec, tokens: int, logit_rows: int, n_ctx: int) -> dict[st
         out[name] = Slice(offset, shape, dtype)
         offset += align_up(int(np.prod(shape)) * np.dtype(dtype).itemsize)
     return out
+
+
+def pass_rows(tokens: int) -> int:
+    """The activation rows an int8 decode product of `tokens` reads: its passes of 1, 4 or 8
+    tokens are whole (`cudarun.kernels.int8.pass_tokens`)."""
+    step = 1 if tokens <= 1 else 4 if tokens <= 4 else 8
+    return -(-tokens // step) * step
 
 
 def cublas_nbytes(tokens: int) -> int:
@@ -123,11 +142,12 @@ def panel_rows(spec: ModelSpec) -> int:
 
 def matrix_launches(spec: ModelSpec, name: str, tokens: int) -> int:
     """What one product (`cudarun.devicemath.DeviceMath.mm`) launches: a matvec up to
-    MAX_DECODE_TOKENS tokens (the bias in its epilogue); beyond, the activations to fp16 (unless
-    an earlier product of the same input did: SHARED_HALF), then a dequantize and a cuBLAS
-    product per panel, and the bias add."""
+    MAX_DECODE_TOKENS tokens (the bias in its epilogue), after quantizing its input for an int8
+    type; beyond, the activations to fp16 (unless an earlier product of the same input did:
+    SHARED_HALF), then a dequantize and a cuBLAS product per panel, and the bias add."""
     if tokens <= MAX_DECODE_TOKENS:
-        return 1
+        return 1 + (spec.by_name[name].qtype.name in INT8_TYPES)
+
     rows = spec.by_name[name].shape[0]
     panels = -(-rows // panel_rows(spec))
     rounds = not name.endswith(SHARED_HALF)

@@ -91,3 +91,79 @@ def _device(raw):
     from numba import cuda
 
     return cuda.to_device(raw)
+
+
+@pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q5_1, Q.Q4_K, Q.Q6_K], ids=lambda t: t.name)
+@pytest.mark.parametrize("per_slot", [False, True], ids=["token_input", "slot_input"])
+def test_int8_expert_matvec_takes_each_slots_expert_from_the_cache_or_the_copy(qtype, per_slot):
+    """Places below n_cached are the cache's experts, the others the routed copy's; each slot's
+    row product equals the reference's over the same quantized activations (of the slot's own row
+    for the down product, else of its token's)."""
+    from numba import cuda
+
+    rng = np.random.default_rng(500 + int(qtype) + per_slot)
+    n_tokens, k, rows, n_cols = 2, 2, 3, max(64, int8.UNITS[qtype].values)
+    experts = [weights(rng, qtype, rows, n_cols) for _ in range(4)]
+    cache, copy = experts[3], np.concatenate(experts[:3])  # places: 0 -> E3, 1 + e -> E<e>
+    places = np.array([[1, 0], [3, 2]], np.int32)
+    which = [3 if p == 0 else p - 1 for p in places.ravel()]
+    x = rng.standard_normal((n_tokens * k if per_slot else n_tokens, n_cols)).astype(np.float32)
+    out = poisoned((n_tokens * k, rows))
+    int8.expert_matvec_gpu(_device(copy), *activations(x), cuda.to_device(places), out, qtype,
+                           (rows, n_cols), per_slot, cache=_device(cache), n_cached=1)  # fmt: skip
+    xdq = dequantized(x)
+    want = np.stack([
+        matmul_q(xdq[s if per_slot else s // k][None], experts[e], qtype, (rows, n_cols))[0]
+        for s, e in enumerate(which)
+    ])  # fmt: skip
+    assert normwise(out.copy_to_host(), want) < 1e-5
+
+
+def test_the_device_maths_decode_products_run_in_integers():
+    """DeviceMath at decode (cudarun.devicemath) on the simulator: Q, K and V in one launch from
+    one quantization of h, and the up product reading the input the gate product quantized (its
+    epilogue gating), each equal to the reference over the same quantized activations; Q5_1
+    matrices (32-bit words) after the F32 norms."""
+    from numba import cuda
+
+    from cudarun.devicemath import DeviceMath
+    from refengine.synthetic import SyntheticConfig, spec_from_hparams
+    from solver.workspace import arrays, layout, nbytes
+
+    spec = spec_from_hparams(SyntheticConfig("llama", n_layer=1, n_embd=64, n_ff=64, n_head=2,
+                                             n_head_kv=1, n_vocab=260, qtype="Q5_1"))  # fmt: skip
+    rng = np.random.default_rng(61)
+    n = 3
+    names = [f"blk.0.{m}.weight" for m in ("attn_q", "attn_k", "attn_v", "ffn_gate", "ffn_up")]
+    raws = {m: weights(rng, spec.by_name[m].qtype, *spec.by_name[m].shape) for m in names}
+    assert {spec.by_name[m].qtype for m in names} == {Q.Q5_1}
+    w = {m: _device(r) for m, r in raws.items()}
+    w["blk.0.attn_norm.weight"] = cuda.to_device(np.ones(64, np.float32))
+    slices = layout(spec, 4, 1, 16)
+    ws = arrays(cuda.to_device(np.zeros(nbytes(slices), np.uint8)), slices)
+    x = rng.standard_normal((n, 64)).astype(np.float32)
+    math = DeviceMath(spec)
+    math.glu_layers = frozenset({0})
+    ws["x"][:n].copy_to_device(x)
+    math.rope_qk = lambda *a: None  # the products alone
+    math.qkv(ws, n, w, 0, 0)
+    h = ws["h"][:n].copy_to_host()
+    hq = dequantized(h)
+    for m, out in zip(names[:3], ("q", "k", "v")):
+        want = matmul_q(hq, raws[m], Q.Q5_1, spec.by_name[m].shape)
+        assert normwise(ws[out][:n].copy_to_host().reshape(n, -1), want) < 1e-5, m
+    ws["h"][:n].copy_to_device(x)
+    math.ffn_gate(ws, n, w, 0, 0)
+    math.ffn_up(ws, n, w, 0, 0)
+    xq = dequantized(x)
+    gate, up = (matmul_q(xq, raws[m], Q.Q5_1, spec.by_name[m].shape) for m in names[3:])
+    assert normwise(ws["up"][:n].copy_to_host(), up) < 1e-5
+    assert normwise(ws["act"][:n].copy_to_host(), gated("silu", gate, up)) < 1e-5
+
+
+def test_the_solver_counts_a_quantize_launch_for_exactly_the_int8_types():
+    """solver.workspace.INT8_TYPES (launch counts, the workspace) names the types the kernels
+    multiply in integers."""
+    from solver.workspace import INT8_TYPES
+
+    assert {q.name for q in int8.UNITS} == INT8_TYPES

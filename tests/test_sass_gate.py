@@ -35,7 +35,7 @@ def test_a_loops_iterations_are_counted_path_by_path():
     assert name == "kern"
     c = sass_check.count(*fn)
     assert (c.loop_instructions, c.loop_min, c.loop_max) == (5.5, 5, 6)
-    assert (c.step, c.outside, c.dp4a, c.widest_load_bits) == (64, 5, 0.5, 32)
+    assert (c.step, c.outside, c.dp4a, c.widest_load_bits, c.narrow_loads) == (64, 5, 0.5, 32, 0)
 
 
 def test_a_function_without_a_loading_loop_cannot_be_analysed():
@@ -51,7 +51,7 @@ def test_the_gate_fails_a_kernel_above_the_ratio_loop_or_whole():
     c = sass_check.count(*sass_check.sass_functions(SASS)["kern"])
     ks = sass_check.KS
     row = sass_check.Row("Q8_0", 1, c, c, 110.0, 100.0, dict.fromkeys(ks, 100.0),
-                         dict.fromkeys(ks, 100.0))  # fmt: skip
+                         dict.fromkeys(ks, 100.0), 0.0, 0.0)  # fmt: skip
     assert sass_check.failures([row], 1.1) == []
     worse = dataclasses.replace(row, ours_loop_per_kib=111.0)
     want = "Q8_0 x1: loop 111 > 1.1 x 100 instructions per KiB"
@@ -61,7 +61,8 @@ def test_the_gate_fails_a_kernel_above_the_ratio_loop_or_whole():
 
 
 def test_every_int8_decode_kernel_within_the_gate_of_llamacpps(llama_bin, tmp_path):
-    """python -m cudarun.sass_check: each type and tokens per pass, loop and whole kernel at
+    """python -m cudarun.sass_check: each type and tokens per pass, and the expert matvec (beside
+    llama.cpp's 1-token kernel, which takes expert ids), loop and whole kernel at
     K = 4096 and 14336, at most 1.1x llama.cpp's mul_mat_vec_q warp-instructions per KiB of
     weights (the first run compiles llama.cpp's mmvq.cu, minutes, then cached)."""
     import json
@@ -75,10 +76,10 @@ def test_every_int8_decode_kernel_within_the_gate_of_llamacpps(llama_bin, tmp_pa
                        capture_output=True, text=True, env=env)  # fmt: skip
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     rows = json.loads(out.read_text())
-    assert {(r["kernel"], r["tier"]) for r in rows} == {
-        (q.name, t) for q in sass_check.GATED for t in sass_check.TIERS
-    }
+    kernels = {(q.name, t) for q in sass_check.GATED for t in sass_check.TIERS}
+    kernels |= {(q.name + " experts", 1) for q in sass_check.GATED}
+    assert {(r["kernel"], r["tier"]) for r in rows} == kernels
     for row in rows:  # both of the dp4a class, and the ratios the exit code stood for
         assert row["ours"]["dp4a"] > 0 and row["peer"]["dp4a"] > 0, row
         assert row["ours_loop_per_kib"] <= 1.1 * row["peer_loop_per_kib"], row
-    assert "24 of 24 kernels within 1.1x of llama.cpp" in r.stdout
+    assert "32 of 32 kernels within 1.1x of llama.cpp" in r.stdout

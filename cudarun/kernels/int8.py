@@ -34,11 +34,13 @@ from gguf import GGMLQuantizationType as Q
 from .. import compat  # noqa: F401  (before numba.cuda)
 
 # module level: the simulator swaps this global for its fake module
-from numba import cuda, float32, int32, uint32, uint64  # noqa: E402
+from numba import config, cuda, float32, int32, uint32, uint64  # noqa: E402
+
 
 from . import THREADS  # noqa: E402
 from .bits import dp4a, float_from_bits, half_to_float, shr32  # noqa: E402
 from .elementwise import FULL_MASK, activation, warp_sum  # noqa: E402
+from solver.workspace import pass_rows  # noqa: E402
 
 GROUP = 32  # activation values per int8 scale
 ROWS = 4  # warps, one row each, per thread block
@@ -417,10 +419,9 @@ def row_dots(qtype, tokens: int):
     return cuda.jit(device=True)(scope["row_dots"])
 
 
-_KERNEL = """
-def matvec(w, wb, xq, xq32, xds, out, bias, has_bias, gate, act, glu, n_cols, n_tokens):
-    lane, warp = uint32(cuda.threadIdx.x % {threads}), uint32(cuda.threadIdx.x // {threads})
-    row = uint32(cuda.blockIdx.x * {rows} + warp)
+_PRODUCT = """
+def product(w, wb, xq, xq32, xds, out, bias, has_bias, gate, act, glu, n_cols, n_tokens, row,
+            lane):
     n_rows = uint32(out.shape[1])
     blocks = uint32(n_cols // {values})
     base = uint32(min(row, n_rows - 1) * blocks * {block_words})
@@ -442,21 +443,68 @@ _STORE = """        s{t} = warp_sum(sums[{t}])
 
 
 @lru_cache(maxsize=None)
-def gpu_kernel(qtype, tokens: int):
-    """out [T, n_rows] = the int8 activations of T tokens times the weight, `tokens` at a pass
-    (+ bias; with glu != 0 (1 SiLU, 2 GELU) also act = act(gate) * out, the up product's
-    epilogue). A row past n_rows runs on the clamped row and stores nothing: the simulator's
-    shuffles wait for every thread of the block."""
+def row_product(qtype, tokens: int):
+    """The device function a warp runs for one output row: its dot products with every token,
+    `tokens` at a pass, the row's bias added (`has_bias`) and, with glu != 0 (1 SiLU, 2 GELU),
+    act = act(gate) * out written too (the up product's epilogue). A row past n_rows runs on the
+    clamped row and stores nothing: the simulator's shuffles wait for every thread of the
+    block."""
     unit = UNITS[qtype]
-    source = _KERNEL.format(
-        threads=THREADS, rows=ROWS, values=unit.values, block_words=unit.block_words,
-        tokens=tokens,
+    source = _PRODUCT.format(
+        values=unit.values, block_words=unit.block_words, tokens=tokens,
         per_token="\n".join(_STORE.format(t=t) for t in range(tokens)),
     )  # fmt: skip
-    scope = {"uint32": uint32, "float32": float32, "cuda": cuda, "dots": row_dots(qtype, tokens),
+    scope = {"uint32": uint32, "float32": float32, "dots": row_dots(qtype, tokens),
              "warp_sum": warp_sum, "activation": activation}  # fmt: skip
-    exec(compile(source, f"<int8 matvec {qtype.name} x{tokens}>", "exec"), scope)
-    return cuda.jit(scope["matvec"])
+    exec(compile(source, f"<int8 product {qtype.name} x{tokens}>", "exec"), scope)
+    return cuda.jit(device=True)(scope["product"])
+
+
+@cuda.jit(device=True)
+def lane_and_row(first_block):
+    """This thread's lane, and its warp's output row counted from thread block first_block."""
+    lane, warp = uint32(cuda.threadIdx.x % THREADS), uint32(cuda.threadIdx.x // THREADS)
+    return lane, uint32((cuda.blockIdx.x - first_block) * ROWS + warp)
+
+
+@lru_cache(maxsize=None)
+def gpu_kernel(qtype, tokens: int):
+    product = row_product(qtype, tokens)
+
+    @cuda.jit
+    def matvec(w, wb, xq, xq32, xds, out, bias, has_bias, gate, act, glu, n_cols, n_tokens):
+        """out [T, n_rows] = the int8 activations of T tokens times the weight (+ bias; the
+        gated epilogue with glu != 0)."""
+        lane, row = lane_and_row(uint32(0))
+        product(w, wb, xq, xq32, xds, out, bias, has_bias, gate, act, glu, n_cols, n_tokens,
+                row, lane)  # fmt: skip
+
+    return matvec
+
+
+@lru_cache(maxsize=None)
+def triple_kernel(qa, qb, qc, tokens: int):
+    """Three products of one input in one launch (Q, K and V): the grid's first blocks make a's
+    rows, the next b's, the last c's, each with its optional bias."""
+    pa, pb, pc = (row_product(q, tokens) for q in (qa, qb, qc))
+
+    @cuda.jit
+    def matvec3(wa, ba, wb, bb, wc, bc, xq, xq32, xds, oa, ob, oc, bias_a, bias_b, bias_c,
+                has_a, has_b, has_c, n_cols, n_tokens):  # fmt: skip
+        grid_a = uint32((oa.shape[1] + ROWS - 1) // ROWS)
+        grid_b = uint32(grid_a + (ob.shape[1] + ROWS - 1) // ROWS)
+        blk = uint32(cuda.blockIdx.x)
+        if blk < grid_a:
+            lane, row = lane_and_row(uint32(0))
+            pa(wa, ba, xq, xq32, xds, oa, bias_a, has_a, oa, oa, 0, n_cols, n_tokens, row, lane)
+        elif blk < grid_b:
+            lane, row = lane_and_row(grid_a)
+            pb(wb, bb, xq, xq32, xds, ob, bias_b, has_b, ob, ob, 0, n_cols, n_tokens, row, lane)
+        else:
+            lane, row = lane_and_row(grid_b)
+            pc(wc, bc, xq, xq32, xds, oc, bias_c, has_c, oc, oc, 0, n_cols, n_tokens, row, lane)
+
+    return matvec3
 
 
 def pass_tokens(n_tokens: int) -> int:
@@ -468,27 +516,95 @@ def pass_tokens(n_tokens: int) -> int:
 def activation_words(n_tokens: int, n_cols: int) -> tuple[int, int]:
     """The uint64 words of xq and xds a product of n_tokens reads: its passes are whole (the
     tokens past n_tokens of the last pass are read and their sums dropped)."""
-    p = pass_tokens(n_tokens)
-    rows = -(-n_tokens // p) * p
+    rows = pass_rows(n_tokens)
     return rows * n_cols // 8, rows * n_cols // GROUP
+
+
+def weights_in(raw, qtype):
+    """A weight's device bytes as the kernels read them: its words, and its bytes as int8."""
+    words = weight_words(raw, qtype)
+    assert words.size < 2**32, "a weight of 2^32 words or more: 32-bit indices"
+    if UNITS[qtype].word_bytes == 4 and not config.ENABLE_CUDASIM:
+        address = raw.__cuda_array_interface__["data"][0]
+        assert address % 4 == 0, f"a {qtype.name} weight at an address not 4-byte aligned"
+    return words, raw.view(np.int8)
 
 
 def matvec_gpu(raw, xq, xds, out, qtype, shape: tuple[int, int], stream=0, bias=None,
                gated=None) -> None:  # fmt: skip
     """out [T, n_rows] (device) = the quantized activations of T tokens (xq, xds from
     `quantize_gpu`, room for `activation_words`) times the weight in `raw` (device bytes, at a
-    4-byte aligned address), + bias [n_rows] when given; `gated` = (gate, act, use_gelu):
-    act [T, n_rows] = act(gate) * out as well."""
+    4-byte aligned address for a type read in 32-bit words), + bias [n_rows] when given;
+    `gated` = (gate, act, use_gelu): act [T, n_rows] = act(gate) * out as well."""
     n_rows, n_cols = shape
     n_tokens = out.shape[0]
-    unit = UNITS[qtype]
-    assert n_tokens <= MAX_TOKENS and n_cols % unit.values == 0 and out.shape[1] == n_rows
+    assert n_tokens <= MAX_TOKENS and n_cols % UNITS[qtype].values == 0 and out.shape[1] == n_rows
     assert xq.size >= activation_words(n_tokens, n_cols)[0]
-    words = weight_words(raw, qtype)
-    assert words.size < 2**32
     gate, act, glu = (out, out, 0) if gated is None else (gated[0], gated[1], 1 + bool(gated[2]))
     gpu_kernel(qtype, pass_tokens(n_tokens))[-(-n_rows // ROWS), ROWS * THREADS, stream](
-        words, raw.view(np.int8), xq, xq.view(np.uint32), xds, out,
-        out[0] if bias is None else bias,
-        bias is not None, gate, act, np.int64(glu), np.uint32(n_cols), np.uint32(n_tokens),
+        *weights_in(raw, qtype), xq, xq.view(np.uint32), xds, out,
+        out[0] if bias is None else bias, bias is not None, gate, act, np.int64(glu),
+        np.uint32(n_cols), np.uint32(n_tokens),
+    )  # fmt: skip
+
+
+def matvec3_gpu(raws, xq, xds, outs, qtypes, n_cols: int, biases, stream=0) -> None:
+    """outs[i] [T, rows_i] = the quantized activations of T tokens times weight i (+ biases[i]
+    where not None), i = 0, 1, 2, in one launch."""
+    n_tokens = outs[0].shape[0]
+    assert n_tokens <= MAX_TOKENS and all(n_cols % UNITS[q].values == 0 for q in qtypes)
+    assert xq.size >= activation_words(n_tokens, n_cols)[0]
+    grid = sum(-(-o.shape[1] // ROWS) for o in outs)
+    triple_kernel(*qtypes, pass_tokens(n_tokens))[grid, ROWS * THREADS, stream](
+        *(a for r, q in zip(raws, qtypes) for a in weights_in(r, q)), xq, xq.view(np.uint32),
+        xds, *outs, *(o[0] if b is None else b for b, o in zip(biases, outs)),
+        *(b is not None for b in biases), np.uint32(n_cols), np.uint32(n_tokens),
+    )  # fmt: skip
+
+
+@lru_cache(maxsize=None)
+def expert_kernel(qtype):
+    """A slot's expert row times the slot's activations (llama.cpp's mul_mat_vec_q with expert
+    ids): a warp per (row, slot), one token at a pass."""
+    dots, unit = row_dots(qtype, 1), UNITS[qtype]
+    values, block_words = unit.values, unit.block_words
+
+    @cuda.jit
+    def expert_matvec(w, wb, cache, cache_b, xq, xq32, xds, ids, out, n_cols, per_slot_input,
+                      n_cached):  # fmt: skip
+        """out [slots, n_rows]: the expert at place p (ids[t, j] of slot t * k + j) is the p-th
+        of `cache` below `n_cached`, else the (p - n_cached)-th of `w` (an expert cache, and a
+        routed copy), times activation row slot (per_slot_input) or t."""
+        lane, warp = uint32(cuda.threadIdx.x % THREADS), uint32(cuda.threadIdx.x // THREADS)
+        row, slot = uint32(cuda.blockIdx.x * ROWS + warp), uint32(cuda.blockIdx.y)
+        n_rows, k = uint32(out.shape[1]), uint32(ids.shape[1])
+        t = uint32(slot // k)
+        src = slot if per_slot_input else t
+        place = uint32(ids[t, slot - t * k])
+        held = place < n_cached
+        stack, stack_b = (cache, cache_b) if held else (w, wb)
+        expert = place if held else uint32(place - n_cached)
+        blocks = uint32(n_cols // values)
+        base = uint32((expert * n_rows + min(row, n_rows - 1)) * blocks * block_words)
+        (a,) = dots(stack, stack_b, xq, xq32, xds, base, src, blocks, uint32(n_cols >> 3),
+                    uint32(n_cols >> 5), lane)  # fmt: skip
+        a = warp_sum(a)
+        if lane == 0 and row < n_rows:
+            out[slot, row] = a
+
+    return expert_matvec
+
+
+def expert_matvec_gpu(raw, xq, xds, ids, out, qtype, shape: tuple[int, int], per_slot_input: bool,
+                      stream=0, cache=None, n_cached: int = 0) -> None:  # fmt: skip
+    """out [slots, n_rows] (device) = each slot's expert (ids [T, k]) of the expert tensor in
+    `raw` (device bytes; per-expert shape `shape`) times the quantized activations (xq, xds of
+    `quantize_gpu`) of row slot or of the slot's token; with an expert `cache` of `n_cached`
+    experts, ids are places: in the cache first, then in `raw`."""
+    n_rows, n_cols = shape
+    assert n_cols % UNITS[qtype].values == 0 and out.shape[1] == n_rows
+    grid = (-(-n_rows // ROWS), out.shape[0])
+    expert_kernel(qtype)[grid, ROWS * THREADS, stream](
+        *weights_in(raw, qtype), *weights_in(raw if cache is None else cache, qtype), xq,
+        xq.view(np.uint32), xds, ids, out, np.uint32(n_cols), per_slot_input, np.uint32(n_cached),
     )  # fmt: skip
