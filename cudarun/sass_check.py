@@ -156,7 +156,7 @@ def weight_loop(ins: list[Ins], labels: dict[str, int]) -> tuple[int, int]:
     loops = [(labels[i.target], k) for k, i in enumerate(ins)
              if i.op.startswith("BRA") and labels.get(i.target, k + 1) <= k]  # fmt: skip
     inner = [a for a in loops if not any(b != a and a[0] <= b[0] and b[1] <= a[1] for b in loops)]
-    loads = {a: sum(ins[k].op.startswith("LDG") for k in range(a[0], a[1] + 1)) for a in inner}
+    loads = {a: sum(_is_load(ins[k].op) for k in range(a[0], a[1] + 1)) for a in inner}
     if not loads or max(loads.values()) == 0:
         raise CannotAnalyse("no loop with global loads")
     return max(loads, key=lambda a: (loads[a], a[1] - a[0]))
@@ -262,6 +262,12 @@ class Counts:
     dp4a: float
     widest_load_bits: int
     narrow_loads: float  # global loads of 8 or 16 bits
+    generic_loads: int  # loads through a pointer of unknown space (LD, not LDG)
+
+
+def _is_load(op: str) -> bool:
+    """A global load, or a generic one (what a pointer of unknown space compiles to)."""
+    return op.startswith(("LDG.", "LD."))
 
 
 def _load_bits(op: str) -> int:
@@ -276,17 +282,19 @@ def count(ins: list[Ins], labels: dict[str, int]) -> Counts:
     paths = iteration_paths(ins, labels, head, latch)
     sizes = [len(p) for p in paths]
     dp4a = sum(sum(ins[k].op.startswith("IDP") for k in p) for p in paths) / len(paths)
-    narrow = sum(sum(ins[k].op.startswith("LDG") and _load_bits(ins[k].op) <= 16 for k in p)
+    narrow = sum(sum(_is_load(ins[k].op) and _load_bits(ins[k].op) <= 16 for k in p)
                  for p in paths) / len(paths)  # fmt: skip
     widest = max((_load_bits(ins[k].op) for k in range(head, latch + 1)
-                  if ins[k].op.startswith("LDG")), default=0)  # fmt: skip
+                  if _is_load(ins[k].op)), default=0)  # fmt: skip
+
     loop = range(head, latch + 1)
     exits = sorted({j for k in loop for j in successors(ins, labels, k) if j not in loop})
     is_exit = [i.op == "EXIT" and i.pred is None for i in ins]
     outside = (shortest(ins, labels, [0], lambda k: k == head, loop)
                + shortest(ins, labels, exits, lambda k: is_exit[k], loop) + 1)  # fmt: skip
     return Counts(sum(sizes) / len(sizes), min(sizes), max(sizes),
-                  induction_step(ins, head, latch), outside, dp4a, widest, narrow)
+                  induction_step(ins, head, latch), outside, dp4a, widest, narrow,
+                  sum(ins[k].op.startswith("LD.") for k in loop))
 
 
 # -- what one iteration consumes -------------------------------------------------------------------
@@ -484,6 +492,10 @@ def measure(qtypes=GATED, tiers=TIERS) -> list[Row]:
 def failures(rows: list[Row], max_ratio: float) -> list[str]:
     out = []
     for r in rows:
+        if r.ours.generic_loads:
+            out.append(f"{r.kernel} x{r.tier}: {r.ours.generic_loads} generic loads (LD) in "
+                       "the loop: a pointer whose address space the compiler lost")  # fmt: skip
+
         if r.ours_loop_per_kib > max_ratio * r.peer_loop_per_kib:
             out.append(f"{r.kernel} x{r.tier}: loop {r.ours_loop_per_kib:.0f} > {max_ratio} x "
                        f"{r.peer_loop_per_kib:.0f} instructions per KiB")  # fmt: skip

@@ -36,6 +36,7 @@ def test_a_loops_iterations_are_counted_path_by_path():
     c = sass_check.count(*fn)
     assert (c.loop_instructions, c.loop_min, c.loop_max) == (5.5, 5, 6)
     assert (c.step, c.outside, c.dp4a, c.widest_load_bits, c.narrow_loads) == (64, 5, 0.5, 32, 0)
+    assert c.generic_loads == 0
 
 
 def test_a_function_without_a_loading_loop_cannot_be_analysed():
@@ -58,6 +59,13 @@ def test_the_gate_fails_a_kernel_above_the_ratio_loop_or_whole():
     assert sass_check.failures([worse], 1.1) == [want]
     whole = dataclasses.replace(row, ours_whole_per_kib={ks[0]: 100.0, ks[1]: 120.0})
     assert len(sass_check.failures([whole], 1.1)) == 1
+    # a weight read through a generic pointer (the expert kernel's first version chose its
+    # buffer by a select): LD in the loop, counted as a load, and refused
+    fn = sass_check.sass_functions(SASS.replace("LDG.E R2", "LD.E R2"))["kern"]
+    generic = sass_check.count(*fn)
+    assert generic.generic_loads == 1 and generic.loop_instructions == 5.5
+    assert "generic loads" in sass_check.failures([dataclasses.replace(row, ours=generic)], 1.1)[0]
+
 
 
 def test_every_int8_decode_kernel_within_the_gate_of_llamacpps(llama_bin, tmp_path):

@@ -582,12 +582,17 @@ def expert_kernel(qtype):
         src = slot if per_slot_input else t
         place = uint32(ids[t, slot - t * k])
         held = place < n_cached
-        stack, stack_b = (cache, cache_b) if held else (w, wb)
         expert = place if held else uint32(place - n_cached)
         blocks = uint32(n_cols // values)
         base = uint32((expert * n_rows + min(row, n_rows - 1)) * blocks * block_words)
-        (a,) = dots(stack, stack_b, xq, xq32, xds, base, src, blocks, uint32(n_cols >> 3),
-                    uint32(n_cols >> 5), lane)  # fmt: skip
+        row_words, row_groups = uint32(n_cols >> 3), uint32(n_cols >> 5)
+        # a call per buffer: a pointer chosen between the two would be a generic one (LD, not LDG)
+        if held:
+            (a,) = dots(cache, cache_b, xq, xq32, xds, base, src, blocks, row_words, row_groups,
+                        lane)  # fmt: skip
+        else:
+            (a,) = dots(w, wb, xq, xq32, xds, base, src, blocks, row_words, row_groups, lane)
+
         a = warp_sum(a)
         if lane == 0 and row < n_rows:
             out[slot, row] = a
