@@ -86,14 +86,14 @@ def layout(spec: ModelSpec, tokens: int, logit_rows: int, n_ctx: int) -> dict[st
     splits = max_splits(hp.n_head_kv, decode_t, n_ctx)
     want["partial"] = ((decode_t, splits, hp.n_head, hp.head_dim_v + 2), "float32")
     # the int8 activations of a decode product (cudarun.kernels.int8): values packed 8 to a word,
-    # a word of (d, s) per 32, for the widest input of its widest ubatch (whole passes of tokens,
-    # or the experts' slots)
-    # (a prompt's expert products run the matvec kernels too: every slot's row)
-    slots = t * used if spec.arch.moe else decode_t
-    q_rows = max(pass_rows(decode_t), slots) * panel_width(spec)
-
-    want["xq"] = ((q_rows // 8,), "uint64")
-    want["xds"] = ((q_rows // 32,), "uint64")
+    # a word of (d, s) per 32, for the widest input of its widest ubatch (whole passes of tokens);
+    # a prompt's expert products run the matvec kernels too: h for gate and up, every slot's
+    # activations for down
+    values = pass_rows(decode_t) * panel_width(spec)
+    if spec.arch.moe:
+        values = max(values, t * d, t * used * hp.n_ff_exp)
+    want["xq"] = ((values // 8,), "uint64")
+    want["xds"] = ((values // 32,), "uint64")
     if t > MAX_DECODE_TOKENS:  # the prefill GEMM's fp16 panels, and cuBLAS's workspace
         widest = panel_width(spec)
         want["panel16"] = ((panel_rows(spec), widest), "float16")

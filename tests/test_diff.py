@@ -118,8 +118,11 @@ def test_an_agreement_is_held_to_its_engines_path():
 
 
 def test_a_plans_path_is_named_from_its_parts(tmp_path):
-    """All pinned: exact on the stand-in at any tier, the CUDA engine's fp16 GEMM past the
-    matvec tokens; one FFN matrix on the CPU: int8 on both; the cpu engine: int8."""
+    """All pinned: exact on the stand-in at any tier; the CUDA engine's decode of a quantized
+    model in integers (int8), of a float one in fp32, and its fp16 GEMM past the matvec tokens;
+    one FFN matrix on the CPU: int8 on both; the cpu engine: int8."""
+    import dataclasses
+
     from cudarun.cpu_engine import CpuEngine
     from cudarun.cuda_engine import CudaEngine
     from cudarun.standin_engine import StandInEngine
@@ -133,22 +136,25 @@ def test_a_plans_path_is_named_from_its_parts(tmp_path):
     cfg = SyntheticConfig("llama", n_layer=1, n_embd=32, n_ff=64, n_head=2, n_head_kv=1,
                           n_vocab=260, qtype="Q8_0")  # fmt: skip
     spec = load_spec(str(write_synthetic(tmp_path / "m.gguf", cfg)))
-    groups = [g.name for g in tensor_groups(spec)]
+    floats = load_spec(str(write_synthetic(tmp_path / "f.gguf",
+                                           dataclasses.replace(cfg, qtype="F32"))))  # fmt: skip
     prof = load_profile("h100")
 
-    def engines(tiers: tuple[int, ...], on_cpu: str | None = None):
-        where = {g: Loc(CPU if g == on_cpu else PINNED) for g in groups}
+    def engines(spec, tiers: tuple[int, ...], on_cpu: str | None = None):
+        where = {g.name: Loc(CPU if g.name == on_cpu else PINNED) for g in tensor_groups(spec)}
         place = {t: TierPlacement(where, {0: Loc(PINNED)}) for t in tiers}
         w = Workload(n_ctx=64, prompt_tokens=32, gen_tokens=4, threads=1)
         plan = plan_json(spec, w, prof.name, [3 * spec.weights_nbytes + (8 << 20)], place,
                          evaluate(place, spec, prof, w), "test", "refengine")  # fmt: skip
         return StandInEngine(spec, plan), CudaEngine(spec, plan)
 
-    standin, cuda = engines((1, 16))
-    assert (standin.path, cuda.path, standin.tolerance) == ("fp32", "fp32", 1e-3)
-    standin, cuda = engines((1, 32))
+    standin, cuda = engines(floats, (1, 16))
+    assert (standin.path, cuda.path, cuda.tolerance) == ("fp32", "fp32", 1e-3)
+    standin, cuda = engines(floats, (1, 32))
     assert (standin.path, cuda.path, cuda.tolerance) == ("fp32", "fp16", 5e-2)
-    standin, cuda = engines((1, 16), on_cpu="blk.0.ffn_down")
+    standin, cuda = engines(spec, (1, 16))
+    assert (standin.path, cuda.path, standin.tolerance) == ("fp32", "int8", 1e-3)
+    standin, cuda = engines(spec, (1, 16), on_cpu="blk.0.ffn_down")
     assert (standin.path, cuda.path, standin.tolerance) == ("int8", "int8", 5e-2)
     assert CpuEngine.path == "int8"
 

@@ -176,7 +176,8 @@ def test_the_cuda_engine_reads_experts_from_the_cache_and_the_copy(tmp_path):
     stats = RoutingStats(8, 2, 1, (0, 8), (1.0, 0.0), (0.0, 0.0), (1.0, 0.0), 0.5)
     plan, _ = cache_plan(spec, 1, True, stats)
     engine, reference = CudaEngine(spec, plan), NumpyEngine(spec, n_ctx=N_CTX)
-    assert normwise(engine.prefill([5, 9, 2]), reference.prefill([5, 9, 2])) <= 1e-3
+    # three tokens take the decode kernels: the int8 path
+    assert normwise(engine.prefill([5, 9, 2]), reference.prefill([5, 9, 2])) <= engine.tolerance
     for token in (3, 7):
         assert normwise(engine.decode(token), reference.decode(token)) <= engine.tolerance
     hits = engine.expert_lookups
