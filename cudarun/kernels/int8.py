@@ -2,7 +2,8 @@
 quantized once per token to int8 in groups of 32 (a scale d and the group's sum s = d * sum(q), the
 "q8_1" layout), and each weight block is dotted with them by `dp4a` (four signed bytes at a time),
 then scaled in fp32. The named path is `int8` (top-1 >= 98%, mean KL < 5e-3 against the NumPy
-engine). The CPU's int8 products (`kernels.cpu`) quantize the same way.
+engine). The CPU's int8 products (`kernels.cpu`) quantize the same way (ties aside: this rounds
+half away from zero).
 
 The activations live in two flat buffers per input: `xq`, the int8 values packed eight to a uint64
 word ([tokens * n_cols / 8]), and `xds`, one uint64 per group of 32 holding the float32 d in its low
@@ -11,8 +12,10 @@ d and s with two 64-bit loads.
 
 A warp computes one output row. Each type's block is cut into `lanes` units of the same shape (a
 unit: the few 32-bit words of quants one lane dots per pass, the widest loads the block's alignment
-allows: 32-bit words where the block size is a multiple of 4, pairs of 16-bit words otherwise); the
-lanes of a warp walk the row's units in order, consecutive lanes on consecutive words. A unit is
+allows: 32-bit words where the block size is a multiple of 4, pairs of 16-bit words otherwise);
+consecutive lanes take consecutive units, and a lane keeps its unit of the block from block to
+block (`row_dots`). A unit is
+
 decoded once (`Unit.decode`) and dotted with each token of the pass (`Unit.dot`); the tokens are a
 compile-time count per kernel (1, 4 or 8 at a pass: no idle slots issued at batch 1, and more than 8
 take several passes), each in its own register accumulator. Every index is a uint32 the code keeps
