@@ -24,7 +24,7 @@ from typing import Callable
 from refengine.errors import UserError
 from refengine.spec import ModelSpec, load_spec
 from refengine.synthetic import SyntheticConfig, write_synthetic
-from solver.memory import expected_distinct_experts, kv_cell_nbytes
+from solver.memory import expected_distinct_experts
 from solver.profile import ANY_TYPE, Figure, RateTable
 
 from .measure_cpu import (ATTENTION_DIMS, LAYER, MATMUL_TOKENS, MATVEC_TYPES, ROUTED,
@@ -170,55 +170,41 @@ def head_rates(llama_bench: Path, threads: int, runs: int, tmp: Path,
     return row_seconds_and_gbps(tuple(seconds), specs)
 
 
-# a decode whose time at depth is its attention: small matrices, grouped heads (4 query heads a
-# KV head, as most models), a deep cache
-ATTENTION_SHAPE = dict(n_layer=8, n_embd=512, n_ff=512, n_head=8, n_head_kv=2, n_vocab=512)
-ATTENTION_DEPTH = 4096
+# the attention twins' layers x head size: a cache as large as a real model's, 64 MiB at depth
+# 4096, past the host's last-level cache. 4-layer twins, whose cache stayed in it, read 2.1 or 3.3
+# ns per key and query head of 128 from one run to the next; 32 layers of 64 and of 128 read
+# within 10% of a qwen2-1.5B and a llama-1B shape run beside them
+SCORE_LAYER_DIMS = 32 * 64
+# the depths they run at: the depths the predictions are checked at
+SCORE_DEPTHS = (2048, 4096)
 
 
-def attention_gbps(llama_bench: Path, threads: int, runs: int, tmp: Path,
-                   depth: int = ATTENTION_DEPTH) -> float | None:  # fmt: skip
-    """llama.cpp's CPU decode attention as the rate it reads the cache at, counted as the cost
-    model counts it (each query head reads its KV head's cells: fp16 K and V): a generated
-    token's time at `depth` less its time at 0, over those bytes; None where that difference is
-    lost in the noise (`measured_differences`)."""
-    path = tmp / "attention.gguf"
-    write_synthetic(path, SyntheticConfig("llama", **ATTENTION_SHAPE))
-    spec = load_spec(str(path))
-    generated = f"tg{GEN_TOKENS}"
-
-    def twins(n: int) -> tuple[dict, dict]:
-        records = bench_alternated(llama_bench, [path], threads, n, (0,), GEN_TOKENS,
-                                   (0, depth))[0]  # fmt: skip
-        return {generated: records[f"{generated}@{depth}"]}, {generated: records[generated]}
-
-    deeper_seconds = measured_differences(twins, runs)[generated]
-    hp = spec.hparams
-    nbytes = hp.n_layer * depth * kv_cell_nbytes(spec, "f16") * hp.n_head / hp.n_head_kv
-    return nbytes / deeper_seconds / 1e9 if deeper_seconds else None
+def score_layers(head_dim: int, quick: bool) -> int:
+    return 4 if quick else max(SCORE_LAYER_DIMS // head_dim, 1)
 
 
-PROMPT_SCORE_LAYERS = 4
-
-
-def prompt_score_seconds(llama_bench: Path, threads: int, runs: int, tmp: Path,
-                         quick: bool = False) -> dict[int, float]:  # fmt: skip
-    """{head size: seconds per query head and key} of llama.cpp's CPU prompt attention: for each
-    of ATTENTION_DIMS, a synthetic llama of small matrices (8 query heads over 2 KV heads of the
-    size) runs a prompt at a depth and at 0; the difference per layer, query head, token and key.
-    (Priced as our F16 BLAS rate instead, SmolLM2's prompt at depth 4096 ran 0.68 of predicted.)"""
-    depth, tokens = (ATTENTION_DEPTH // 8, 64) if quick else (ATTENTION_DEPTH, 512)
-    per_score = {}
+def attention_score_seconds(llama_bench: Path, threads: int, runs: int, tmp: Path,
+                            quick: bool = False) -> tuple[dict, dict]:  # fmt: skip
+    """({depth: {head size: seconds}} of llama.cpp's CPU attention in a prompt, per layer, query
+    head, token and key; the same in a decode): for each of ATTENTION_DIMS, a synthetic llama of
+    small matrices (8 query heads over 2 KV heads of the size) runs a prompt and a decode at each
+    of SCORE_DEPTHS and at 0; the difference per layer, query head, token and key. (Priced as our
+    F16 BLAS rate instead, SmolLM2's prompt at depth 4096 ran 0.68 of predicted; as the cache
+    bytes read at a rate measured on 64-wide heads, qwen2-1.5B's decode at depth 2048 ran 1.14.)"""
+    depths, tokens = ((256, 512), 64) if quick else (SCORE_DEPTHS, 512)
+    prompt, decode = {d: {} for d in depths}, {d: {} for d in depths}
     for dim in ATTENTION_DIMS:
-        path = tmp / f"prompt-{dim}.gguf"
-        write_synthetic(path, score_twin_config(PROMPT_SCORE_LAYERS, dim, 2 * (depth + tokens)))
-        records = bench_alternated(llama_bench, [path], threads, max(runs, 3), (tokens,), 0,
-                                   (0, depth))[0]  # fmt: skip
+        path, layers = tmp / f"attention-{dim}.gguf", score_layers(dim, quick)
+        write_synthetic(path, score_twin_config(layers, dim, 2 * (depths[-1] + tokens)))
+        records = bench_alternated(llama_bench, [path], threads, max(runs, 3), (tokens,),
+                                   GEN_TOKENS, (0, *depths))[0]  # fmt: skip
         path.unlink()
-        deeper_seconds = (median_seconds(records[f"pp{tokens}@{depth}"])
-                          - median_seconds(records[f"pp{tokens}"]))  # fmt: skip
-        per_score[dim] = max(deeper_seconds / (PROMPT_SCORE_LAYERS * SCORE_HEADS * depth), 0.0)
-    return per_score
+        for table, test in ((prompt, f"pp{tokens}"), (decode, f"tg{GEN_TOKENS}")):
+            for d in depths:
+                deeper_seconds = (median_seconds(records[f"{test}@{d}"])
+                                  - median_seconds(records[test]))  # fmt: skip
+                table[d][dim] = max(deeper_seconds / (layers * SCORE_HEADS * d), 0.0)
+    return prompt, decode
 
 
 # llama.cpp's routed experts (mul_mat_id: each expert's rows over the tokens it drew) run slower
@@ -287,7 +273,7 @@ def measure_llamacpp_cpu(
     `llama_bench` (a llama.cpp build's llama-bench): its matmul GFLOP/s by type and prompt
     tokens, its decode weight GB/s by type and threads, its fixed cost of a layer per token and a
     routed layer's, its routed experts' prompt GFLOP/s by tokens an expert draws and decode GB/s,
-    its decode attention's cache GB/s."""
+    its attention's time per query head and key in a prompt and a decode."""
     shape, runs = (QUICK_SHAPE, 1) if quick else (SHAPE, 3)
     src = (f"measured: refengine profile {date.today().isoformat()}, llama-bench -t {threads} "
            f"on a synthetic llama ({shape['n_layer']} layers, {shape['n_embd']} x "
@@ -337,21 +323,15 @@ def measure_llamacpp_cpu(
         experts = {drawn: Figure(x, f"{twins}, pp64 and pp512: the difference, {drawn} tokens "
                                     f"an expert{noise}")
                    for drawn, x in prompt.items()}  # fmt: skip
-        progress("llama.cpp's decode attention")
-        depth = ATTENTION_DEPTH // (8 if quick else 1)
-        attention = attention_gbps(llama_bench, threads, runs, Path(tmp), depth)
-        attention = attention and Figure(
-            attention, f"{short}; a synthetic llama of {ATTENTION_SHAPE['n_layer']} layers, 8 "
-                       f"query heads over 2 KV heads of 64, generating at depth {depth} and 0: "
-                       f"the cache bytes its query heads read over the difference{noise}")
-        progress("llama.cpp's prompt attention")
-        scores = prompt_score_seconds(llama_bench, threads, runs, Path(tmp), quick)
-        prompt_attention = RateTable("s", {ANY_TYPE: {
-            dim: Figure(x, f"{short}; synthetic llamas of {PROMPT_SCORE_LAYERS} layers, "
-                           f"{SCORE_HEADS} query heads over 2 KV heads of {dim}, a prompt at "
-                           f"depth {depth} and 0: the difference per layer, query head, token "
-                           "and key")
-            for dim, x in scores.items()}})  # fmt: skip
+        progress("llama.cpp's attention")
+        prompt_scores, decode_scores = attention_score_seconds(llama_bench, threads, runs,
+                                                               Path(tmp), quick)  # fmt: skip
+        scores = {test: RateTable("s", {str(depth): {
+            dim: Figure(x, f"{short}; a synthetic llama of {score_layers(dim, quick)} layers, "
+                           f"{SCORE_HEADS} query heads over 2 KV heads of {dim}, {test} at depth "
+                           f"{depth} and 0: the difference per layer, query head, token and key")
+            for dim, x in row.items()} for depth, row in table.items()})
+            for test, table in (("a prompt", prompt_scores), ("a decode", decode_scores))}
     return dict(llamacpp_matmul_gflops=RateTable("GFLOP/s", matmul),
                 llamacpp_matvec_gbps=RateTable("GB/s", matvec),
                 llamacpp_head_row_seconds=Figure(head_row, f"{twins_head}, per row"),
@@ -363,4 +343,5 @@ def measure_llamacpp_cpu(
                 llamacpp_expert_gbps=decode and Figure(
                     decode, f"{twins}, tg{GEN_TOKENS}: the difference of the expert bytes a token "
                             f"reads over the difference of the times{noise}"),
-                llamacpp_attention_gbps=attention, llamacpp_prompt_score_seconds=prompt_attention)
+                llamacpp_prompt_score_seconds=scores["a prompt"],
+                llamacpp_decode_score_seconds=scores["a decode"])

@@ -506,13 +506,19 @@ class CostModel:
             )
         cpu = self.profile.cpu
         gbps = cpu.memory_gbps.value
-        if self.traits.ggml_cpu:  # ggml's CPU kernel reads the KV head once per query head
-            nbytes *= hp.n_head / hp.n_head_kv
-            gbps = (cpu.llamacpp_attention_gbps.value if cpu.llamacpp_attention_gbps
-                    else gbps * GGML_CPU_ATTENTION_EFFICIENCY)  # fmt: skip
-            if tokens > 1 and cpu.llamacpp_prompt_score_seconds:  # its prompt's, as measured
-                score = cpu.llamacpp_prompt_score_seconds.at(ANY_TYPE, hp.head_dim)
+        if self.traits.ggml_cpu:
+            measured = (cpu.llamacpp_prompt_score_seconds if tokens > 1
+                        else cpu.llamacpp_decode_score_seconds)  # fmt: skip
+            if measured:
+                # per query head and key, by head size and the span of keys (the depths measured):
+                # not its bytes, as heads of 128 take 1.4x the time per key of heads of 64, not 2x
+
+                score = np.vectorize(lambda k: measured.at_depth(hp.head_dim, k),
+                                     otypes=[float])(keys)  # fmt: skip
                 return np.maximum(nbytes / (gbps * 1e9), hp.n_head * tokens * keys * score)
+            # unmeasured: its kernel reads the KV head once per query head
+            nbytes *= hp.n_head / hp.n_head_kv
+            gbps *= GGML_CPU_ATTENTION_EFFICIENCY
         if (not self.traits.ggml_cpu and tokens >= HOST_PANEL_TOKENS
                 and cpu.attention_score_seconds and cpu.attention_row_seconds):  # fmt: skip
             # our host prefill scores every cell of its range, the later ones masked, and its

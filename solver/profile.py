@@ -73,6 +73,23 @@ class RateTable:
         f = (math.log(key) - math.log(lo)) / (math.log(hi) - math.log(lo))
         return row[lo].value + f * (row[hi].value - row[lo].value)
 
+    def at_depth(self, key: int, depth: float) -> float:
+        """For a table whose rows are named by a depth: the rate at `key` interpolated in
+        log(depth) between the rows' and held constant beyond them; a `*` row stands for every
+        depth."""
+        if ANY_TYPE in self.rows:
+            return self.at(ANY_TYPE, key)
+        depths = sorted(int(name) for name in self.rows)
+        at = {d: self.at(str(d), key) for d in depths}
+        if depth <= depths[0]:
+            return at[depths[0]]
+        if depth >= depths[-1]:
+            return at[depths[-1]]
+        hi = next(d for d in depths if d >= depth)
+        lo = depths[depths.index(hi) - 1]
+        f = (math.log(depth) - math.log(lo)) / (math.log(hi) - math.log(lo))
+        return at[lo] + f * (at[hi] - at[lo])
+
     def to_json(self) -> dict:
         return {
             "unit": self.unit,
@@ -131,11 +148,11 @@ class CPUProfile:
     # what `--target llamacpp` prices a CPU-held matrix at; absent, our kernels' rates stand in
     llamacpp_matmul_gflops: RateTable | None = None  # by type and prompt tokens
     llamacpp_matvec_gbps: RateTable | None = None  # weight bytes a generated token reads
-    # its decode attention: the cache bytes its query heads read per second
-    llamacpp_attention_gbps: Figure | None = None
-    # its prompt attention (flash attention over the f16 cache), per query head and key, by head
-    # size
+    # its attention (flash attention over the f16 cache) in a prompt and in a decode, per query
+    # head (and token) and key: rows by depth, by head size (`RateTable.at_depth`)
     llamacpp_prompt_score_seconds: RateTable | None = None
+    llamacpp_decode_score_seconds: RateTable | None = None
+
     # our host prefill's attention (scores by BLAS, masked, a row softmax, times V) and gated
     # activation, measured by `refengine profile`: beyond the matrices, what small models feel
     attention_score_seconds: RateTable | None = None  # per query head and key, by head size

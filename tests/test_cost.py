@@ -1,8 +1,10 @@
 """The cost model on hand-computed cases. A toy profile with round rates makes each expected time
 a line of arithmetic, written beside the assertion."""
 
+import math
 from dataclasses import replace
 
+import numpy as np
 import pytest
 
 from refengine.synthetic import SyntheticConfig, spec_from_hparams
@@ -510,11 +512,11 @@ def test_llamacpp_on_the_cpu_alone_offloads_nothing():
     assert t.copy > 0 and t.gpu > 0
 
 
-def test_routed_layers_and_llamacpps_decode_attention_are_priced_as_measured():
+def test_routed_layers_are_priced_as_measured():
     """Each system's routed layer's own fixed cost where measured (not a dense layer's); ours: a
     routed stack's experts at prefill at the q8 rows' rate on the tokens each expert drew (not the fp32
-    panels' BLAS rate); llama.cpp: its decode attention at the cache rate measured, not the host's
-    bandwidth times a calibrated efficiency."""
+    panels' BLAS rate); llama.cpp's decode attention, unmeasured: the cache bytes its query heads
+    read at the host's bandwidth times a calibrated efficiency."""
     f = lambda v: Figure(v, "toy")  # noqa: E731
     base = toy_profile()
     hp = MOE.hparams
@@ -522,8 +524,7 @@ def test_routed_layers_and_llamacpps_decode_attention_are_priced_as_measured():
     q8 = RateTable("GFLOP/s", {experts.qtype: {8: f(40.0), 64: f(80.0)}})
     measured = replace(base, cpu=replace(
         base.cpu, layer_seconds=f(3e-5), routed_layer_seconds=f(9e-5), q8_matmul_gflops=q8,
-        llamacpp_layer_seconds=f(2e-5), llamacpp_routed_layer_seconds=f(5e-5),
-        llamacpp_attention_gbps=f(7.0)))  # fmt: skip
+        llamacpp_layer_seconds=f(2e-5), llamacpp_routed_layer_seconds=f(5e-5)))  # fmt: skip
     dense_fixed = replace(measured, cpu=replace(measured.cpu, routed_layer_seconds=None,
                                                 llamacpp_routed_layer_seconds=None))  # fmt: skip
     ours, cpu = CostModel(MOE, measured, W), Loc(CPU)
@@ -538,8 +539,7 @@ def test_routed_layers_and_llamacpps_decode_attention_are_priced_as_measured():
         max(nbytes / 10e9, flops / (q8.at(experts.qtype, round(per_expert)) * 1e9)))
     llama = CostModel(MOE, measured, W, "llamacpp")
     kv_read = 1001 * llama.cell_nbytes * hp.n_head / hp.n_head_kv
-    assert llama.attention_seconds(0, 1, 1000, cpu) == pytest.approx(kv_read / 7e9)
-    assert CostModel(MOE, base, W, "llamacpp").attention_seconds(0, 1, 1000, cpu) == (
+    assert llama.attention_seconds(0, 1, 1000, cpu) == (
         pytest.approx(kv_read / (20e9 * GGML_CPU_ATTENTION_EFFICIENCY)))
 
 
@@ -611,22 +611,40 @@ def test_twins_of_equal_bytes_and_unequal_rows_give_the_cost_per_byte_and_per_ro
     assert decode_rows(specs[0]) == 16384 + 4 * 128 + 2 * 256 + 128
 
 
-def test_llamacpp_prompt_attention_is_priced_per_query_head_and_key_as_measured():
-    """Where the profile measured llama.cpp's CPU prompt attention, a prompt's costs query heads x
-    tokens x keys (causal: depth + (tokens + 1) / 2 on average) x the head size's per-score time;
-    its decode and our prompts are not priced by it."""
+def test_llamacpp_attention_is_priced_per_query_head_and_key_as_measured():
+    """Where the profile measured llama.cpp's CPU attention, a prompt's costs query heads x tokens x
+    keys (causal: depth + (tokens + 1) / 2 on average) x the per-score time of its head size at its
+    span of keys, interpolated in log(span) between the depths measured and held beyond them; a
+    decode's the same from its own table; a table of one '*' row holds at every depth; our prompts
+    are not priced by them."""
     f = lambda v: Figure(v, "toy")  # noqa: E731
     base = toy_profile()
-    measured = replace(base, cpu=replace(base.cpu, llamacpp_prompt_score_seconds=RateTable(
-        "s", {ANY_TYPE: {64: f(2e-7), 256: f(4e-7)}})))  # head 128: 3e-7, log-midway
-    cpu, hp = Loc(CPU), DENSE.hparams
-    llama = CostModel(DENSE, measured, W, "llamacpp")
+    prompt = RateTable("s", {"1000": {64: f(2e-7), 256: f(4e-7)},  # head 128: 3e-7, log-midway
+                             "4000": {64: f(4e-7), 256: f(8e-7)}})  # 6e-7
+    decode = RateTable("s", {"2000": {64: f(1e-6), 256: f(3e-6)}})  # 2e-6
+    measured = replace(base, cpu=replace(base.cpu, llamacpp_prompt_score_seconds=prompt,
+                                         llamacpp_decode_score_seconds=decode))  # fmt: skip
+    gqa = spec_from_hparams(SyntheticConfig("llama", n_layer=2, n_embd=1024, n_ff=4096, n_head=8,
+                                           n_head_kv=2, n_vocab=32000, qtype="F16"))
+    cpu, hp = Loc(CPU), gqa.hparams
+    assert hp.head_dim == 128
+    llama = CostModel(gqa, measured, W, "llamacpp")
     keys = 1000 + (512 + 1) / 2
-    want = hp.n_head * 512 * keys * 3e-7
-    assert llama.attention_seconds(0, 512, 1000, cpu) == pytest.approx(want)
-    for target, tokens in (("llamacpp", 1), ("refengine", 512)):
-        assert CostModel(DENSE, measured, W, target).attention_seconds(0, tokens, 1000, cpu) == (
-            CostModel(DENSE, base, W, target).attention_seconds(0, tokens, 1000, cpu))
+    score = 3e-7 + 3e-7 * math.log(keys / 1000) / math.log(4)
+    assert llama.attention_seconds(0, 512, 1000, cpu) == pytest.approx(
+        hp.n_head * 512 * keys * score)
+    assert llama.attention_seconds(0, 512, 8000, cpu) == pytest.approx(
+        hp.n_head * 512 * (8000 + 256.5) * 6e-7)
+    assert llama.attention_seconds(0, 1, 1000, cpu) == pytest.approx(hp.n_head * 1001 * 2e-6)
+    depths = np.array([1000.0, 8000.0])
+    assert llama.attention_seconds(0, 512, depths, cpu) == pytest.approx(
+        [llama.attention_seconds(0, 512, d, cpu) for d in (1000, 8000)])
+    old = replace(base, cpu=replace(base.cpu, llamacpp_prompt_score_seconds=RateTable(
+        "s", {ANY_TYPE: {64: f(2e-7), 256: f(4e-7)}})))
+    assert CostModel(gqa, old, W, "llamacpp").attention_seconds(0, 512, 8000, cpu) == (
+        pytest.approx(hp.n_head * 512 * (8000 + 256.5) * 3e-7))
+    assert CostModel(gqa, measured, W).attention_seconds(0, 512, 1000, cpu) == (
+        CostModel(gqa, base, W).attention_seconds(0, 512, 1000, cpu))
 
 
 def test_our_decode_attention_is_priced_per_query_head_and_key_as_measured():
