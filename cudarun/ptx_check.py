@@ -29,6 +29,8 @@ from pathlib import Path
 
 from numba import types as t
 
+from solver.workspace import INT8_PASS_TOKENS
+
 from . import compat  # noqa: F401  (before numba.cuda)
 
 CC = (9, 0)  # the H100 of docs/toolchain.md
@@ -99,7 +101,7 @@ def kernels():
     out.append(("quantize_q8_1", int8.quantize, (arr(f32, 2), arr(i32, 1), arr(f32, 1), i64)))
     for qtype in sorted(int8.UNITS, key=lambda q: q.name):
         w = u32 if int8.UNITS[qtype].word_bytes == 4 else words
-        for tokens in int8.PASS_TOKENS:
+        for tokens in INT8_PASS_TOKENS:
             # weight words and bytes, xq, xq32, xds, out, bias, has_bias, gate, act, glu, n_cols,
             # n_tokens
             out.append((

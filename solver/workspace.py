@@ -24,7 +24,8 @@ PANEL_ROW_STEP = 256
 # products whose fp16 input the Q product before them rounded (`DeviceMath.qkv`)
 SHARED_HALF = ("attn_k.weight", "attn_v.weight")
 CUBLAS_SPLITS = 32  # the split-K partial outputs cuBLAS's workspace holds (`cublas_nbytes`)
-MAX_DECODE_TOKENS = 16  # the matvec kernels' most tokens (cudarun.kernels.matvec.MAX_TOKENS)
+MAX_DECODE_TOKENS = 16  # the matvec kernels' most tokens
+INT8_PASS_TOKENS = (1, 4, 8)  # the tokens of one pass of an int8 decode product: a kernel each
 # the types whose decode products run in integers (cudarun.kernels.int8.UNITS): their input is
 # quantized to int8 first, a launch of its own; the float types take the fp32 matvec
 INT8_TYPES = frozenset({"Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"})
@@ -106,11 +107,18 @@ def layout(spec: ModelSpec, tokens: int, logit_rows: int, n_ctx: int) -> dict[st
     return out
 
 
+def pass_tokens(tokens: int) -> int:
+    """The tokens of one pass of an int8 decode product of `tokens`: one token alone, up to four
+    in one pass, else passes of eight (INT8_PASS_TOKENS)."""
+    return next((p for p in INT8_PASS_TOKENS if tokens <= p), INT8_PASS_TOKENS[-1])
+
+
 def pass_rows(tokens: int) -> int:
-    """The activation rows an int8 decode product of `tokens` reads: its passes of 1, 4 or 8
-    tokens are whole (`cudarun.kernels.int8.pass_tokens`)."""
-    step = 1 if tokens <= 1 else 4 if tokens <= 4 else 8
+    """The activation rows an int8 decode product of `tokens` reads: its passes are whole (the
+    tokens past `tokens` of the last pass are read and their sums dropped)."""
+    step = pass_tokens(tokens)
     return -(-tokens // step) * step
+
 
 
 def cublas_nbytes(tokens: int) -> int:

@@ -49,27 +49,6 @@ def test_gpu_matvec(qtype, tokens):
     assert normwise(out.copy_to_host(), matmul_q(x, raw, qtype, (n_rows, n_cols))) < 1e-3
 
 
-@pytest.mark.parametrize("act", ["silu", "gelu"])
-def test_gpu_matvec_epilogue_adds_the_bias_and_gates(act):
-    """The up product's epilogue: out = x W^T + bias and act(gate) * out, both written."""
-    from numba import cuda
-
-    from refengine.reference import gated
-
-    rng = np.random.default_rng(31)
-    qtype, n_rows, n_cols, tokens = Q.Q4_K, 6, 256, 5
-    raw = weights(rng, qtype, n_rows, n_cols)
-    x = rng.standard_normal((tokens, n_cols)).astype(np.float32)
-    bias = rng.standard_normal(n_rows).astype(np.float32)
-    gate = rng.standard_normal((tokens, n_rows)).astype(np.float32)
-    out, act_out = poisoned((tokens, n_rows)), poisoned((tokens, n_rows))
-    matvec_gpu(cuda.to_device(raw), cuda.to_device(x), out, qtype, (n_rows, n_cols),
-               bias=cuda.to_device(bias), gated=(cuda.to_device(gate), act_out, act == "gelu"))  # fmt: skip
-    want = matmul_q(x, raw, qtype, (n_rows, n_cols)) + bias
-    assert normwise(out.copy_to_host(), want) < 1e-3
-    assert normwise(act_out.copy_to_host(), gated(act, gate, want)) < 1e-3
-
-
 def test_gpu_matvec3_makes_q_k_and_v_of_three_types_in_one_launch():
     """Three weights of different types and heights (a Q4_K_M file's Q4_K Q and K and Q6_K V),
     only some of them biased; each output row written once (poisoned before)."""

@@ -8,16 +8,17 @@ import pytest
 from gguf import GGMLQuantizationType as Q
 
 from cudarun.kernels import cpu, int8
+from cudarun.kernels.matvec import matvec_gpu
 from refengine.reference import gated, matmul_q
 
-from .kernels_common import normwise, poisoned, weights
+from .kernels_common import normwise, poisoned, quantize_host, weights
 
 TYPES = sorted(int8.UNITS, key=lambda t: t.name)
 
 
 def dequantized(x):
     """The values the int8 activations stand for: d * q per group of 32."""
-    xq, xds = int8.quantize_host(x)
+    xq, xds = quantize_host(x)
     q = xq.view(np.int8).astype(np.float32).reshape(x.shape[0], -1, int8.GROUP)
     d = xds.view(np.float32).reshape(x.shape[0], -1, 2)[:, :, :1]
     return (q * d).reshape(x.shape)
@@ -40,7 +41,7 @@ def test_activations_quantized_as_the_cpu_quantizes_them():
     x = (rng.standard_normal((3, 96)) * rng.uniform(0.1, 8, (3, 96))).astype(np.float32)
     x[1, 32:64] = 0.0
     xq, xds = activations(x)
-    want_q, want_ds = int8.quantize_host(x)
+    want_q, want_ds = quantize_host(x)
     np.testing.assert_array_equal(xq.copy_to_host()[: want_q.size], want_q)
     np.testing.assert_allclose(xds.copy_to_host()[: want_ds.size].view(np.float32),
                                want_ds.view(np.float32), rtol=1e-6)  # fmt: skip
@@ -69,22 +70,29 @@ def test_int8_matvec(qtype, tokens):
 
 
 @pytest.mark.parametrize("act", ["silu", "gelu"])
-def test_int8_matvec_epilogue_adds_the_bias_and_gates(act):
+@pytest.mark.parametrize("path", ["fp32", "int8"])
+def test_matvec_epilogue_adds_the_bias_and_gates(path, act):
+    """The up product's epilogue on either decode path: out = x W^T + bias and act(gate) * out,
+    both written; the int8 path's x is its quantized activations."""
     from numba import cuda
 
     rng = np.random.default_rng(41)
-    qtype, n_rows, n_cols, tokens = Q.Q4_K, 6, 256, 2
+    qtype, n_rows, n_cols, tokens = Q.Q4_K, 6, 256, 5
     raw = weights(rng, qtype, n_rows, n_cols)
     x = rng.standard_normal((tokens, n_cols)).astype(np.float32)
     bias = rng.standard_normal(n_rows).astype(np.float32)
     gate = rng.standard_normal((tokens, n_rows)).astype(np.float32)
     out, act_out = poisoned((tokens, n_rows)), poisoned((tokens, n_rows))
-    int8.matvec_gpu(_device(raw), *activations(x), out, qtype, (n_rows, n_cols),
-                    bias=cuda.to_device(bias),
-                    gated=(cuda.to_device(gate), act_out, act == "gelu"))  # fmt: skip
-    want = matmul_q(dequantized(x), raw, qtype, (n_rows, n_cols)) + bias
-    assert normwise(out.copy_to_host(), want) < 1e-5
-    assert normwise(act_out.copy_to_host(), gated(act, gate, want)) < 1e-5
+    epilogue = dict(bias=cuda.to_device(bias), gated=(cuda.to_device(gate), act_out, act == "gelu"))
+    if path == "int8":
+        int8.matvec_gpu(_device(raw), *activations(x), out, qtype, (n_rows, n_cols), **epilogue)
+        x, bound = dequantized(x), 1e-5
+    else:
+        matvec_gpu(_device(raw), cuda.to_device(x), out, qtype, (n_rows, n_cols), **epilogue)
+        bound = 1e-3
+    want = matmul_q(x, raw, qtype, (n_rows, n_cols)) + bias
+    assert normwise(out.copy_to_host(), want) < bound
+    assert normwise(act_out.copy_to_host(), gated(act, gate, want)) < bound
 
 
 def _device(raw):

@@ -43,12 +43,11 @@ from numba import config, cuda, float32, int32, uint32, uint64  # noqa: E402
 from . import THREADS  # noqa: E402
 from .bits import dp4a, float_from_bits, half_to_float, shr32  # noqa: E402
 from .elementwise import FULL_MASK, activation, warp_sum  # noqa: E402
-from solver.workspace import pass_rows  # noqa: E402
+from solver.workspace import MAX_DECODE_TOKENS, pass_rows, pass_tokens  # noqa: E402
 
 GROUP = 32  # activation values per int8 scale
 ROWS = 4  # warps, one row each, per thread block
-PASS_TOKENS = (1, 4, 8)  # tokens of one pass over a row: a kernel each
-MAX_TOKENS = 16
+MAX_TOKENS = MAX_DECODE_TOKENS
 NIBBLES = 0x0F0F0F0F
 
 
@@ -357,20 +356,6 @@ def quantize_gpu(x, xq, xds, stream=0) -> None:
                                           np.int64(n_cols))  # fmt: skip
 
 
-def quantize_host(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """What `quantize_gpu` writes, in NumPy (the tests' reference): (xq, xds) as uint64."""
-    n_tokens, n_cols = x.shape
-    groups = x.reshape(n_tokens, -1, GROUP)
-    d = np.abs(groups).max(axis=2) / np.float32(127.0)
-    inv = np.divide(np.float32(1.0), d, out=np.zeros_like(d), where=d > 0)
-    scaled = groups * inv[:, :, None]
-    q = (np.sign(scaled) * np.floor(np.abs(scaled) + np.float32(0.5))).astype(np.int32)
-    s = q.sum(axis=2).astype(np.float32) * d
-    xq = q.astype(np.int8).reshape(-1).view(np.uint64)
-    xds = np.stack([d, s], axis=2).astype(np.float32).reshape(-1).view(np.uint64)
-    return xq, xds
-
-
 # -- the row loop, compiled per type and tokens per pass -------------------------------------------
 
 _ROW_LOOP = """
@@ -509,11 +494,6 @@ def triple_kernel(qa, qb, qc, tokens: int):
 
     return matvec3
 
-
-def pass_tokens(n_tokens: int) -> int:
-    """The kernel a count of tokens runs: one token alone, up to four in one pass, else passes of
-    eight."""
-    return next(p for p in PASS_TOKENS if n_tokens <= p) if n_tokens <= 8 else 8
 
 
 def activation_words(n_tokens: int, n_cols: int) -> tuple[int, int]:

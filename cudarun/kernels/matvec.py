@@ -25,8 +25,9 @@ from numba import cuda, float32  # noqa: E402
 from . import THREADS  # noqa: E402
 from .dequant import quad_layout  # noqa: E402
 from .elementwise import activation, warp_sum  # noqa: E402
+from solver.workspace import MAX_DECODE_TOKENS  # noqa: E402
 
-MAX_TOKENS = 16
+MAX_TOKENS = MAX_DECODE_TOKENS
 ROWS = 4  # warps, one row each, per thread block
 
 
