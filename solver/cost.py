@@ -21,8 +21,11 @@ Formulas (every rate from the HardwareProfile; M = tokens in the ubatch, the tie
    the sequences (unified, llama.cpp's -kvu, which a llamacpp plan exports) each token scores
    all S * d + M cells, the other sequences' masked. Under llama.cpp a CPU-held layer's attention
    runs on the GPU for ubatches of 32 tokens and more (its scheduler places it between the
-   op-offloaded matmuls), copying the cells it reads up first; on the CPU, ggml's kernel reads the
-   cells once per query head (n_head / n_head_kv times).
+   op-offloaded matmuls), copying the cells it reads up first; on the CPU it costs, where the
+   profile measured it, a time per query head, token and key by head size and depth (else ggml's
+   kernel reads the cells once per query head, n_head / n_head_kv times, at a share of the host's
+   bandwidth).
+
 5. Every change of device along the ops (embedding -> each layer's attention side -> attention ->
    FFN matrices -> next layer ... -> head) is a hop: sync + copy latency + activation bytes over
    PCIe (residual rows between layers, the wider FFN rows inside one); GPU to GPU is two (through
