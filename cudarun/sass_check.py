@@ -286,7 +286,6 @@ def count(ins: list[Ins], labels: dict[str, int]) -> Counts:
                  for p in paths) / len(paths)  # fmt: skip
     widest = max((_load_bits(ins[k].op) for k in range(head, latch + 1)
                   if _is_load(ins[k].op)), default=0)  # fmt: skip
-
     loop = range(head, latch + 1)
     exits = sorted({j for k in loop for j in successors(ins, labels, k) if j not in loop})
     is_exit = [i.op == "EXIT" and i.pred is None for i in ins]
@@ -495,7 +494,6 @@ def failures(rows: list[Row], max_ratio: float) -> list[str]:
         if r.ours.generic_loads:
             out.append(f"{r.kernel} x{r.tier}: {r.ours.generic_loads} generic loads (LD) in "
                        "the loop: a pointer whose address space the compiler lost")  # fmt: skip
-
         if r.ours_loop_per_kib > max_ratio * r.peer_loop_per_kib:
             out.append(f"{r.kernel} x{r.tier}: loop {r.ours_loop_per_kib:.0f} > {max_ratio} x "
                        f"{r.peer_loop_per_kib:.0f} instructions per KiB")  # fmt: skip

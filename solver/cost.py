@@ -25,7 +25,6 @@ Formulas (every rate from the HardwareProfile; M = tokens in the ubatch, the tie
    profile measured it, a time per query head, token and key by head size and depth (else ggml's
    kernel reads the cells once per query head, n_head / n_head_kv times, at a share of the host's
    bandwidth).
-
 5. Every change of device along the ops (embedding -> each layer's attention side -> attention ->
    FFN matrices -> next layer ... -> head) is a hop: sync + copy latency + activation bytes over
    PCIe (residual rows between layers, the wider FFN rows inside one); GPU to GPU is two (through
@@ -515,7 +514,6 @@ class CostModel:
             if measured:
                 # per query head and key, by head size and the span of keys (the depths measured):
                 # not its bytes, as heads of 128 take 1.4x the time per key of heads of 64, not 2x
-
                 score = np.vectorize(lambda k: measured.at_depth(hp.head_dim, k),
                                      otypes=[float])(keys)  # fmt: skip
                 return np.maximum(nbytes / (gbps * 1e9), hp.n_head * tokens * keys * score)

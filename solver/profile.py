@@ -50,6 +50,20 @@ class Figure:
         return cls(value, source)
 
 
+def log_between(points: dict[float, float], x: float) -> float:
+    """The value at x interpolated in log(x) between the nearest of `points` and held constant
+    beyond them."""
+    xs = sorted(points)
+    if x <= xs[0]:
+        return points[xs[0]]
+    if x >= xs[-1]:
+        return points[xs[-1]]
+    hi = next(k for k in xs if k >= x)
+    lo = xs[xs.index(hi) - 1]
+    f = (math.log(x) - math.log(lo)) / (math.log(hi) - math.log(lo))
+    return points[lo] + f * (points[hi] - points[lo])
+
+
 @dataclass(frozen=True)
 class RateTable:
     """Achieved rate by ggml type and a size key (tokens, or threads for CPU matvec)."""
@@ -63,15 +77,7 @@ class RateTable:
         row = self.rows.get(qtype) or self.rows.get(ANY_TYPE)
         if not row:
             raise UserError(f"the profile has no {self.unit} rate for {qtype} (nor a '*' row)")
-        keys = sorted(row)
-        if key <= keys[0]:
-            return row[keys[0]].value
-        if key >= keys[-1]:
-            return row[keys[-1]].value
-        hi = next(k for k in keys if k >= key)
-        lo = keys[keys.index(hi) - 1]
-        f = (math.log(key) - math.log(lo)) / (math.log(hi) - math.log(lo))
-        return row[lo].value + f * (row[hi].value - row[lo].value)
+        return log_between({k: f.value for k, f in row.items()}, key)
 
     def at_depth(self, key: int, depth: float) -> float:
         """For a table whose rows are named by a depth: the rate at `key` interpolated in
@@ -79,16 +85,7 @@ class RateTable:
         depth."""
         if ANY_TYPE in self.rows:
             return self.at(ANY_TYPE, key)
-        depths = sorted(int(name) for name in self.rows)
-        at = {d: self.at(str(d), key) for d in depths}
-        if depth <= depths[0]:
-            return at[depths[0]]
-        if depth >= depths[-1]:
-            return at[depths[-1]]
-        hi = next(d for d in depths if d >= depth)
-        lo = depths[depths.index(hi) - 1]
-        f = (math.log(depth) - math.log(lo)) / (math.log(hi) - math.log(lo))
-        return at[lo] + f * (at[hi] - at[lo])
+        return log_between({int(name): self.at(name, key) for name in self.rows}, depth)
 
     def to_json(self) -> dict:
         return {
@@ -152,7 +149,6 @@ class CPUProfile:
     # head (and token) and key: rows by depth, by head size (`RateTable.at_depth`)
     llamacpp_prompt_score_seconds: RateTable | None = None
     llamacpp_decode_score_seconds: RateTable | None = None
-
     # our host prefill's attention (scores by BLAS, masked, a row softmax, times V) and gated
     # activation, measured by `refengine profile`: beyond the matrices, what small models feel
     attention_score_seconds: RateTable | None = None  # per query head and key, by head size

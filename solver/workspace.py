@@ -120,7 +120,6 @@ def pass_rows(tokens: int) -> int:
     return -(-tokens // step) * step
 
 
-
 def cublas_nbytes(tokens: int) -> int:
     """cuBLAS's workspace for the prefill products (cudarun.cublas): room for the fp32 partial
     outputs of a split-K product of up to 32 splits over a [tokens, PANEL_ROW_STEP] panel, within

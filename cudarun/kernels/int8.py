@@ -14,11 +14,9 @@ A warp computes one output row. Each type's block is cut into `lanes` units of t
 unit: the few 32-bit words of quants one lane dots per pass, the widest loads the block's alignment
 allows: 32-bit words where the block size is a multiple of 4, pairs of 16-bit words otherwise);
 consecutive lanes take consecutive units, and a lane keeps its unit of the block from block to
-block (`row_dots`). A unit is
-
-decoded once (`Unit.decode`) and dotted with each token of the pass (`Unit.dot`); the tokens are a
-compile-time count per kernel (1, 4 or 8 at a pass: no idle slots issued at batch 1, and more than 8
-take several passes), each in its own register accumulator. Every index is a uint32 the code keeps
+block (`row_dots`). A unit is decoded once (`Unit.decode`) and dotted with each token of the pass
+(`Unit.dot`); the tokens are a compile-time count per kernel (1, 4 or 8 at a pass: no idle slots
+issued at batch 1, and more than 8 take several passes), each in its own register accumulator. Every index is a uint32 the code keeps
 at 32 bits (no int64 index arithmetic, no wraparound check: unsigned indices have none).
 
 Offsets by a constant (Q4_0's -8, Q5_0's -16) and the K-quants' mins are applied through s: each of
@@ -495,7 +493,6 @@ def triple_kernel(qa, qb, qc, tokens: int):
     return matvec3
 
 
-
 def activation_words(n_tokens: int, n_cols: int) -> tuple[int, int]:
     """The uint64 words of xq and xds a product of n_tokens reads: its passes are whole (the
     tokens past n_tokens of the last pass are read and their sums dropped)."""
@@ -575,7 +572,6 @@ def expert_kernel(qtype):
                         lane)  # fmt: skip
         else:
             (a,) = dots(w, wb, xq, xq32, xds, base, src, blocks, row_words, row_groups, lane)
-
         a = warp_sum(a)
         if lane == 0 and row < n_rows:
             out[slot, row] = a
