@@ -4,10 +4,12 @@ dot products at one token, repacked int8 GEMM from a few tokens on), ours with o
 matvec, BLAS on cached fp32 panels): one row cannot price both — priced at our rates, llama.cpp's
 CPU prompts ran 2.8-3.8x faster than predicted (docs/measured/2026-11-26-predictions-vs-runs.txt).
 
-For each type, a synthetic llama model with every matrix of that type goes through `llama-bench`
-on the profile's threads: prompts of 64 and 512 tokens and a short generation. A prompt's rate is
-its matrix and attention FLOPs over its time; a generation's, the weight bytes one token reads
-over its time. The other ops (norms, RoPE, softmax) ride in both, as they do in a real model.
+For each type, two synthetic llamas with every matrix of that type, one narrow and one wide, go
+through `llama-bench` on the profile's threads: prompts of 64 and 512 tokens and a short
+generation. A prompt's rate is the difference of their matrix FLOPs over the difference of their
+times; what the narrow one takes beyond its FLOPs at that rate is a layer's cost per prompt token
+(its products' starts, the activations' quantization, the nodes between). A generation's rate is
+the weight bytes one token of the wide one reads over its time.
 """
 
 from __future__ import annotations
@@ -33,13 +35,17 @@ from .measure_cpu import (ATTENTION_DIMS, LAYER, MATMUL_TOKENS, MATVEC_TYPES, RO
                           row_seconds_and_gbps, row_twin_config, row_twins, score_twin_config,
                           token_nbytes)
 
-# wide enough that the matrices, not the per-op overheads, take the time; as deep as a 1B model,
-# so that a prompt runs for seconds over weights many times the last-level cache, as a real
-# model's does (two layers, 57 MiB of Q4_K, ran 355 GFLOP/s where 16 ran 261 and a 1B Q4_K_M
-# llama 268: priced at the two layers' rate, real models' prompts ran 0.60-0.76 of predicted);
-# a 512-token vocabulary so the head is noise
-SHAPE = dict(n_layer=16, n_embd=2048, n_ff=5632, n_head=16, n_head_kv=16, n_vocab=512)
-QUICK_SHAPE = dict(n_layer=1, n_embd=512, n_ff=1536, n_head=4, n_head_kv=4, n_vocab=512)
+# the products' twins, by `quick`: as deep as a 1B model, so that a prompt runs for seconds over
+# weights many times the last-level cache, as a real model's does (two layers, 57 MiB of Q4_K, ran
+# 355 GFLOP/s where 16 ran 261 and a 1B Q4_K_M llama 268), and as narrow as the smallest real
+# models (priced at a 2048-wide twin's mean rate, SmolLM2's 576-wide prompts ran 0.84-0.91 of
+# predicted: a layer's cost beyond its FLOPs, 6-25 us a token by type, docs/measured/
+# 2026-11-28-product-twins.txt). One head of 64 in both: their attention, small and the same,
+# cancels; a 512-token vocabulary, so that the head is noise
+WIDE = dict(n_layer=16, n_embd=2048, n_ff=5632, n_head=1, n_head_kv=1, head_dim=64, n_vocab=512)
+PRODUCT_TWINS = {False: (dict(WIDE, n_embd=512, n_ff=1536), WIDE),
+                 True: (dict(WIDE, n_layer=1, n_embd=256, n_ff=768),
+                        dict(WIDE, n_layer=1, n_embd=512, n_ff=1536))}  # fmt: skip
 GEN_TOKENS = 16
 
 
@@ -70,11 +76,6 @@ def bench_runs(llama_bench: Path, model: Path, threads: int, runs: int,
         depth = int(r.get("n_depth", 0))
         records[f"{test}@{depth}" if depth else test] = r
     return records
-
-
-def bench(*args, **kwargs) -> dict[str, float]:
-    """{test: tokens per second} of `bench_runs`: llama-bench's mean over its runs."""
-    return {test: float(r["avg_ts"]) for test, r in bench_runs(*args, **kwargs).items()}
 
 
 def bench_alternated(llama_bench: Path, models: list[Path], threads: int, runs: int,
@@ -133,6 +134,50 @@ def measured_differences(twins: Callable[[int], tuple[dict, dict]], runs: int
             fast[t] += token_seconds(more_fast[t])
             differences[t] = difference_seconds(slow[t], fast[t])
     return differences
+
+
+def twins_seen(llama_bench: Path, paths: list[Path], threads: int, seen: list[dict]
+               ) -> Callable[[int], tuple[dict, dict]]:  # fmt: skip
+    """A `twins` callable for `measured_differences` over (fast, slow) `paths` that keeps every
+    run's seconds per token of each in `seen` (by test), for the figures beside a difference."""
+
+    def twins(n: int) -> tuple[dict, dict]:
+        records = bench_alternated(llama_bench, paths, threads, n)
+        for kept, twin in zip(seen, records):
+            for test, r in twin.items():
+                kept.setdefault(test, []).extend(token_seconds(r))
+        return records[1], records[0]
+
+    return twins
+
+
+def product_rates(llama_bench: Path, threads: int, runs: int, tmp: Path, qtype: str,
+                  quick: bool = False) -> tuple[dict, dict, float]:  # fmt: skip
+    """({prompt tokens: GFLOP/s}, {prompt tokens: seconds per layer and token beyond the FLOPs},
+    decode GB/s) of llama.cpp's products of `qtype`: PRODUCT_TWINS, llamas whose every matrix is
+    of the type. Where the difference is lost in the noise, the wide twin's mean rate and no cost
+    beyond it."""
+    paths, specs = [], []
+    for i, shape in enumerate(PRODUCT_TWINS[quick]):
+        paths.append(tmp / f"{qtype}-{i}.gguf")
+        write_synthetic(paths[-1], SyntheticConfig("llama", qtype=qtype, **shape))
+        specs.append(load_spec(str(paths[-1])))
+    seen = [{}, {}]  # narrow, wide
+    differences = measured_differences(twins_seen(llama_bench, paths, threads, seen), runs)
+    for path in paths:
+        path.unlink()
+    n_layer = specs[0].hparams.n_layer
+    rates, beyond = {}, {}
+    for t in MATMUL_TOKENS:
+        narrow, wide = (prompt_flops(spec, t) / t for spec in specs)  # per token
+        seconds = [statistics.fmean(side[f"pp{t}"]) for side in seen]
+        if differences[f"pp{t}"]:
+            rates[t] = (wide - narrow) / differences[f"pp{t}"] / 1e9
+            beyond[t] = max(seconds[0] - narrow / (rates[t] * 1e9), 0.0) / n_layer
+        else:
+            rates[t] = wide / seconds[1] / 1e9
+    gbps = token_nbytes(specs[1]) / statistics.fmean(seen[1][f"tg{GEN_TOKENS}"]) / 1e9
+    return rates, beyond, gbps
 
 
 def layer_seconds(llama_bench: Path, threads: int, runs: int, tmp: Path, gbps: float,
@@ -215,51 +260,71 @@ def attention_score_seconds(llama_bench: Path, threads: int, runs: int, tmp: Pat
 # where a product, not its call, takes the time (docs/measured/2026-11-27-expert-twins.txt)
 EXPERT_TWIN = dict(n_embd=1024, n_head=16, n_head_kv=4)
 EXPERT_WIDTHS = {False: (512, 2048), True: (256, 1024)}  # by `quick`
+# a third twin chooses MORE_SLOTS times the experts of as many (so that each draws as many tokens,
+# at the same FLOPs a token and expert): what each (token, expert chosen) costs beyond its FLOPs.
+# Priced at the width twins' rate alone, 32-expert files' prompts ran 0.8x of predicted: 4 us a
+# token and expert chosen (Q4_K; the rows' gather and their quantization, docs/measured/
+# 2026-11-28-product-twins.txt)
+MORE_SLOTS = 2
 
 
-def expert_twin(width: int, quick: bool):
+def expert_twin(width: int, quick: bool, qtype: str, more: bool = False):
     """A twin of `expert_rates`: a qwen3moe (ROUTED) at EXPERT_TWIN's width (`quick`: TINY's)
-    whose experts are `width` wide."""
+    whose every matrix is `qtype` and whose experts are `width` wide; `more`: MORE_SLOTS times the
+    experts, of which MORE_SLOTS times as many are chosen."""
     from dataclasses import replace
 
-    return replace(layer_config(layer_counts(quick)[0], ROUTED, quick), n_ff_exp=width,
-                   **({} if quick else EXPERT_TWIN))
+    twin = replace(layer_config(layer_counts(quick)[0], ROUTED, quick, qtype), n_ff_exp=width,
+                   **({} if quick else EXPERT_TWIN))  # fmt: skip
+    return replace(twin, n_expert=twin.n_expert * MORE_SLOTS,
+                   n_expert_used=twin.n_expert_used * MORE_SLOTS) if more else twin
 
 
-def expert_rates(llama_bench: Path, threads: int, runs: int, tmp: Path,
-                 quick: bool = False) -> tuple[dict[int, float], float | None]:  # fmt: skip
-    """({tokens an expert draws: GFLOP/s} on a prompt, decode GB/s) of llama.cpp's routed
-    experts: qwen3moe models (ROUTED, EXPERT_TWIN's width) whose experts are EXPERT_WIDTHS wide run
-    pp64, pp512 and tg16 (`expert_twin`); the difference of their times over the difference of
-    their expert FLOPs (a prompt) or of the expert bytes a token reads (a decode). A difference lost
-    in the noise (`measured_differences`) gives no rate: that prompt's row is left out, the
+def expert_rates(llama_bench: Path, threads: int, runs: int, tmp: Path, qtype: str,
+                 expert_seconds: float, quick: bool = False
+                 ) -> tuple[dict[int, float], dict[int, float], float | None]:  # fmt: skip
+    """({tokens an expert draws: GFLOP/s} on a prompt, {prompt tokens: seconds per layer, token
+    and expert chosen}, decode GB/s) of llama.cpp's routed experts of `qtype`: qwen3moe models
+    (ROUTED, EXPERT_TWIN's width) whose experts are EXPERT_WIDTHS wide run pp64, pp512 and tg16
+    (`expert_twin`); the difference of their times over the difference of their expert FLOPs (a
+    prompt) or of the expert bytes a token reads (a decode). The narrow one's twin with MORE_SLOTS
+    times the experts chosen takes, beyond it, those FLOPs at that rate, `expert_seconds` for each
+    expert more a ubatch touches, and the cost of each (token, expert chosen). A difference lost
+    in the noise (`measured_differences`) gives no figure: that prompt's rows are left out, the
     decode's is None."""
     n_layer = layer_counts(quick)[0]
-    paths, nbytes = [], []
     widths = EXPERT_WIDTHS[quick]
-    for width in widths:
-        paths.append(tmp / f"experts-{width}.gguf")
-        write_synthetic(paths[-1], expert_twin(width, quick))
-        spec = load_spec(str(paths[-1]))
-        nbytes.append(layer_read_nbytes(spec) * n_layer)  # the twins differ in their experts'
-
-    def twins(n: int) -> tuple[dict, dict]:
-        narrow, wide = bench_alternated(llama_bench, paths, threads, n)
-        return wide, narrow
-
-    differences = measured_differences(twins, runs)
+    configs = [expert_twin(w, quick, qtype) for w in widths]
+    configs.append(expert_twin(widths[0], quick, qtype, more=True))
+    paths, specs = [tmp / f"experts-{qtype}-{i}.gguf" for i in range(3)], []
+    for path, config in zip(paths, configs):
+        write_synthetic(path, config)
+        specs.append(load_spec(str(path)))
+    nbytes = [layer_read_nbytes(spec) * n_layer for spec in specs]  # differ in their experts'
+    wider = measured_differences(twins_seen(llama_bench, paths[:2], threads, [{}, {}]), runs)
+    more = measured_differences(twins_seen(llama_bench, paths[::2], threads, [{}, {}]),
+                                runs)
     for path in paths:
         path.unlink()
-    hp = spec.hparams
+    hp, extra = specs[0].hparams, specs[2].hparams
     flops_per_token = (2.0 * 3 * hp.n_embd * (widths[1] - widths[0])
                        * hp.n_expert_used * n_layer)  # fmt: skip
-    prompt = {}
+    more_flops = 2.0 * 3 * hp.n_embd * widths[0] * (extra.n_expert_used - hp.n_expert_used)
+    prompt, slots = {}, {}
     for t in MATMUL_TOKENS:
-        drawn = t * hp.n_expert_used / expected_distinct_experts(hp.n_expert, hp.n_expert_used, t)
-        if differences[f"pp{t}"]:
-            prompt[round(drawn)] = flops_per_token / differences[f"pp{t}"] / 1e9
-    decode_seconds = differences[f"tg{GEN_TOKENS}"]
-    return prompt, (nbytes[1] - nbytes[0]) / decode_seconds / 1e9 if decode_seconds else None
+        touched = expected_distinct_experts(hp.n_expert, hp.n_expert_used, t)
+        drawn = round(t * hp.n_expert_used / touched)
+        if not wider[f"pp{t}"]:
+            continue
+        prompt[drawn] = flops_per_token / wider[f"pp{t}"] / 1e9
+        if more[f"pp{t}"]:
+            more_touched = expected_distinct_experts(extra.n_expert, extra.n_expert_used, t)
+            beyond = (more[f"pp{t}"] / n_layer - more_flops / (prompt[drawn] * 1e9)
+                      - (more_touched - touched) * expert_seconds / t)  # fmt: skip
+            slots[t] = max(beyond, 0.0) / (extra.n_expert_used - hp.n_expert_used)
+    decode_seconds = wider[f"tg{GEN_TOKENS}"]
+    gbps = (nbytes[1] - nbytes[0]) / decode_seconds / 1e9 if decode_seconds else None
+    return prompt, slots, gbps
 
 
 def measure_llamacpp_cpu(
@@ -270,36 +335,34 @@ def measure_llamacpp_cpu(
     types: tuple[str, ...] = MATVEC_TYPES,
 ) -> dict[str, RateTable | Figure]:
     """llama.cpp's CPU rows of the profile (`CPUProfile`'s llamacpp_* fields), measured with
-    `llama_bench` (a llama.cpp build's llama-bench): its matmul GFLOP/s by type and prompt
-    tokens, its decode weight GB/s by type and threads, its fixed cost of a layer per token and a
-    routed layer's, its routed experts' prompt GFLOP/s by tokens an expert draws and decode GB/s,
-    its attention's time per query head and key in a prompt and a decode."""
-    shape, runs = (QUICK_SHAPE, 1) if quick else (SHAPE, 3)
-    src = (f"measured: refengine profile {date.today().isoformat()}, llama-bench -t {threads} "
-           f"on a synthetic llama ({shape['n_layer']} layers, {shape['n_embd']} x "
-           f"{shape['n_ff']}) of the type, mean of {runs}")  # fmt: skip
-    short = src.split(" on a synthetic")[0]
+    `llama_bench` (a llama.cpp build's llama-bench): by type, its products' GFLOP/s and a layer's
+    cost per token beyond them by prompt tokens, its decode weight GB/s by threads; its fixed
+    cost of a layer per token and a routed layer's; by type, its routed experts' prompt GFLOP/s by
+    tokens an expert draws and their cost per token and expert chosen; their decode GB/s; its
+    attention's time per query head and key in a prompt and a decode."""
+    runs = 1 if quick else 3
+    narrow, wide = PRODUCT_TWINS[quick]
+    short = f"measured: refengine profile {date.today().isoformat()}, llama-bench -t {threads}"
+    src = (f"{short}; synthetic llamas ({wide['n_layer']} layers, {narrow['n_embd']} x "
+           f"{narrow['n_ff']} and {wide['n_embd']} x {wide['n_ff']}) of the type, at least "
+           f"{max(runs, DIFFERENCE_RUNS)} runs each")  # fmt: skip
     twins_head = (f"{short}; synthetic llamas of one layer whose Q8_0 heads hold the same bytes "
                   "in 4x the rows, generating 32 tokens")
-    matmul, matvec = {}, {}
+    matmul, beyond, matvec = {}, {}, {}
     with tempfile.TemporaryDirectory(prefix="refengine-llamacpp-") as tmp:
         progress("llama.cpp's output head")
         head_row, head_gbps = head_rates(llama_bench, threads, runs, Path(tmp), quick)
         for name in types:
             progress(f"llama.cpp CPU {name}")
-            path = Path(tmp) / f"{name}.gguf"
-            write_synthetic(path, SyntheticConfig("llama", qtype=name, **shape))
-            spec = load_spec(str(path))
-            rates = bench(llama_bench, path, threads, runs)
-            matmul[name] = {
-                t: Figure(prompt_flops(spec, t) * rates[f"pp{t}"] / t / 1e9, f"{src}; pp{t}")
-                for t in MATMUL_TOKENS
-            }
-            matvec[name] = {
-                threads: Figure(token_nbytes(spec) * rates[f"tg{GEN_TOKENS}"] / 1e9,
-                                f"{src}; tg{GEN_TOKENS}, weight bytes per token")  # fmt: skip
-            }
-            path.unlink()
+            rates, layer, gbps = product_rates(llama_bench, threads, runs, Path(tmp), name, quick)
+            matmul[name] = {t: Figure(x, f"{src}; pp{t}: the difference of their FLOPs over "
+                                         "the difference of their times")
+                            for t, x in rates.items()}  # fmt: skip
+            beyond[name] = {t: Figure(x, f"{src}; pp{t}: the narrow one's time beyond its FLOPs "
+                                         "at that rate, per layer and token")
+                            for t, x in layer.items()}  # fmt: skip
+            matvec[name] = {threads: Figure(gbps, f"{src}; the wide one's tg{GEN_TOKENS}, weight "
+                                                  "bytes per token")}  # fmt: skip
         progress("llama.cpp's fixed cost of a layer")
         qtype = LAYER["qtype"]
         gbps = (matvec.get(qtype) or next(iter(matvec.values())))[threads].value
@@ -313,16 +376,25 @@ def measure_llamacpp_cpu(
         qwen3moe = per_layer.source.replace("llamas", "qwen3moe (8 experts, 2 and 6 used)")
         per_routed_layer = Figure(routed, f"{qwen3moe}, the intercept at none used")
         per_expert = Figure(per_expert, f"{qwen3moe}, the slope per expert used")
-        progress("llama.cpp's routed experts")
-        prompt, decode = expert_rates(llama_bench, threads, runs, Path(tmp), quick)
-        width = expert_twin(EXPERT_WIDTHS[quick][0], quick).n_embd
-        twins = (f"{short}; synthetic qwen3moe ({width} wide, 8 experts, 2 used) with experts "
-                 f"{' and '.join(map(str, EXPERT_WIDTHS[quick]))} wide")  # fmt: skip
+        width = expert_twin(EXPERT_WIDTHS[quick][0], quick, qtype).n_embd
+        twins = (f"{short}; synthetic qwen3moe ({width} wide, 8 experts, 2 used) of the type with "
+                 f"experts {' and '.join(map(str, EXPERT_WIDTHS[quick]))} wide")  # fmt: skip
         noise = (f" (at least {max(runs, DIFFERENCE_RUNS)} runs a side, the difference "
                  f"{DIFFERENCE_SIGMAS:g} standard errors above 0)")
-        experts = {drawn: Figure(x, f"{twins}, pp64 and pp512: the difference, {drawn} tokens "
-                                    f"an expert{noise}")
-                   for drawn, x in prompt.items()}  # fmt: skip
+        experts, slots, decodes = {}, {}, {}
+        for name in types:
+            progress(f"llama.cpp's routed {name} experts")
+            prompt, slot, gbps = expert_rates(llama_bench, threads, runs, Path(tmp), name,
+                                              per_expert.value, quick)  # fmt: skip
+            experts[name] = {drawn: Figure(x, f"{twins}, pp64 and pp512: the difference, "
+                                              f"{drawn} tokens an expert{noise}")
+                             for drawn, x in prompt.items()}  # fmt: skip
+            slots[name] = {t: Figure(x, f"{twins}, and the narrow one's twin choosing 4 of 16: "
+                                        f"pp{t}, the difference beyond its FLOPs and experts, per "
+                                        f"layer, token and expert chosen{noise}")
+                           for t, x in slot.items()}  # fmt: skip
+            decodes[name] = gbps
+        decode = decodes.get(qtype) or next((x for x in decodes.values() if x), None)
         progress("llama.cpp's attention")
         prompt_scores, decode_scores = attention_score_seconds(llama_bench, threads, runs,
                                                                Path(tmp), quick)  # fmt: skip
@@ -332,16 +404,29 @@ def measure_llamacpp_cpu(
                            f"{depth} and 0: the difference per layer, query head, token and key")
             for dim, x in row.items()} for depth, row in table.items()})
             for test, table in (("a prompt", prompt_scores), ("a decode", decode_scores))}
-    return dict(llamacpp_matmul_gflops=RateTable("GFLOP/s", matmul),
+    return dict(llamacpp_matmul_gflops=RateTable("GFLOP/s", with_any(matmul, qtype)),
+                llamacpp_prompt_layer_seconds=RateTable("s", with_any(beyond, qtype)),
                 llamacpp_matvec_gbps=RateTable("GB/s", matvec),
                 llamacpp_head_row_seconds=Figure(head_row, f"{twins_head}, per row"),
                 llamacpp_head_gbps=Figure(head_gbps, f"{twins_head}, per byte"),
                 llamacpp_layer_seconds=per_layer, llamacpp_routed_layer_seconds=per_routed_layer,
                 llamacpp_expert_seconds=per_expert,
-                llamacpp_expert_gflops=(RateTable("GFLOP/s", {ANY_TYPE: experts}) if experts
-                                        else None),  # fmt: skip
+                llamacpp_expert_gflops=(RateTable("GFLOP/s", with_any(experts, qtype))
+                                        if any(experts.values()) else None),  # fmt: skip
+                llamacpp_expert_slot_seconds=(RateTable("s", with_any(slots, qtype))
+                                              if any(slots.values()) else None),  # fmt: skip
                 llamacpp_expert_gbps=decode and Figure(
-                    decode, f"{twins}, tg{GEN_TOKENS}: the difference of the expert bytes a token "
-                            f"reads over the difference of the times{noise}"),
+                    decode, f"{twins.replace('of the type', f'of {qtype}')}, tg{GEN_TOKENS}: the "
+                            "difference of the expert bytes a token reads over the difference of "
+                            f"the times{noise}"),
                 llamacpp_prompt_score_seconds=scores["a prompt"],
                 llamacpp_decode_score_seconds=scores["a decode"])
+
+
+def with_any(rows: dict[str, dict], qtype: str) -> dict[str, dict]:
+    """Rows by type, empty ones dropped, with `qtype`'s (LAYER's) standing for a type not measured
+    (or the first measured)."""
+    rows = {name: row for name, row in rows.items() if row}
+    if rows:
+        rows[ANY_TYPE] = rows.get(qtype) or next(iter(rows.values()))
+    return rows

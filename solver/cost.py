@@ -10,6 +10,9 @@ Formulas (every rate from the HardwareProfile; M = tokens in the ubatch, the tie
    flops = 2 * (params / E) * k * M. The output head computes only the rows that need logits
    (one per sequence per ubatch); the embedding is a row gather.
 2. On the CPU the same with cpu.matvec_gbps(type, threads) and cpu.matmul_gflops(type, M).
+   Under llama.cpp, where the profile measured its own kernels, a prompt also pays per token a
+   layer's cost beyond its FLOPs by type (shared by the layer's seven products) and, for an
+   expert stack, each chosen expert's by type (shared by the layer's stacks).
 3. A streamed group is copied host -> GPU every ubatch: nbytes / h2d + copy latency, where h2d is
    the profile's rate *while the CPU computes* whenever the tier's plan also computes on the CPU
    (they share the host memory bus; the embedding's row gather does not count), else the
@@ -58,7 +61,8 @@ import numpy as np
 from refengine.errors import UserError
 from refengine.spec import ModelSpec
 
-from .groups import ATTN_SIDE, EMBD, EXPERTS, FFN_ORDER, HEAD, Group, expert_nbytes, routed_nbytes
+from .groups import (ATTN_SIDE, EMBD, EXPERTS, FFN_MATRIX, FFN_ORDER, HEAD, Group, expert_nbytes,
+                     routed_nbytes)
 from .groups import tensor_groups
 from .memory import expected_distinct_experts, kv_cell_nbytes
 from .profile import ANY_TYPE, PANEL_TYPE, Figure, HardwareProfile
@@ -85,6 +89,9 @@ GGML_CPU_ATTENTION_EFFICIENCY = 0.42
 # pageable host memory, 4-13 GB/s (docs/pshard.md reason 4); the middle of that range.
 PSHARD_PAGEABLE_H2D_GBPS = 8.5
 ELEMENTWISE_KERNELS_PER_LAYER = 8
+# a llama layer's products (Q, K, V, O, gate, up, down): what the profile's llama.cpp cost of a
+# layer beyond its FLOPs (`llamacpp_prompt_layer_seconds`) is shared by
+LAYER_PRODUCTS = 7
 OBJECTIVES = ("e2e", "tps", "ttft")
 
 
@@ -343,10 +350,12 @@ class CostModel:
             drawn = max(1, round(tokens * hp.n_expert_used / touched))
         if llama and g.kind == EXPERTS and cpu.llamacpp_expert_gflops:
             rate = cpu.llamacpp_expert_gflops.at(g.qtype, drawn)
-            return max(read, flops / (rate * 1e9)) + fixed
+            return (max(read, flops / (rate * 1e9)) + fixed
+                    + tokens * self.llamacpp_beyond_seconds(g, tokens))  # fmt: skip
         if llama and cpu.llamacpp_matmul_gflops:
             rate = cpu.llamacpp_matmul_gflops.at(g.qtype, tokens)
-            return max(read, flops / (rate * 1e9)) + fixed
+            return (max(read, flops / (rate * 1e9)) + fixed
+                    + tokens * self.llamacpp_beyond_seconds(g, tokens))  # fmt: skip
         qtype, rates, at = g.qtype, cpu.matmul_gflops, tokens
         q8 = cpu.q8_matmul_gflops
         if not llama and g.kind == EXPERTS and q8 and qtype in q8.rows:
@@ -360,6 +369,21 @@ class CostModel:
                     and tokens >= HOST_PANEL_TOKENS and cpu.routed_handoff_seconds):  # fmt: skip
                 seconds += cpu.routed_handoff_seconds.value  # after the last layer's experts
         return seconds
+
+    def llamacpp_beyond_seconds(self, g: Group, tokens: int) -> float:
+        """A prompt token's cost in llama.cpp's CPU products of g beyond their FLOPs, where the
+        profile measured it: a layer's (on llamas of one type) shared by its products, the
+        attention side's LAYER_PRODUCTS - 3 and each FFN matrix's one; a routed stack's, each
+        expert chosen (on qwen3moe of one type) shared by the layer's stacks."""
+        cpu, hp = self.profile.cpu, self.spec.hparams
+        if g.kind == EXPERTS and cpu.llamacpp_expert_slot_seconds:
+            stacks = sum(1 for x in self.by_layer[g.layer] if x.kind == EXPERTS)
+            slot = cpu.llamacpp_expert_slot_seconds.at(g.qtype, tokens)
+            return hp.n_expert_used * slot / stacks
+        if g.kind in (ATTN_SIDE, FFN_MATRIX) and cpu.llamacpp_prompt_layer_seconds:
+            share = (LAYER_PRODUCTS - 3 if g.kind == ATTN_SIDE else 1) / LAYER_PRODUCTS
+            return share * cpu.llamacpp_prompt_layer_seconds.at(g.qtype, tokens)
+        return 0.0
 
     def our_layer_fixed(self, il: int) -> Figure | None:
         """Our decode layer's cost beyond its bytes, by its matrices' types as the profile

@@ -144,6 +144,10 @@ class CPUProfile:
     # llama.cpp's own CPU kernels, as `llama-bench` ran them (`refengine profile --llama-bin`):
     # what `--target llamacpp` prices a CPU-held matrix at; absent, our kernels' rates stand in
     llamacpp_matmul_gflops: RateTable | None = None  # by type and prompt tokens
+    # a layer's cost per prompt token beyond its products' FLOPs at that rate (their starts, the
+    # activations' quantization, the nodes between), by type and prompt tokens: what narrow
+    # models feel
+    llamacpp_prompt_layer_seconds: RateTable | None = None
     llamacpp_matvec_gbps: RateTable | None = None  # weight bytes a generated token reads
     # its attention (flash attention over the f16 cache) in a prompt and in a decode, per query
     # head (and token) and key: rows by depth, by head size (`RateTable.at_depth`)
@@ -192,10 +196,13 @@ class CPUProfile:
     # ours by type, on routed twins whose every matrix is of the type: each expert a decode chose
     # costs beyond its bytes by type (Q8_0's 1-5 us, Q4_K's 12-17 on 512-wide twins); by threads
     expert_type_seconds: RateTable | None = None
-    # llama.cpp's routed experts (its mul_mat_id) on a prompt, by the tokens an expert draws, and
-    # in a decode, the expert bytes a token reads per second
+    # llama.cpp's routed experts (its mul_mat_id) on a prompt, by type and the tokens an expert
+    # draws, and in a decode, the expert bytes a token reads per second
     llamacpp_expert_gflops: RateTable | None = None
     llamacpp_expert_gbps: Figure | None = None
+    # beyond those FLOPs, each (prompt token, expert chosen) of a routed layer, by type and prompt
+    # tokens (the rows' gather and quantization)
+    llamacpp_expert_slot_seconds: RateTable | None = None
 
 
 @dataclass(frozen=True)

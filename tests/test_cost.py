@@ -684,3 +684,39 @@ def test_a_prompt_pays_a_dequantize_and_a_product_launch_per_fp16_panel(monkeypa
     assert sized > 256 and extra > 0
     launch_seconds = prof.gpus[0].launch_seconds.value
     assert latency[256] - latency[sized] == pytest.approx(2 * extra * launch_seconds)
+
+
+def test_llamacpp_prompt_products_pay_their_measured_cost_beyond_their_flops():
+    """Where measured, a prompt token costs llama.cpp's CPU products a layer's figure beyond their
+    FLOPs (a llama layer's seven products share it: the attention side 4, each FFN matrix 1) and
+    each routed stack its share of each chosen expert's, by the group's type and prompt tokens;
+    a decode pays neither, nor does our engine."""
+    f = lambda v: Figure(v, "toy")  # noqa: E731
+    base = toy_profile()
+    layer = RateTable("s", {ANY_TYPE: {64: f(1e-6), 512: f(2e-6)}})
+    slot = RateTable("s", {"Q6_K": {512: f(9e-7)}, ANY_TYPE: {64: f(3e-7), 512: f(5e-7)}})
+    rates = RateTable("GFLOP/s", {ANY_TYPE: {64: f(100.0)}})
+    plain = replace(base, cpu=replace(base.cpu, llamacpp_matmul_gflops=rates,
+                                      llamacpp_expert_gflops=rates))  # fmt: skip
+    measured = replace(plain, cpu=replace(plain.cpu, llamacpp_prompt_layer_seconds=layer,
+                                          llamacpp_expert_slot_seconds=slot))  # fmt: skip
+
+    def beyond(spec, target, tokens, il):
+        cms = [CostModel(spec, p, W, target) for p in (measured, plain)]
+        return sum(cms[0].cpu_seconds(g, tokens) - cms[1].cpu_seconds(g, tokens)
+                   for g in cms[0].groups if g.layer == il)  # fmt: skip
+
+    for tokens, per_layer in ((512, 2e-6), (64, 1e-6)):
+        assert beyond(DENSE, "llamacpp", tokens, 0) == pytest.approx(tokens * per_layer)
+    hp = ROUTED_MIX.hparams
+    downs = {il: ROUTED_MIX.by_name[f"blk.{il}.ffn_down_exps.weight"].qtype.name for il in (0, 1)}
+    assert sorted(downs.values()) == ["Q4_K", "Q6_K"]  # one layer of each
+    for il, down in downs.items():
+        slots = 2 * 5e-7 + (9e-7 if down == "Q6_K" else 5e-7)  # its three stacks' shares, x 3
+        assert beyond(ROUTED_MIX, "llamacpp", 512, il) == pytest.approx(
+            512 * (2e-6 * 4 / 7 + hp.n_expert_used * slots / 3))
+    assert beyond(ROUTED_MIX, "llamacpp", 64, 0) == pytest.approx(
+        64 * (1e-6 * 4 / 7 + hp.n_expert_used * 3e-7))
+    for spec in (DENSE, ROUTED_MIX):
+        assert beyond(spec, "llamacpp", 1, 0) == 0.0
+        assert beyond(spec, "refengine", 512, 0) == 0.0

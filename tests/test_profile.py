@@ -200,6 +200,12 @@ def test_profile_measures_the_cpu_and_llama_cpps_rates_which_price_the_llamacpp_
     assert set(experts) <= {16, 128} and all(x.value > 0.5 for x in experts.values())
     decode = cpu.llamacpp_expert_gbps
     assert decode is None or 0.1 < decode.value < 10 * cpu.memory_gbps.value
+    # by type: a layer's cost beyond its products' FLOPs, each expert chosen's beyond theirs (a
+    # difference of two quick runs lost in the noise leaves that type's row out)
+    for table in (cpu.llamacpp_prompt_layer_seconds, cpu.llamacpp_expert_slot_seconds):
+        rows = table.rows if table else {}
+        assert set(rows) <= {*cpu.llamacpp_matmul_gflops.rows, ANY_TYPE}
+        assert all(0 <= x.value < 1e-3 for row in rows.values() for x in row.values())
     # Q8_0 matrices wide enough that they, not the prompt's attention, take a prompt's time
     spec = spec_from_hparams(SyntheticConfig("llama", n_layer=2, n_embd=1024, n_ff=4096,
                                              n_head=8, n_head_kv=8, n_vocab=512, qtype="Q8_0"))
