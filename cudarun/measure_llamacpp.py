@@ -39,7 +39,8 @@ from .measure_cpu import (ATTENTION_DIMS, LAYER, MATMUL_TOKENS, MATVEC_TYPES, RO
 # weights many times the last-level cache, as a real model's does (two layers, 57 MiB of Q4_K, ran
 # 355 GFLOP/s where 16 ran 261 and a 1B Q4_K_M llama 268), and as narrow as the smallest real
 # models (priced at a 2048-wide twin's mean rate, SmolLM2's 576-wide prompts ran 0.84-0.91 of
-# predicted: a layer's cost beyond its FLOPs, 6-25 us a token by type, docs/measured/
+# predicted; these twins put a layer's cost beyond its FLOPs at 2-5 us a token by type, and the
+# slope above the mean rate: Q6_K's 798 GFLOP/s where its mean read 717, docs/measured/
 # 2026-11-28-product-twins.txt). One head of 64 in both: their attention, small and the same,
 # cancels; a 512-token vocabulary, so that the head is noise
 WIDE = dict(n_layer=16, n_embd=2048, n_ff=5632, n_head=1, n_head_kv=1, head_dim=64, n_vocab=512)
@@ -262,9 +263,9 @@ EXPERT_TWIN = dict(n_embd=1024, n_head=16, n_head_kv=4)
 EXPERT_WIDTHS = {False: (512, 2048), True: (256, 1024)}  # by `quick`
 # a third twin chooses MORE_SLOTS times the experts of as many (so that each draws as many tokens,
 # at the same FLOPs a token and expert): what each (token, expert chosen) costs beyond its FLOPs.
-# Priced at the width twins' rate alone, 32-expert files' prompts ran 0.8x of predicted: 4 us a
-# token and expert chosen (Q4_K; the rows' gather and their quantization, docs/measured/
-# 2026-11-28-product-twins.txt)
+# Priced by Q8_0's twins whatever their type, qwen3moe-2b's (Q4_K and Q6_K) prompts ran 0.96-1.20
+# of predicted; by their type's rate alone, 0.86; with this, 0.92 (0.3-2.7 us a token and expert
+# chosen by type: the rows' gather and quantization, docs/measured/2026-11-28-product-twins.txt)
 MORE_SLOTS = 2
 
 
