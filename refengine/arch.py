@@ -12,11 +12,18 @@ architecture's name. Semantics follow llama.cpp (src/models/*.cpp, src/llama-mod
   file's `rope.freq_base` on global ones. Its GGUF norm weights already include gemma's "+1".
 - qwen2: biases on Q, K and V. qwen3: RMSNorm on Q and K per head, before RoPE.
 - qwen3moe: softmax router over all experts, top-k, weights renormalized to sum 1.
+- llama with `llama.expert_count` > 0 (Mixtral's layout): every layer routes as qwen3moe does, each
+  expert `feed_forward_length` wide (docs/llamacpp-architectures.md, 2.7).
+
+The other names llama.cpp 0.3.36 knows (llamacpp_arches.json) are refused with what they are.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import json
+from dataclasses import dataclass, replace
+from functools import cache
+from pathlib import Path
 
 from .errors import UserError
 
@@ -37,12 +44,14 @@ class ArchTraits:
     gemma3_27b_scale: bool = False  # llama.cpp's 62-layer special case of the attention scale
     default_rope_base: float = 10000.0  # the usual base, for synthetic and spec-only models
     synthetic_pre_tokenizer: str = "default"  # what the synthetic writer declares
+    # routed when the file's expert_count > 0, each expert as wide as feed_forward_length
+    moe_by_count: bool = False
 
 
 ARCHES: dict[str, ArchTraits] = {
     t.name: t
     for t in (
-        ArchTraits("llama", rope_style="norm", ffn_act="silu"),
+        ArchTraits("llama", rope_style="norm", ffn_act="silu", moe_by_count=True),
         ArchTraits(
             "qwen2",
             rope_style="neox",
@@ -85,7 +94,32 @@ ARCHES: dict[str, ArchTraits] = {
 }
 
 
-def arch_traits(name) -> ArchTraits:
+def arch_traits(name, n_expert: int = 0) -> ArchTraits:
+    """The traits of architecture `name`, routed where its files decide by their `n_expert`."""
     if not isinstance(name, str) or name not in ARCHES:
-        raise UserError(f"architecture {name!r} is not supported (supported: {', '.join(ARCHES)})")
-    return ARCHES[name]
+        raise UserError(unsupported(name))
+    traits = ARCHES[name]
+    if traits.moe_by_count and n_expert > 0:
+        return replace(traits, moe=True, expert_weights_norm=True)
+    return traits
+
+
+@cache
+def llamacpp_arches() -> dict:
+    """{"decoder": [names], "refused": {name: what it is}}: llama.cpp 0.3.36's architectures."""
+    return json.loads(Path(__file__).with_name("llamacpp_arches.json").read_text())
+
+
+def unsupported(name) -> str:
+    """Why a file of architecture `name` is refused, in one line."""
+    known = llamacpp_arches()
+    planned = ", ".join(ARCHES)
+    if name in known["refused"]:
+        return (f"architecture {name!r} is not a text generator refengine can plan "
+                f"({known['refused'][name]})")  # fmt: skip
+    if name in known["decoder"]:
+        return (f"architecture {name!r} runs in llama.cpp, but refengine does not plan it yet "
+                f"(it plans {planned})")  # fmt: skip
+    return (f"architecture {name!r} is not one of the {len(known['decoder'])} text "
+            f"architectures llama.cpp 0.3.36 knows; the file is damaged or newer than it "
+            f"(refengine plans {planned})")  # fmt: skip

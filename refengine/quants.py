@@ -84,7 +84,8 @@ def _row(t: GGMLQuantizationType, *fields: tuple[str, int], measured=(), quantiz
 
 
 BOTH = (HOST, GPU)
-# the types every engine supports, in the order the tables list them
+PLANNED = (PLANNER, NUMPY)
+# the types, in the order the tables list them, and the engines that compute each
 QTYPES: dict[GGMLQuantizationType, QType] = {q.ggml: q for q in (
     _row(Q.F32, ("value", 4)),
     _row(Q.F16, ("value", 2), measured=BOTH),
@@ -100,6 +101,16 @@ QTYPES: dict[GGMLQuantizationType, QType] = {q.ggml: q for q in (
          measured=(GPU,), quantizable=False),
     _row(Q.Q6_K, ("ql", 128), ("qh", 64), ("scales", 16), ("d", 2), measured=BOTH,
          quantizable=False),
+    # offload quants (gpt-oss's experts are MXFP4): planned, priced at a measured type's rates,
+    # and run by the reference alone (gguf-py dequantizes them); llama.cpp computes them
+    _row(Q.Q2_K, ("scales", 16), ("qs", 64), ("d", 2), ("dmin", 2), quantizable=False,
+         engines=PLANNED),
+    _row(Q.Q3_K, ("hmask", 32), ("qs", 64), ("scales", 12), ("d", 2), quantizable=False,
+         engines=PLANNED),
+    _row(Q.IQ4_NL, ("d", 2), ("qs", 16), quantizable=False, engines=PLANNED),
+    _row(Q.IQ4_XS, ("d", 2), ("scales_h", 2), ("scales_l", 4), ("qs", 128), quantizable=False,
+         engines=PLANNED),
+    _row(Q.MXFP4, ("e", 1), ("qs", 16), engines=PLANNED),
 )}  # fmt: skip
 SUPPORTED = tuple(QTYPES)
 

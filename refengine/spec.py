@@ -169,12 +169,24 @@ def _swa(m: _Meta, traits: ArchTraits, n_layer: int) -> tuple[int, tuple[bool, .
     )
 
 
+def expert_width(traits: ArchTraits, m: _Meta, n_ff: int, n_used: int) -> int:
+    """An expert's FFN rows: a routed llama's are feed_forward_length; the others' their key's,
+    else llama.cpp's fallback, n_ff over the experts used."""
+    if not traits.moe:
+        return 0
+    if traits.moe_by_count:
+        return n_ff
+    return m.get("expert_feed_forward_length", n_ff // n_used if n_used else 0)
+
+
 def load_spec(path: str | os.PathLike) -> ModelSpec:
     """ModelSpec of a GGUF file (no weights read), checked against its architecture's layout."""
     g = read_gguf(path)
     p = g.path
-    traits = arch_traits(g.fields.get("general.architecture"))
+    name = g.fields.get("general.architecture")
+    traits = arch_traits(name)
     m = _Meta(g.fields, traits.name, p)
+    traits = arch_traits(name, m.get("expert_count", 0))  # a llama with experts routes
 
     tensors = []
     for t in g.tensors:
@@ -232,10 +244,7 @@ def load_spec(path: str | os.PathLike) -> ModelSpec:
         swa_layers=swa,
         n_expert=m.get("expert_count", 0),
         n_expert_used=n_expert_used,
-        # llama.cpp's fallback when the key is absent
-        n_ff_exp=m.get("expert_feed_forward_length", n_ff // n_expert_used if n_expert_used else 0)
-        if traits.moe
-        else 0,
+        n_ff_exp=expert_width(traits, m, n_ff, n_expert_used),
     )
     check_hparams(hp, traits, str(p))
     check_tensors(traits, hp, shapes, str(p))

@@ -75,7 +75,7 @@ class SyntheticConfig:
 
     def hparams(self) -> HParams:
         """The hyperparameters this config describes; UserError if the engine cannot run them."""
-        traits = arch_traits(self.arch)
+        traits = arch_traits(self.arch, self.n_expert)
         if self.n_head <= 0 or self.n_embd <= 0:
             raise UserError("a synthetic model needs positive --heads and --embd")
         hd = self.head_dim or self.n_embd // self.n_head
@@ -100,7 +100,7 @@ class SyntheticConfig:
             swa_layers=swa_layers(traits, self.n_layer) if n_swa else (),
             n_expert=self.n_expert,
             n_expert_used=self.n_expert_used,
-            n_ff_exp=self.n_ff_exp,
+            n_ff_exp=self.n_ff if traits.moe_by_count and traits.moe else self.n_ff_exp,
         )
         check_hparams(hp, traits, f"synthetic {self.arch}")
         return hp
@@ -171,7 +171,7 @@ def slot_type(cfg: SyntheticConfig, hp: HParams, slot) -> GGMLQuantizationType:
 
 def spec_from_hparams(cfg: SyntheticConfig) -> ModelSpec:
     """A ModelSpec for a model described by hyperparameters alone (no file, no weights)."""
-    traits, hp = arch_traits(cfg.arch), cfg.hparams()
+    traits, hp = arch_traits(cfg.arch, cfg.n_expert), cfg.hparams()
     tensors = []
     for slot in tensor_layout(traits, hp, cfg.tied_output):
         tt = slot_type(cfg, hp, slot)
@@ -230,13 +230,14 @@ def vocabulary(n_vocab: int) -> tuple[list[str], list[int], list[str]]:
 # Field offsets of the K-quant blocks (ggml-common.h): where the fp16 d (and dmin) live, and the
 # expected value of the unsigned quant * sub-scale product that dmin must cancel for zero mean.
 # a K-quant's mean unsigned quant (its minimum, dmin x m, offsets it to zero mean)
-_KQUANT_MEAN_Q = {Q.Q4_K: 7.5, Q.Q5_K: 15.5, Q.Q6_K: 0.0}
+_KQUANT_MEAN_Q = {Q.Q2_K: 1.5, Q.Q4_K: 7.5, Q.Q5_K: 15.5, Q.Q6_K: 0.0}
 
 
 def random_kquant_blocks(
     rng: np.random.Generator, shape: tuple[int, ...], t: GGMLQuantizationType, std: float
 ) -> np.ndarray:
-    """Random valid K-quant blocks for a tensor of numpy `shape`, values of spread ~std, mean ~0."""
+    """Random valid blocks of a type gguf-py cannot quantize (the K-quants, IQ4_NL, IQ4_XS) for a
+    tensor of numpy `shape`, values of spread ~std, mean ~0."""
     q = qtype(t)
     n_blocks = int(np.prod(shape)) // q.block_elems
     blocks = rng.integers(0, 256, size=(n_blocks, q.block_nbytes), dtype=np.uint8)
@@ -294,7 +295,7 @@ ROUTER_LOGIT_STD = 4.0
 
 def write_synthetic(path: str | Path, cfg: SyntheticConfig) -> Path:
     """Write a random-weight GGUF for `cfg`; the same cfg always gives the same bytes."""
-    traits, hp = arch_traits(cfg.arch), cfg.hparams()
+    traits, hp = arch_traits(cfg.arch, cfg.n_expert), cfg.hparams()
     mix = cfg.qtype.upper() in MIXES
     # llama.cpp's file types: 15 is LLAMA_FTYPE_MOSTLY_Q4_K_M
     file_type = 15 if mix else int(qtype(cfg.qtype).ggml)
@@ -319,7 +320,8 @@ def write_synthetic(path: str | Path, cfg: SyntheticConfig) -> Path:
     if traits.moe:
         w.add_expert_count(hp.n_expert)
         w.add_expert_used_count(hp.n_expert_used)
-        w.add_expert_feed_forward_length(hp.n_ff_exp)
+        if not traits.moe_by_count:  # a routed llama's experts are feed_forward_length wide
+            w.add_expert_feed_forward_length(hp.n_ff_exp)
     w.add_file_type(file_type)
 
     tokens, types, merges = vocabulary(hp.n_vocab)

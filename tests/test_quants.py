@@ -20,6 +20,11 @@ def test_block_geometry_matches_the_format():
         Q.Q4_K: (256, 2 + 2 + 12 + 128),
         Q.Q5_K: (256, 2 + 2 + 12 + 32 + 128),
         Q.Q6_K: (256, 128 + 64 + 16 + 2),
+        Q.Q2_K: (256, 16 + 64 + 2 + 2),
+        Q.Q3_K: (256, 32 + 64 + 12 + 2),
+        Q.IQ4_NL: (32, 2 + 16),
+        Q.IQ4_XS: (256, 2 + 2 + 4 + 128),
+        Q.MXFP4: (32, 1 + 16),
     }
     assert set(QTYPES) == set(expected) == set(SUPPORTED)
     for t, (elems, nbytes) in expected.items():
@@ -123,7 +128,8 @@ def test_quantize_then_dequantize_is_close(t):
     assert np.max(np.abs(y - x)) <= tol * np.max(np.abs(x))
 
 
-@pytest.mark.parametrize("t", [Q.Q4_K, Q.Q5_K, Q.Q6_K])
+@pytest.mark.parametrize("t", [Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.Q2_K, Q.Q3_K, Q.IQ4_NL, Q.IQ4_XS],
+                         ids=lambda t: t.name)  # fmt: skip
 def test_random_kquant_blocks_are_valid_and_scaled(t):
     rng = np.random.default_rng(0)
     raw = random_kquant_blocks(rng, (64, 512), t, std=0.05)
@@ -134,8 +140,8 @@ def test_random_kquant_blocks_are_valid_and_scaled(t):
 
 
 def test_unsupported_and_unknown_types_are_user_errors():
-    with pytest.raises(UserError, match="Q2_K is not supported"):
-        qtype(Q.Q2_K)
+    with pytest.raises(UserError, match="IQ2_XXS is not supported"):
+        qtype(Q.IQ2_XXS)
     with pytest.raises(UserError, match="unknown"):
         qtype(999)
     with pytest.raises(UserError, match="not a whole number"):
