@@ -112,6 +112,11 @@ SYNTHETIC_CASES = {
         n_ff_exp=256,
         seed=4,
     ),
+    # a llama whose layers route (Mixtral's layout: experts as wide as feed_forward_length)
+    "synthetic-llama-moe": SyntheticConfig(
+        "llama", n_layer=2, n_embd=256, n_ff=256, n_head=4, n_head_kv=2, qtype="Q4_0",
+        n_expert=8, n_expert_used=2, seed=6,
+    ),
     "synthetic-gemma3": SyntheticConfig(
         "gemma3",
         n_layer=6,

@@ -53,9 +53,8 @@ def _limits(name):
 
 def test_cases_cover_every_architecture_and_both_real_models():
     assert REAL <= set(CASES)
-    assert {f"synthetic-{a}" for a in ("llama", "qwen2", "qwen3", "qwen3moe", "gemma3")} <= set(
-        CASES
-    )
+    assert {f"synthetic-{a}" for a in ("llama", "qwen2", "qwen3", "qwen3moe", "gemma3",
+                                       "llama-moe")} <= set(CASES)  # fmt: skip
 
 
 def test_greedy_continuations_match_llamacpp(case):
