@@ -184,8 +184,7 @@ def load_spec(path: str | os.PathLike) -> ModelSpec:
     g = read_gguf(path)
     p = g.path
     name = g.fields.get("general.architecture")
-    traits = arch_traits(name)
-    m = _Meta(g.fields, traits.name, p)
+    m = _Meta(g.fields, str(name), p)
     traits = arch_traits(name, m.get("expert_count", 0))  # a llama with experts routes
 
     tensors = []
