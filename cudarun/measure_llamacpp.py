@@ -26,6 +26,7 @@ from typing import Callable
 from refengine.errors import UserError
 from refengine.spec import ModelSpec, load_spec
 from refengine.synthetic import SyntheticConfig, write_synthetic
+from solver.cost import FFN_PRODUCTS, LAYER_PRODUCTS
 from solver.memory import expected_distinct_experts
 from solver.profile import ANY_TYPE, Figure, RateTable
 
@@ -267,37 +268,51 @@ EXPERT_WIDTHS = {False: (512, 2048), True: (256, 1024)}  # by `quick`
 # of predicted; by their type's rate alone, 0.86; with this, 0.92 (0.3-2.7 us a token and expert
 # chosen by type: the rows' gather and quantization, docs/measured/2026-11-28-product-twins.txt)
 MORE_SLOTS = 2
+# a fourth, a dense qwen3 whose FFN has the narrow twin's FLOPs a token: what a routed FFN costs
+# a prompt token beyond what a dense one of its FLOPs does (the router's softmax and top-k, the
+# experts' weighting and sum). Without it qwen3moe twins of 8 and of 32 experts ran 1.18-1.25x
+# their price at pp512 while their dense twins ran 1.17 (6.2 us a layer and token more, Q4_K,
+# docs/measured/2026-11-28-routed-twins.txt)
 
 
-def expert_twin(width: int, quick: bool, qtype: str, more: bool = False):
+def expert_twin(width: int, quick: bool, qtype: str, more: bool = False, dense: bool = False):
     """A twin of `expert_rates`: a qwen3moe (ROUTED) at EXPERT_TWIN's width (`quick`: TINY's)
     whose every matrix is `qtype` and whose experts are `width` wide; `more`: MORE_SLOTS times the
-    experts, of which MORE_SLOTS times as many are chosen."""
+    experts, of which MORE_SLOTS times as many are chosen; `dense`: a qwen3 whose FFN is as wide
+    as the experts a token chooses."""
     from dataclasses import replace
 
     twin = replace(layer_config(layer_counts(quick)[0], ROUTED, quick, qtype), n_ff_exp=width,
                    **({} if quick else EXPERT_TWIN))  # fmt: skip
+    if dense:
+        return replace(twin, arch="qwen3", n_ff=width * twin.n_expert_used, n_expert=0,
+                       n_expert_used=0, n_ff_exp=0)  # fmt: skip
     return replace(twin, n_expert=twin.n_expert * MORE_SLOTS,
                    n_expert_used=twin.n_expert_used * MORE_SLOTS) if more else twin
 
 
 def expert_rates(llama_bench: Path, threads: int, runs: int, tmp: Path, qtype: str,
-                 expert_seconds: float, quick: bool = False
-                 ) -> tuple[dict[int, float], dict[int, float], float | None]:  # fmt: skip
+                 expert_seconds: float, dense: tuple[dict[int, float], dict[int, float]],
+                 quick: bool = False) -> tuple[dict, dict, dict, float | None]:  # fmt: skip
     """({tokens an expert draws: GFLOP/s} on a prompt, {prompt tokens: seconds per layer, token
-    and expert chosen}, decode GB/s) of llama.cpp's routed experts of `qtype`: qwen3moe models
-    (ROUTED, EXPERT_TWIN's width) whose experts are EXPERT_WIDTHS wide run pp64, pp512 and tg16
-    (`expert_twin`); the difference of their times over the difference of their expert FLOPs (a
-    prompt) or of the expert bytes a token reads (a decode). The narrow one's twin with MORE_SLOTS
-    times the experts chosen takes, beyond it, those FLOPs at that rate, `expert_seconds` for each
-    expert more a ubatch touches, and the cost of each (token, expert chosen). A difference lost
-    in the noise (`measured_differences`) gives no figure: that prompt's rows are left out, the
-    decode's is None."""
+    and expert chosen}, {prompt tokens: seconds per layer and token}, decode GB/s) of llama.cpp's
+    routed experts of `qtype`: qwen3moe models (ROUTED, EXPERT_TWIN's width) whose experts are
+    EXPERT_WIDTHS wide run pp64, pp512 and tg16 (`expert_twin`); the difference of their times over
+    the difference of their expert FLOPs (a prompt) or of the expert bytes a token reads (a
+    decode). The narrow one's twin with MORE_SLOTS times the experts chosen takes, beyond it,
+    those FLOPs at that rate, `expert_seconds` for each expert more a ubatch touches, and the cost
+    of each (token, expert chosen). Its dense twin takes, short of it, its FFN's products at
+    `dense`'s rates (the type's ({prompt tokens: GFLOP/s}, {prompt tokens: seconds per layer and
+    token beyond}) from `product_rates`, the FFN's share of the latter) against the experts' FLOPs
+    at their rate, their starts and slots, and a routed layer's own cost per token. A difference
+    lost in the noise (`measured_differences`) gives no figure: that prompt's rows are left out,
+    the decode's is None."""
     n_layer = layer_counts(quick)[0]
     widths = EXPERT_WIDTHS[quick]
     configs = [expert_twin(w, quick, qtype) for w in widths]
     configs.append(expert_twin(widths[0], quick, qtype, more=True))
-    paths, specs = [tmp / f"experts-{qtype}-{i}.gguf" for i in range(3)], []
+    configs.append(expert_twin(widths[0], quick, qtype, dense=True))
+    paths, specs = [tmp / f"experts-{qtype}-{i}.gguf" for i in range(4)], []
     for path, config in zip(paths, configs):
         write_synthetic(path, config)
         specs.append(load_spec(str(path)))
@@ -305,13 +320,16 @@ def expert_rates(llama_bench: Path, threads: int, runs: int, tmp: Path, qtype: s
     wider = measured_differences(twins_seen(llama_bench, paths[:2], threads, [{}, {}]), runs)
     more = measured_differences(twins_seen(llama_bench, paths[::2], threads, [{}, {}]),
                                 runs)
+    routed = measured_differences(twins_seen(llama_bench, [paths[3], paths[0]], threads,
+                                             [{}, {}]), runs)  # fmt: skip
     for path in paths:
         path.unlink()
     hp, extra = specs[0].hparams, specs[2].hparams
     flops_per_token = (2.0 * 3 * hp.n_embd * (widths[1] - widths[0])
                        * hp.n_expert_used * n_layer)  # fmt: skip
     more_flops = 2.0 * 3 * hp.n_embd * widths[0] * (extra.n_expert_used - hp.n_expert_used)
-    prompt, slots = {}, {}
+    ffn_flops = 2.0 * 3 * hp.n_embd * widths[0] * hp.n_expert_used  # a token's, either twin's
+    prompt, slots, own = {}, {}, {}
     for t in MATMUL_TOKENS:
         touched = expected_distinct_experts(hp.n_expert, hp.n_expert_used, t)
         drawn = round(t * hp.n_expert_used / touched)
@@ -323,9 +341,16 @@ def expert_rates(llama_bench: Path, threads: int, runs: int, tmp: Path, qtype: s
             beyond = (more[f"pp{t}"] / n_layer - more_flops / (prompt[drawn] * 1e9)
                       - (more_touched - touched) * expert_seconds / t)  # fmt: skip
             slots[t] = max(beyond, 0.0) / (extra.n_expert_used - hp.n_expert_used)
+        rates, beyond_dense = dense
+        if routed[f"pp{t}"] and t in slots and t in rates:
+            experts = (ffn_flops / (prompt[drawn] * 1e9) + touched * expert_seconds / t
+                       + hp.n_expert_used * slots[t])  # fmt: skip
+            products = (ffn_flops / (rates[t] * 1e9)
+                        + FFN_PRODUCTS / LAYER_PRODUCTS * beyond_dense.get(t, 0.0))  # fmt: skip
+            own[t] = max(routed[f"pp{t}"] / n_layer - experts + products, 0.0)
     decode_seconds = wider[f"tg{GEN_TOKENS}"]
     gbps = (nbytes[1] - nbytes[0]) / decode_seconds / 1e9 if decode_seconds else None
-    return prompt, slots, gbps
+    return prompt, slots, own, gbps
 
 
 def measure_llamacpp_cpu(
@@ -382,11 +407,13 @@ def measure_llamacpp_cpu(
                  f"experts {' and '.join(map(str, EXPERT_WIDTHS[quick]))} wide")  # fmt: skip
         noise = (f" (at least {max(runs, DIFFERENCE_RUNS)} runs a side, the difference "
                  f"{DIFFERENCE_SIGMAS:g} standard errors above 0)")
-        experts, slots, decodes = {}, {}, {}
+        experts, slots, owns, decodes = {}, {}, {}, {}
         for name in types:
             progress(f"llama.cpp's routed {name} experts")
-            prompt, slot, gbps = expert_rates(llama_bench, threads, runs, Path(tmp), name,
-                                              per_expert.value, quick)  # fmt: skip
+            dense = ({t: x.value for t, x in matmul[name].items()},
+                     {t: x.value for t, x in beyond[name].items()})
+            prompt, slot, own, gbps = expert_rates(llama_bench, threads, runs, Path(tmp), name,
+                                                   per_expert.value, dense, quick)  # fmt: skip
             experts[name] = {drawn: Figure(x, f"{twins}, pp64 and pp512: the difference, "
                                               f"{drawn} tokens an expert{noise}")
                              for drawn, x in prompt.items()}  # fmt: skip
@@ -394,6 +421,11 @@ def measure_llamacpp_cpu(
                                         f"pp{t}, the difference beyond its FLOPs and experts, per "
                                         f"layer, token and expert chosen{noise}")
                            for t, x in slot.items()}  # fmt: skip
+            owns[name] = {t: Figure(x, f"{twins}, and the narrow one's dense qwen3 twin whose FFN "
+                                       f"is as wide as the experts a token chooses: pp{t}, the "
+                                       "difference beyond the experts' FLOPs, starts and slots "
+                                       "less the dense FFN's products, per layer and token{noise}")
+                          for t, x in own.items()}  # fmt: skip
             decodes[name] = gbps
         decode = decodes.get(qtype) or next((x for x in decodes.values() if x), None)
         progress("llama.cpp's attention")
@@ -416,6 +448,8 @@ def measure_llamacpp_cpu(
                                         if any(experts.values()) else None),  # fmt: skip
                 llamacpp_expert_slot_seconds=(RateTable("s", with_any(slots, qtype))
                                               if any(slots.values()) else None),  # fmt: skip
+                llamacpp_routed_token_seconds=(RateTable("s", with_any(owns, qtype))
+                                               if any(owns.values()) else None),  # fmt: skip
                 llamacpp_expert_gbps=decode and Figure(
                     decode, f"{twins.replace('of the type', f'of {qtype}')}, tg{GEN_TOKENS}: the "
                             "difference of the expert bytes a token reads over the difference of "

@@ -92,6 +92,7 @@ ELEMENTWISE_KERNELS_PER_LAYER = 8
 # a llama layer's products (Q, K, V, O, gate, up, down): what the profile's llama.cpp cost of a
 # layer beyond its FLOPs (`llamacpp_prompt_layer_seconds`) is shared by
 LAYER_PRODUCTS = 7
+FFN_PRODUCTS = 3  # of them, the FFN's
 OBJECTIVES = ("e2e", "tps", "ttft")
 
 
@@ -373,15 +374,18 @@ class CostModel:
     def llamacpp_beyond_seconds(self, g: Group, tokens: int) -> float:
         """A prompt token's cost in llama.cpp's CPU products of g beyond their FLOPs, where the
         profile measured it: a layer's (on llamas of one type) shared by its products, the
-        attention side's LAYER_PRODUCTS - 3 and each FFN matrix's one; a routed stack's, each
-        expert chosen (on qwen3moe of one type) shared by the layer's stacks."""
+        attention side's LAYER_PRODUCTS - FFN_PRODUCTS and each FFN matrix's one; a routed
+        stack's, each expert chosen and the routed layer's own cost per token (on qwen3moe of one
+        type) shared by the layer's stacks."""
         cpu, hp = self.profile.cpu, self.spec.hparams
         if g.kind == EXPERTS and cpu.llamacpp_expert_slot_seconds:
             stacks = sum(1 for x in self.by_layer[g.layer] if x.kind == EXPERTS)
             slot = cpu.llamacpp_expert_slot_seconds.at(g.qtype, tokens)
-            return hp.n_expert_used * slot / stacks
+            own = cpu.llamacpp_routed_token_seconds
+            own = own.at(g.qtype, tokens) if own else 0.0
+            return (hp.n_expert_used * slot + own) / stacks
         if g.kind in (ATTN_SIDE, FFN_MATRIX) and cpu.llamacpp_prompt_layer_seconds:
-            share = (LAYER_PRODUCTS - 3 if g.kind == ATTN_SIDE else 1) / LAYER_PRODUCTS
+            share = (LAYER_PRODUCTS - FFN_PRODUCTS if g.kind == ATTN_SIDE else 1) / LAYER_PRODUCTS
             return share * cpu.llamacpp_prompt_layer_seconds.at(g.qtype, tokens)
         return 0.0
 

@@ -203,6 +203,9 @@ class CPUProfile:
     # beyond those FLOPs, each (prompt token, expert chosen) of a routed layer, by type and prompt
     # tokens (the rows' gather and quantization)
     llamacpp_expert_slot_seconds: RateTable | None = None
+    # and a routed layer's cost per prompt token beyond a dense FFN's of its FLOPs (the router's
+    # softmax and top-k, the experts' weighting and sum), by type and prompt tokens
+    llamacpp_routed_token_seconds: RateTable | None = None
 
 
 @dataclass(frozen=True)

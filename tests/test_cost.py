@@ -689,17 +689,19 @@ def test_a_prompt_pays_a_dequantize_and_a_product_launch_per_fp16_panel(monkeypa
 def test_llamacpp_prompt_products_pay_their_measured_cost_beyond_their_flops():
     """Where measured, a prompt token costs llama.cpp's CPU products a layer's figure beyond their
     FLOPs (a llama layer's seven products share it: the attention side 4, each FFN matrix 1) and
-    each routed stack its share of each chosen expert's, by the group's type and prompt tokens;
-    a decode pays neither, nor does our engine."""
+    each routed stack its share of each chosen expert's and of the routed layer's own, by the
+    group's type and prompt tokens; a decode pays none, nor does our engine."""
     f = lambda v: Figure(v, "toy")  # noqa: E731
     base = toy_profile()
     layer = RateTable("s", {ANY_TYPE: {64: f(1e-6), 512: f(2e-6)}})
     slot = RateTable("s", {"Q6_K": {512: f(9e-7)}, ANY_TYPE: {64: f(3e-7), 512: f(5e-7)}})
+    own = RateTable("s", {"Q6_K": {512: f(7e-6)}, ANY_TYPE: {64: f(2e-6), 512: f(4e-6)}})
     rates = RateTable("GFLOP/s", {ANY_TYPE: {64: f(100.0)}})
     plain = replace(base, cpu=replace(base.cpu, llamacpp_matmul_gflops=rates,
                                       llamacpp_expert_gflops=rates))  # fmt: skip
     measured = replace(plain, cpu=replace(plain.cpu, llamacpp_prompt_layer_seconds=layer,
-                                          llamacpp_expert_slot_seconds=slot))  # fmt: skip
+                                          llamacpp_expert_slot_seconds=slot,
+                                          llamacpp_routed_token_seconds=own))  # fmt: skip
 
     def beyond(spec, target, tokens, il):
         cms = [CostModel(spec, p, W, target) for p in (measured, plain)]
@@ -713,10 +715,11 @@ def test_llamacpp_prompt_products_pay_their_measured_cost_beyond_their_flops():
     assert sorted(downs.values()) == ["Q4_K", "Q6_K"]  # one layer of each
     for il, down in downs.items():
         slots = 2 * 5e-7 + (9e-7 if down == "Q6_K" else 5e-7)  # its three stacks' shares, x 3
+        owns = 2 * 4e-6 + (7e-6 if down == "Q6_K" else 4e-6)
         assert beyond(ROUTED_MIX, "llamacpp", 512, il) == pytest.approx(
-            512 * (2e-6 * 4 / 7 + hp.n_expert_used * slots / 3))
+            512 * (2e-6 * 4 / 7 + (hp.n_expert_used * slots + owns) / 3))
     assert beyond(ROUTED_MIX, "llamacpp", 64, 0) == pytest.approx(
-        64 * (1e-6 * 4 / 7 + hp.n_expert_used * 3e-7))
+        64 * (1e-6 * 4 / 7 + hp.n_expert_used * 3e-7 + 2e-6))
     for spec in (DENSE, ROUTED_MIX):
         assert beyond(spec, "llamacpp", 1, 0) == 0.0
         assert beyond(spec, "refengine", 512, 0) == 0.0

@@ -201,8 +201,10 @@ def test_profile_measures_the_cpu_and_llama_cpps_rates_which_price_the_llamacpp_
     decode = cpu.llamacpp_expert_gbps
     assert decode is None or 0.1 < decode.value < 10 * cpu.memory_gbps.value
     # by type: a layer's cost beyond its products' FLOPs, each expert chosen's beyond theirs (a
-    # difference of two quick runs lost in the noise leaves that type's row out)
-    for table in (cpu.llamacpp_prompt_layer_seconds, cpu.llamacpp_expert_slot_seconds):
+    # difference of two quick runs lost in the noise leaves that type's row out), a routed layer's
+    # own beyond a dense FFN's
+    for table in (cpu.llamacpp_prompt_layer_seconds, cpu.llamacpp_expert_slot_seconds,
+                  cpu.llamacpp_routed_token_seconds):
         rows = table.rows if table else {}
         assert set(rows) <= {*cpu.llamacpp_matmul_gflops.rows, ANY_TYPE}
         assert all(0 <= x.value < 1e-3 for row in rows.values() for x in row.values())
