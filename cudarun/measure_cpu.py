@@ -13,7 +13,8 @@ from datetime import date
 from pathlib import Path
 from typing import Callable
 
-from solver.profile import ANY_TYPE, PANEL_TYPE, CPUProfile, Figure, RateTable
+from solver.profile import (ANY_TYPE, PANEL_TYPE, SCORE_TWIN_KV_HEADS, CPUProfile, Figure,
+                            RateTable)
 
 from refengine.quants import HOST, measured_on, qtype as as_qtype
 from refengine.spec import ModelSpec
@@ -196,16 +197,24 @@ def attention_costs(quick: bool, runs: int) -> tuple[dict[int, float], float]:
     return per_score, per_row
 
 
-SCORE_HEADS = 8  # query heads of the attention twins, over 2 KV heads
+SCORE_HEADS = 8  # query heads of the attention twins, over SCORE_TWIN_KV_HEADS KV heads
 
 
-def score_twin_config(n_layer: int, head_dim: int, n_ctx: int):
-    """A synthetic llama whose time at depth is its attention: small matrices, SCORE_HEADS query
-    heads over 2 KV heads of `head_dim`, a 512-token vocabulary."""
+def score_twin_config(n_layer: int, head_dim: int, n_ctx: int,
+                      kv_heads: int = SCORE_TWIN_KV_HEADS):  # fmt: skip
+    """A synthetic llama whose time at depth is its attention: small matrices, `kv_heads` KV heads
+    of `head_dim` under SCORE_HEADS query heads for every SCORE_TWIN_KV_HEADS, a 512-token
+    vocabulary."""
     from refengine.synthetic import SyntheticConfig
 
-    return SyntheticConfig("llama", n_layer=n_layer, n_embd=256, n_ff=256, n_head=SCORE_HEADS,
-                           n_head_kv=2, head_dim=head_dim, n_vocab=512, n_ctx_train=n_ctx)
+    return SyntheticConfig("llama", n_layer=n_layer, n_embd=256, n_ff=256,
+                           n_head=score_heads(kv_heads), n_head_kv=kv_heads, head_dim=head_dim,
+                           n_vocab=512, n_ctx_train=n_ctx)  # fmt: skip
+
+
+def score_heads(kv_heads: int) -> int:
+    """An attention twin's query heads over `kv_heads`."""
+    return SCORE_HEADS * kv_heads // SCORE_TWIN_KV_HEADS
 
 
 def twin_engine(path: Path, config, threads: int, n_ctx: int):

@@ -28,13 +28,13 @@ from refengine.spec import ModelSpec, load_spec
 from refengine.synthetic import SyntheticConfig, write_synthetic
 from solver.cost import FFN_PRODUCTS, LAYER_PRODUCTS
 from solver.memory import expected_distinct_experts
-from solver.profile import ANY_TYPE, Figure, RateTable
+from solver.profile import ANY_TYPE, SCORE_TWIN_KV_HEADS, SCORE_WIDE_KV_HEADS, Figure, RateTable
 
 from .measure_cpu import (ATTENTION_DIMS, LAYER, MATMUL_TOKENS, MATVEC_TYPES, ROUTED,
-                          ROUTED_TWINS, SCORE_HEADS, fixed_layer_seconds, layer_config,
+                          ROUTED_TWINS, fixed_layer_seconds, layer_config,
                           layer_counts, layer_read_nbytes, matrices, routed_fixed,
-                          row_seconds_and_gbps, row_twin_config, row_twins, score_twin_config,
-                          token_nbytes)
+                          row_seconds_and_gbps, row_twin_config, row_twins, score_heads,
+                          score_twin_config,                           token_nbytes)
 
 # the products' twins, by `quick`: as deep as a 1B model, so that a prompt runs for seconds over
 # weights many times the last-level cache, as a real model's does (two layers, 57 MiB of Q4_K, ran
@@ -224,33 +224,49 @@ def head_rates(llama_bench: Path, threads: int, runs: int, tmp: Path,
 SCORE_LAYER_DIMS = 32 * 64
 # the depths they run at: the depths the predictions are checked at
 SCORE_DEPTHS = (2048, 4096)
+# and their KV heads: through sittings l-q the twins of 2 read 1.45-1.5 ns per query head and key
+# of 64 at depth 2048 where qwen3moe-2b (4 KV heads) and llama-1B (8) ran ~1.9-2.0 and qwen2-1.5B
+# (2) ran as its twin; in another hour all of them ran ~2.0 (docs/measured/2026-11-28-kv-heads.txt)
+SCORE_KV_HEADS = (SCORE_TWIN_KV_HEADS, SCORE_WIDE_KV_HEADS)
 
 
-def score_layers(head_dim: int, quick: bool) -> int:
-    return 4 if quick else max(SCORE_LAYER_DIMS // head_dim, 1)
+def score_layers(head_dim: int, quick: bool, kv_heads: int = SCORE_TWIN_KV_HEADS) -> int:
+    """The twin's layers: as much attention work whatever its heads."""
+    layers = 4 if quick else SCORE_LAYER_DIMS // head_dim
+    return max(layers * SCORE_TWIN_KV_HEADS // kv_heads, 1)
+
+
+def score_row(depth: int, kv_heads: int) -> str:
+    """A score table's row name (`RateTable.at_depth`)."""
+    return str(depth) if kv_heads == SCORE_TWIN_KV_HEADS else f"{depth}@{kv_heads}"
 
 
 def attention_score_seconds(llama_bench: Path, threads: int, runs: int, tmp: Path,
                             quick: bool = False) -> tuple[dict, dict]:  # fmt: skip
-    """({depth: {head size: seconds}} of llama.cpp's CPU attention in a prompt, per layer, query
-    head, token and key; the same in a decode): for each of ATTENTION_DIMS, a synthetic llama of
-    small matrices (8 query heads over 2 KV heads of the size) runs a prompt and a decode at each
-    of SCORE_DEPTHS and at 0; the difference per layer, query head, token and key. (Priced as our
-    F16 BLAS rate instead, SmolLM2's prompt at depth 4096 ran 0.68 of predicted; as the cache
-    bytes read at a rate measured on 64-wide heads, qwen2-1.5B's decode at depth 2048 ran 1.14.)"""
+    """({(depth, KV heads): {head size: seconds}} of llama.cpp's CPU attention in a prompt, per
+    layer, query head, token and key; the same in a decode): for each
+    of ATTENTION_DIMS, synthetic llamas of small matrices (SCORE_KV_HEADS KV heads of the size, 4
+    query heads over each) run a prompt and a decode at each of SCORE_DEPTHS and at 0; the
+    difference per layer, query head, token and key. (Priced as our F16 BLAS rate instead,
+    SmolLM2's prompt at depth 4096 ran 0.68 of predicted; as the cache bytes read at a rate
+    measured on 64-wide heads, qwen2-1.5B's decode at depth 2048 ran 1.14.)"""
     depths, tokens = ((256, 512), 64) if quick else (SCORE_DEPTHS, 512)
-    prompt, decode = {d: {} for d in depths}, {d: {} for d in depths}
+    prompt, decode = {}, {}
     for dim in ATTENTION_DIMS:
-        path, layers = tmp / f"attention-{dim}.gguf", score_layers(dim, quick)
-        write_synthetic(path, score_twin_config(layers, dim, 2 * (depths[-1] + tokens)))
-        records = bench_alternated(llama_bench, [path], threads, max(runs, 3), (tokens,),
-                                   GEN_TOKENS, (0, *depths))[0]  # fmt: skip
-        path.unlink()
-        for table, test in ((prompt, f"pp{tokens}"), (decode, f"tg{GEN_TOKENS}")):
-            for d in depths:
-                deeper_seconds = (median_seconds(records[f"{test}@{d}"])
-                                  - median_seconds(records[test]))  # fmt: skip
-                table[d][dim] = max(deeper_seconds / (layers * SCORE_HEADS * d), 0.0)
+        twins = [(kv, score_layers(dim, quick, kv), tmp / f"attention-{dim}-{kv}.gguf")
+                 for kv in SCORE_KV_HEADS]  # fmt: skip
+        for kv, layers, path in twins:
+            write_synthetic(path, score_twin_config(layers, dim, 2 * (depths[-1] + tokens), kv))
+        records = bench_alternated(llama_bench, [path for *_, path in twins], threads,
+                                   max(runs, 3), (tokens,), GEN_TOKENS, (0, *depths))  # fmt: skip
+        for (kv, layers, path), twin in zip(twins, records):
+            path.unlink()
+            for table, test in ((prompt, f"pp{tokens}"), (decode, f"tg{GEN_TOKENS}")):
+                for d in depths:
+                    deeper_seconds = (median_seconds(twin[f"{test}@{d}"])
+                                      - median_seconds(twin[test]))  # fmt: skip
+                    table.setdefault((d, kv), {})[dim] = max(
+                        deeper_seconds / (layers * score_heads(kv) * d), 0.0)
     return prompt, decode
 
 
@@ -431,11 +447,12 @@ def measure_llamacpp_cpu(
         progress("llama.cpp's attention")
         prompt_scores, decode_scores = attention_score_seconds(llama_bench, threads, runs,
                                                                Path(tmp), quick)  # fmt: skip
-        scores = {test: RateTable("s", {str(depth): {
-            dim: Figure(x, f"{short}; a synthetic llama of {score_layers(dim, quick)} layers, "
-                           f"{SCORE_HEADS} query heads over 2 KV heads of {dim}, {test} at depth "
-                           f"{depth} and 0: the difference per layer, query head, token and key")
-            for dim, x in row.items()} for depth, row in table.items()})
+        scores = {test: RateTable("s", {score_row(depth, kv): {
+            dim: Figure(x, f"{short}; a synthetic llama of {score_layers(dim, quick, kv)} "
+                           f"layers, {score_heads(kv)} query heads over {kv} KV heads of {dim}, "
+                           f"{test} at depth {depth} and 0: the difference per layer, query "
+                           "head, token and key")
+            for dim, x in cells.items()} for (depth, kv), cells in table.items()})
             for test, table in (("a prompt", prompt_scores), ("a decode", decode_scores))}
     return dict(llamacpp_matmul_gflops=RateTable("GFLOP/s", with_any(matmul, qtype)),
                 llamacpp_prompt_layer_seconds=RateTable("s", with_any(beyond, qtype)),

@@ -540,9 +540,10 @@ class CostModel:
             measured = (cpu.llamacpp_prompt_score_seconds if tokens > 1
                         else cpu.llamacpp_decode_score_seconds)  # fmt: skip
             if measured:
-                # per query head and key, by head size and the span of keys (the depths measured):
-                # not its bytes, as heads of 128 take 1.4x the time per key of heads of 64, not 2x
-                score = np.vectorize(lambda k: measured.at_depth(hp.head_dim, k),
+                # per query head and key, by head size, the span of keys (the depths measured)
+                # and KV heads: not its bytes, as heads of 128 take 1.4x the time per key of heads
+                # of 64, not 2x
+                score = np.vectorize(lambda k: measured.at_depth(hp.head_dim, k, hp.n_head_kv),
                                      otypes=[float])(keys)  # fmt: skip
                 return np.maximum(nbytes / (gbps * 1e9), hp.n_head * tokens * keys * score)
             # unmeasured: its kernel reads the KV head once per query head

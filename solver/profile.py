@@ -64,6 +64,11 @@ def log_between(points: dict[float, float], x: float) -> float:
     return points[lo] + f * (points[hi] - points[lo])
 
 
+# the attention twins' KV heads (cudarun.measure_cpu.score_twin_config), and the wider twin's
+SCORE_TWIN_KV_HEADS = 2
+SCORE_WIDE_KV_HEADS = 8
+
+
 @dataclass(frozen=True)
 class RateTable:
     """Achieved rate by ggml type and a size key (tokens, or threads for CPU matvec)."""
@@ -79,13 +84,20 @@ class RateTable:
             raise UserError(f"the profile has no {self.unit} rate for {qtype} (nor a '*' row)")
         return log_between({k: f.value for k, f in row.items()}, key)
 
-    def at_depth(self, key: int, depth: float) -> float:
-        """For a table whose rows are named by a depth: the rate at `key` interpolated in
-        log(depth) between the rows' and held constant beyond them; a `*` row stands for every
-        depth."""
+    def at_depth(self, key: int, depth: float, kv_heads: int = SCORE_TWIN_KV_HEADS) -> float:
+        """For a table whose rows are named by a depth ("2048") or a depth and KV heads
+        ("2048@8"; the first, SCORE_TWIN_KV_HEADS'): the rate at `key` interpolated in log(depth)
+        between the rows' of each count of KV heads, then in log(kv_heads) between those, held
+        constant beyond them; a `*` row stands for every depth."""
         if ANY_TYPE in self.rows:
             return self.at(ANY_TYPE, key)
-        return log_between({int(name): self.at(name, key) for name in self.rows}, depth)
+        by_heads: dict[int, dict[int, float]] = {}
+        for name in self.rows:
+            depth_name, _, heads = name.partition("@")
+            by_heads.setdefault(int(heads or SCORE_TWIN_KV_HEADS), {})[int(depth_name)] = (
+                self.at(name, key))
+        return log_between({h: log_between(row, depth) for h, row in by_heads.items()},
+                           kv_heads)  # fmt: skip
 
     def to_json(self) -> dict:
         return {
@@ -150,7 +162,7 @@ class CPUProfile:
     llamacpp_prompt_layer_seconds: RateTable | None = None
     llamacpp_matvec_gbps: RateTable | None = None  # weight bytes a generated token reads
     # its attention (flash attention over the f16 cache) in a prompt and in a decode, per query
-    # head (and token) and key: rows by depth, by head size (`RateTable.at_depth`)
+    # head (and token) and key: rows by depth and KV heads, by head size (`RateTable.at_depth`)
     llamacpp_prompt_score_seconds: RateTable | None = None
     llamacpp_decode_score_seconds: RateTable | None = None
     # our host prefill's attention (scores by BLAS, masked, a row softmax, times V) and gated

@@ -614,13 +614,14 @@ def test_twins_of_equal_bytes_and_unequal_rows_give_the_cost_per_byte_and_per_ro
 def test_llamacpp_attention_is_priced_per_query_head_and_key_as_measured():
     """Where the profile measured llama.cpp's CPU attention, a prompt's costs query heads x tokens x
     keys (causal: depth + (tokens + 1) / 2 on average) x the per-score time of its head size at its
-    span of keys, interpolated in log(span) between the depths measured and held beyond them; a
-    decode's the same from its own table; a table of one '*' row holds at every depth; our prompts
-    are not priced by them."""
+    span of keys, interpolated in log(span) between the depths measured and held beyond them, then
+    in log(KV heads) between the twins' KV heads; a decode's the same from its own table; a table
+    of one '*' row holds at every depth; our prompts are not priced by them."""
     f = lambda v: Figure(v, "toy")  # noqa: E731
     base = toy_profile()
     prompt = RateTable("s", {"1000": {64: f(2e-7), 256: f(4e-7)},  # head 128: 3e-7, log-midway
-                             "4000": {64: f(4e-7), 256: f(8e-7)}})  # 6e-7
+                             "4000": {64: f(4e-7), 256: f(8e-7)},  # 6e-7
+                             "1000@8": {64: f(8e-7), 256: f(1.6e-6)}})  # 1.2e-6, at every depth
     decode = RateTable("s", {"2000": {64: f(1e-6), 256: f(3e-6)}})  # 2e-6
     measured = replace(base, cpu=replace(base.cpu, llamacpp_prompt_score_seconds=prompt,
                                          llamacpp_decode_score_seconds=decode))  # fmt: skip
@@ -645,6 +646,13 @@ def test_llamacpp_attention_is_priced_per_query_head_and_key_as_measured():
         pytest.approx(hp.n_head * 512 * (8000 + 256.5) * 3e-7))
     assert CostModel(gqa, measured, W).attention_seconds(0, 512, 1000, cpu) == (
         CostModel(gqa, base, W).attention_seconds(0, 512, 1000, cpu))
+    # more KV heads: the wider twins' row, and log-midway between them at 4
+    for kv, at in ((8, 1.2e-6), (16, 1.2e-6), (4, (6e-7 + 1.2e-6) / 2)):
+        wider = spec_from_hparams(replace(SyntheticConfig(
+            "llama", n_layer=2, n_embd=1024, n_ff=4096, n_head=8, n_head_kv=2, n_vocab=32000,
+            qtype="F16"), n_head=16, n_head_kv=kv, head_dim=128))
+        assert CostModel(wider, measured, W, "llamacpp").attention_seconds(
+            0, 512, 8000, cpu) == pytest.approx(16 * 512 * (8000 + 256.5) * at)
 
 
 def test_our_decode_attention_is_priced_per_query_head_and_key_as_measured():

@@ -189,7 +189,7 @@ def test_profile_measures_the_cpu_and_llama_cpps_rates_which_price_the_llamacpp_
     assert 0 <= cpu.llamacpp_layer_seconds.value < 1e-3
     # (a difference of two quick runs: on CI's two busy cores it can clamp at 0)
     for scores in (cpu.llamacpp_prompt_score_seconds, cpu.llamacpp_decode_score_seconds):
-        assert set(scores.rows) == {"256", "512"}
+        assert set(scores.rows) == {"256", "512", "256@8", "512@8"}
         assert all(0 <= scores.at_depth(d, 300) < 1e-6 for d in (64, 256))
         assert "per layer, query head, token and key" in scores.rows["512"][64].source
     assert "qwen3moe" in cpu.llamacpp_routed_layer_seconds.source
