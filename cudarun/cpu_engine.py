@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from refengine import defaults
+from refengine.arch import require_engines
 from refengine.engine import SequenceCalls, keep_all
 from refengine.quants import require
 from refengine.sequences import Sequences, Ubatch
@@ -59,6 +60,7 @@ class CpuEngine(SequenceCalls):
         from solver.plan import Plan
 
         self.spec = spec
+        require_engines(spec.arch)
         require(spec.qtypes, self.name)
         if plan is not None:
             check_plan(plan, spec)

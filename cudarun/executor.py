@@ -22,6 +22,7 @@ from collections import Counter
 import numpy as np
 
 from refengine.agreement import PATHS
+from refengine.arch import require_engines
 from refengine.engine import SequenceCalls, keep_all
 from refengine.quants import require
 from refengine.sequences import Sequences, Ubatch, one_sequence
@@ -114,6 +115,7 @@ class PlanExecutor(SequenceCalls):
 
         check_plan(plan, spec)
         check_users(plan, n_seq)
+        require_engines(spec.arch)
         require(spec.qtypes, self.name)
         self.spec = spec
         self.plan = plan = Plan.from_json(plan, spec)

@@ -34,7 +34,7 @@ from .measure_cpu import (ATTENTION_DIMS, LAYER, MATMUL_TOKENS, MATVEC_TYPES, RO
                           ROUTED_TWINS, fixed_layer_seconds, layer_config,
                           layer_counts, layer_read_nbytes, matrices, routed_fixed,
                           row_seconds_and_gbps, row_twin_config, row_twins, score_heads,
-                          score_twin_config,                           token_nbytes)
+                          score_twin_config, token_nbytes)
 
 # the products' twins, by `quick`: as deep as a 1B model, so that a prompt runs for seconds over
 # weights many times the last-level cache, as a real model's does (two layers, 57 MiB of Q4_K, ran
@@ -244,10 +244,10 @@ def score_row(depth: int, kv_heads: int) -> str:
 def attention_score_seconds(llama_bench: Path, threads: int, runs: int, tmp: Path,
                             quick: bool = False) -> tuple[dict, dict]:  # fmt: skip
     """({(depth, KV heads): {head size: seconds}} of llama.cpp's CPU attention in a prompt, per
-    layer, query head, token and key; the same in a decode): for each
-    of ATTENTION_DIMS, synthetic llamas of small matrices (SCORE_KV_HEADS KV heads of the size, 4
-    query heads over each) run a prompt and a decode at each of SCORE_DEPTHS and at 0; the
-    difference per layer, query head, token and key. (Priced as our F16 BLAS rate instead,
+    layer, query head, token and key; the same in a decode): for each of ATTENTION_DIMS,
+    synthetic llamas of small matrices (SCORE_KV_HEADS KV heads of the size, 4 query heads over
+    each) run a prompt and a decode at each of SCORE_DEPTHS and at 0; the difference per layer,
+    query head, token and key. (Priced as our F16 BLAS rate instead,
     SmolLM2's prompt at depth 4096 ran 0.68 of predicted; as the cache bytes read at a rate
     measured on 64-wide heads, qwen2-1.5B's decode at depth 2048 ran 1.14.)"""
     depths, tokens = ((256, 512), 64) if quick else (SCORE_DEPTHS, 512)

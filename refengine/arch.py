@@ -14,6 +14,9 @@ architecture's name. Semantics follow llama.cpp (src/models/*.cpp, src/llama-mod
 - qwen3moe: softmax router over all experts, top-k, weights renormalized to sum 1.
 - llama with `llama.expert_count` > 0 (Mixtral's layout): every layer routes as qwen3moe does, each
   expert `feed_forward_length` wide (docs/llamacpp-architectures.md, 2.7).
+- gpt-oss (planned, not run by the engines; docs/llamacpp-architectures.md, 2.1): every layer
+  routed, with biases on the router, the experts and the attention's output, a sink logit per
+  head, the pre-FFN norm named post_attention_norm, an untied head; even layers slide (pattern 2).
 
 The other names llama.cpp 0.3.36 knows (llamacpp_arches.json) are refused with what they are.
 """
@@ -46,6 +49,15 @@ class ArchTraits:
     synthetic_pre_tokenizer: str = "default"  # what the synthetic writer declares
     # routed when the file's expert_count > 0, each expert as wide as feed_forward_length
     moe_by_count: bool = False
+    engines: bool = True  # our engines run it; otherwise it is planned for llama.cpp only
+    attn_out_bias: bool = False  # attn_output carries a .bias
+    attn_sinks: bool = False  # attn_sinks.weight: a sink logit per query head
+    router_bias: bool = False  # ffn_gate_inp carries a .bias
+    expert_bias: bool = False  # each expert stack carries a .bias per expert
+    ffn_norm: str = "ffn_norm"  # the name of the norm before the FFN
+    untied_output: bool = False  # output.weight is required (llama.cpp has no tied fallback)
+    # metadata llama.cpp requires of it beyond the common keys (without the "{arch}." prefix)
+    required_keys: tuple[str, ...] = ()
 
 
 ARCHES: dict[str, ArchTraits] = {
@@ -90,8 +102,26 @@ ARCHES: dict[str, ArchTraits] = {
             gemma3_27b_scale=True,
             default_rope_base=1e6,
         ),
+        ArchTraits(
+            "gpt-oss",
+            rope_style="neox",
+            ffn_act="swiglu_oai",
+            qkv_bias=True,
+            moe=True,
+            swa_pattern=2,
+            default_rope_base=150000.0,
+            engines=False,
+            attn_out_bias=True,
+            attn_sinks=True,
+            router_bias=True,
+            expert_bias=True,
+            ffn_norm="post_attention_norm",
+            untied_output=True,
+            required_keys=("expert_feed_forward_length", "attention.sliding_window"),
+        ),
     )
 }
+RUN_BY_ENGINES = tuple(name for name, t in ARCHES.items() if t.engines)
 
 
 def arch_traits(name, n_expert: int = 0) -> ArchTraits:
@@ -123,3 +153,10 @@ def unsupported(name) -> str:
     return (f"architecture {name!r} is not one of the {len(known['decoder'])} text "
             f"architectures llama.cpp 0.3.36 knows; the file is damaged or newer than it "
             f"(refengine plans {planned})")  # fmt: skip
+
+
+def require_engines(traits: ArchTraits) -> None:
+    """One line when our engines cannot run a model of this architecture (it is planned only)."""
+    if not traits.engines:
+        raise UserError(f"planned only: the engines run {', '.join(RUN_BY_ENGINES)}; "
+                        f"`refengine solve` and `export` plan {traits.name} for llama.cpp")

@@ -20,6 +20,7 @@ import numpy as np
 
 from . import defaults
 from . import reference as ref
+from .arch import require_engines
 from .errors import UserError
 from .quants import require
 from .sequences import Sequences, Ubatch, check_entries, ubatches
@@ -166,6 +167,7 @@ class NumpyEngine(SequenceCalls):
     def __init__(self, model: ModelSpec | str, n_ctx: int | None = None,
                  n_ubatch: int = defaults.N_UBATCH, n_seq: int = 1, unified: bool = False):  # fmt: skip
         self.spec = model if isinstance(model, ModelSpec) else load_spec(model)
+        require_engines(self.spec.arch)
         require(self.spec.qtypes, self.name)
         hp = self.spec.hparams
         self.n_ctx = min(n_ctx or defaults.N_CTX, hp.n_ctx_train)

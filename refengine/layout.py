@@ -41,15 +41,22 @@ def tensor_layout(traits: ArchTraits, hp: HParams, tied_output: bool = True) -> 
             add("attn_q_norm.weight", (hd,), F32)
             add("attn_k_norm.weight", (hd,), F32)
         add("attn_output.weight", (d, hp.n_head * hdv))
+        if traits.attn_out_bias:
+            add("attn_output.bias", (d,), F32)
+        if traits.attn_sinks:
+            add("attn_sinks.weight", (hp.n_head,), F32)
         if traits.post_norms:
             add("post_attention_norm.weight", (d,), F32)
-        add("ffn_norm.weight", (d,), F32)
+        add(f"{traits.ffn_norm}.weight", (d,), F32)
         if traits.moe:
             e, f = hp.n_expert, hp.n_ff_exp
             add("ffn_gate_inp.weight", (e, d), F32)  # the router stays F32, as converters write it
-            add("ffn_gate_exps.weight", (e, f, d))
-            add("ffn_up_exps.weight", (e, f, d))
-            add("ffn_down_exps.weight", (e, d, f))
+            if traits.router_bias:
+                add("ffn_gate_inp.bias", (e,), F32)
+            for stack, rows, cols in (("gate", f, d), ("up", f, d), ("down", d, f)):
+                add(f"ffn_{stack}_exps.weight", (e, rows, cols))
+                if traits.expert_bias:
+                    add(f"ffn_{stack}_exps.bias", (e, rows), F32)
         else:
             add("ffn_gate.weight", (hp.n_ff, d))
             add("ffn_up.weight", (hp.n_ff, d))
@@ -57,7 +64,7 @@ def tensor_layout(traits: ArchTraits, hp: HParams, tied_output: bool = True) -> 
         if traits.post_norms:
             add("post_ffw_norm.weight", (d,), F32)
     out.append(TensorSlot("output_norm.weight", (d,), F32))
-    if not tied_output:
+    if not tied_output or traits.untied_output:
         out.append(TensorSlot("output.weight", (hp.n_vocab, d), QUANTIZED))
     return out
 

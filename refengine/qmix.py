@@ -9,6 +9,8 @@ From src/llama-quant.cpp (`llama_tensor_get_type_impl`, no user overrides, no im
 - every other matrix Q4_K, norms F32.
 A matrix whose rows are not whole blocks falls back as llama.cpp's `tensor_type_fallback` does
 (Q4_K -> Q5_0, Q5_K -> Q5_1, Q6_K -> Q8_0), then to F16.
+
+MXFP4_MOE (gpt-oss's release type): every expert stack MXFP4, every other matrix Q8_0.
 """
 
 from __future__ import annotations
@@ -18,7 +20,8 @@ from gguf import GGMLQuantizationType as Q
 from .hparams import HParams
 from .quants import qtype
 
-MIXES = ("Q4_K_M",)
+# the mixes and llama.cpp's file type of each (LLAMA_FTYPE_MOSTLY_*)
+MIXES = {"Q4_K_M": 15, "MXFP4_MOE": 38}
 _FALLBACK = {Q.Q4_K: Q.Q5_0, Q.Q5_K: Q.Q5_1, Q.Q6_K: Q.Q8_0}
 
 
@@ -31,6 +34,8 @@ def use_more_bits(i_layer: int, n_layer: int) -> bool:
 
 def mixed_type(mix: str, name: str, layer: int | None, hp: HParams, arch: str, tied: bool) -> Q:
     """The type `mix` gives the matrix `name` (before the row-length fallback)."""
+    if mix == "MXFP4_MOE":
+        return Q.MXFP4 if name.rsplit(".", 1)[0].endswith("_exps") else Q.Q8_0
     assert mix == "Q4_K_M", mix
     moe8 = hp.n_expert == 8
     if name == "output.weight" or (tied and name == "token_embd.weight"):

@@ -186,6 +186,8 @@ def load_spec(path: str | os.PathLike) -> ModelSpec:
     name = g.fields.get("general.architecture")
     m = _Meta(g.fields, str(name), p)
     traits = arch_traits(name, m.get("expert_count", 0))  # a llama with experts routes
+    for key in traits.required_keys:
+        m.need(key)
 
     tensors = []
     for t in g.tensors:
@@ -235,8 +237,9 @@ def load_spec(path: str | os.PathLike) -> ModelSpec:
         head_dim_v=m.get("attention.value_length", head_dim),
         n_rot=m.get("rope.dimension_count", head_dim),
         rope_base=m.get("rope.freq_base", 10000.0, float),
-        rope_base_swa=m.get("rope.freq_base_swa", traits.rope_base_swa, float),
-        rope_scale=_rope_scale(m),
+        rope_base_swa=m.get("rope.freq_base_swa",
+                            traits.rope_base_swa or m.get("rope.freq_base", 10000.0, float), float),
+        rope_scale=_rope_scale(m) if traits.engines else 1.0,  # planned only: llama.cpp's
         rms_eps=m.need("attention.layer_norm_rms_epsilon", float),
         attn_scale=attention_scale(traits, n_layer, n_embd, max(n_head, 1), max(head_dim, 1)),
         n_swa=n_swa,

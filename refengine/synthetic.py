@@ -92,7 +92,7 @@ class SyntheticConfig:
             head_dim_v=hd,
             n_rot=hd,
             rope_base=self.rope_base or traits.default_rope_base,
-            rope_base_swa=traits.rope_base_swa,
+            rope_base_swa=traits.rope_base_swa or self.rope_base or traits.default_rope_base,
             rope_scale=1.0,
             rms_eps=self.rms_eps,
             attn_scale=attention_scale(traits, self.n_layer, self.n_embd, self.n_head, hd),
@@ -296,9 +296,7 @@ ROUTER_LOGIT_STD = 4.0
 def write_synthetic(path: str | Path, cfg: SyntheticConfig) -> Path:
     """Write a random-weight GGUF for `cfg`; the same cfg always gives the same bytes."""
     traits, hp = arch_traits(cfg.arch, cfg.n_expert), cfg.hparams()
-    mix = cfg.qtype.upper() in MIXES
-    # llama.cpp's file types: 15 is LLAMA_FTYPE_MOSTLY_Q4_K_M
-    file_type = 15 if mix else int(qtype(cfg.qtype).ggml)
+    file_type = MIXES.get(cfg.qtype.upper()) or int(qtype(cfg.qtype).ggml)
     rng = np.random.default_rng(cfg.seed)
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -73,12 +73,14 @@ def _tensor_groups(spec: ModelSpec) -> list[Group]:
         post_ffn = [t for t in infos if t.name == f"blk.{il}.{POST_FFN_NORM}"]
         attn = [t for t in infos if t.role in (ATTENTION, NORM, ROUTER) and t not in post_ffn]
         groups.append(_group(f"blk.{il}.attn", il, ATTN_SIDE, attn))
-        for t in infos:
+        matrices: dict[str, list] = {}  # a matrix (or expert stack) with its bias, weight first
+        for t in sorted(infos, key=lambda t: t.name.endswith(".bias")):
             if t.role in (FFN, EXPERT):
-                base = t.name.split(".")[2]  # ffn_up, ffn_gate_exps, ...
-                kind = EXPERTS if t.role == EXPERT else FFN_MATRIX
-                extra = post_ffn if base.startswith("ffn_down") else []
-                groups.append(_group(f"blk.{il}.{base}", il, kind, [t, *extra]))
+                matrices.setdefault(t.name.split(".")[2], []).append(t)  # ffn_up, ffn_gate_exps
+        for base, members in matrices.items():
+            kind = EXPERTS if members[0].role == EXPERT else FFN_MATRIX
+            extra = post_ffn if base.startswith("ffn_down") else []
+            groups.append(_group(f"blk.{il}.{base}", il, kind, [*members, *extra]))
     head = by.get("output.weight", by["token_embd.weight"])  # a tied head reuses token_embd
     groups.append(_group("output", None, HEAD, [by["output_norm.weight"], head]))
     assert {t.role for t in spec.tensors} <= {

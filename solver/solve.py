@@ -456,6 +456,9 @@ def solve_request(
 ) -> Solved:
     """`solve` as the command line asks it: tiers and budgets as written (`plan_budgets` decides
     the defaults, the reserve and which tiers are viable), then `solve` over the viable tiers."""
+    if not traits(target).llamacpp_flags and not spec.arch.engines:
+        raise UserError(f"planned only: our runtime does not run {spec.arch.name}; plan it for "
+                        "llama.cpp with --target llamacpp")  # fmt: skip
     tier_list = parse_tiers(tiers) if tiers else default_tiers(w.n_ctx, w.users)
     b = plan_budgets(spec, w, tier_list, budget, reserve, profile, target)
     chosen, baselines, facts = solve(

@@ -90,6 +90,10 @@ MATRIX = [
     ("dense", 4096, 4096, False),
     ("moe", 4096, 16384, True),  # routed FFN: experts used x n_ff_exp
     ("moe", 512, 4096, False),
+    # (at ubatches of 256-512 and contexts of 2048-8192 llama.cpp reserves 2.8-5.6 MiB more for
+    # this shape than planned: not yet modelled, docs/measured/2026-11-28-gpt-oss-compute.txt)
+    ("gpt-oss", 4096, 16384, True),
+    ("gpt-oss", 1024, 8192, True),
 ]
 
 
@@ -104,6 +108,10 @@ def shapes(tmp_path_factory):
         "--vocab 8000 --qtype Q4_K",
         "moe": "--arch qwen3moe --layers 4 --embd 512 --ff 1024 --heads 8 --kv-heads 4 "
         "--experts 16 --experts-used 4 --expert-ff 384 --vocab 8000 --qtype Q4_K",
+        # sinks, biases on the router and the experts, every other layer a 128-token window
+        "gpt-oss": "--arch gpt-oss --layers 4 --embd 512 --ff 1024 --heads 8 --kv-heads 4 "
+        "--head-dim 64 --experts 16 --experts-used 4 --expert-ff 384 --swa 128 --vocab 8000 "
+        "--qtype MXFP4_MOE",
     }.items():
         out = root / f"{name}.gguf"
         r = refengine("synth", out, *flags.split())
