@@ -175,6 +175,9 @@ class Workload:
     unified: bool = False
     # the routers' measured habits on the user's prompts (`solver.routing`); None: uniform
     routing: "RoutingStats | None" = None
+    # llama.cpp's first device computes CPU-held weights of ubatches of 32 tokens and more: a GPU
+    # does, an RPC server does not (then the CPU computes them, its devices mixing the outputs)
+    op_offload: bool = True
 
     def __post_init__(self) -> None:
         check_kv_cache(self.kv_type, self.flash_attn)

@@ -217,6 +217,7 @@ def plan_json(
             "prompt_tokens": w.prompt_tokens,
             "gen_tokens": w.gen_tokens,
             "users": w.users,
+            "op_offload": w.op_offload,
         },
         "prediction": {
             "ttft_seconds": prediction.ttft_seconds,
@@ -286,6 +287,7 @@ def plan_workload(d: dict) -> Workload:
         threads=fp["threads"],
         unified=fp.get("kv_unified", False),
         routing=RoutingStats.from_json(d["routing"]) if d.get("routing") else None,
+        op_offload=d["workload"].get("op_offload", True),
     )
 
 

@@ -429,6 +429,7 @@ def request_workload(
         flash_attn=flash_attn,
         threads=threads or profile.cpu.threads,
         unified=unified,
+        op_offload=not (profile.gpus and profile.gpus[0].is_rpc),
     )
 
 

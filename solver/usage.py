@@ -63,10 +63,11 @@ def device_usage(
     w: Workload,
     target: str,
     device: int = 0,
-    op_offload: bool = True,
+    op_offload: bool | None = None,
 ) -> Usage:
     """`op_offload`: whether llama.cpp's first device computes CPU-held weights of ubatches of 32
-    tokens and more (a GPU does; an RPC server does not)."""
+    tokens and more (a GPU does; an RPC server does not); None: as the workload says."""
+    op_offload = w.op_offload if op_offload is None else op_offload
     runner = traits(target)
     mine = {g.name: place.groups[g.name] for g in groups}
     here = lambda loc: loc.kind != CPU and loc.device == device  # noqa: E731

@@ -168,3 +168,36 @@ def test_fit_and_the_optimizer_keep_every_gpu_within_budget_once_llamacpp_pipeli
     for outcome in (chosen, fit_plan):
         for tier, place in outcome.tiers.items():
             assert fits_budgets(spec, w, place, tier, budgets, "llamacpp"), (outcome.name, tier)
+
+
+def test_rpc_servers_compute_nothing_for_the_cpu_so_their_plans_budget_the_mix():
+    """llama.cpp's first device op-offloads CPU-held weights only when it is a GPU: over RPC
+    servers the CPU computes the routed experts it holds, and a device holding only the head
+    mixes the last layer's outputs (n_embd per token and expert used) in its compute buffer. The
+    workload of a solve over RPC servers says so, budgets by it, and keeps it in its plan."""
+    from dataclasses import replace
+
+    from solver.cost import Loc, TierPlacement
+    from solver.plan import plan_workload
+    from solver.solve import load_profile, request_workload
+
+    gpus = load_profile("rtx4090-rtx3060-epyc-7742")
+    rpc = replace(gpus, gpus=tuple(replace(g, backend="rpc", endpoint=f"127.0.0.1:{5 + i}")
+                                   for i, g in enumerate(gpus.gpus)))  # fmt: skip
+    local = request_workload(gpus, 4096, 1, None, 16, "f16", True, 0)
+    served = request_workload(rpc, 4096, 1, None, 16, "f16", True, 0)
+    assert local.op_offload and not served.op_offload
+    spec = spec_from_hparams(SyntheticConfig("qwen3moe", n_layer=4, n_embd=512, n_ff=1024,
+                                             n_head=8, n_head_kv=4, n_vocab=8000, n_expert=16,
+                                             n_expert_used=4, n_ff_exp=384, qtype="Q4_K"))
+    groups = tensor_groups(spec)
+    locs = {g.name: Loc(CPU) if g.kind == "experts" or g.name == "token_embd"
+            else Loc(PINNED, 1 if g.name == "output" else 0) for g in groups}  # fmt: skip
+    place = TierPlacement(locs, {il: Loc(PINNED) for il in range(4)})
+    head = [device_usage(spec, groups, place, 512, w, "llamacpp", 1).compute
+            for w in (local, served)]  # fmt: skip
+    assert head[1] - head[0] == 4 * 512 * spec.hparams.n_embd * (spec.hparams.n_expert_used + 1)
+    assert plan_workload({"fingerprint": {"n_ctx": 4096, "users": 1, "kv_type": "f16",
+                                          "flash_attn": True, "threads": 2},
+                          "workload": {"prompt_tokens": 4080, "gen_tokens": 16, "users": 1,
+                                       "op_offload": False}}).op_offload is False  # fmt: skip
