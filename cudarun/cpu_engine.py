@@ -16,11 +16,9 @@ from dataclasses import dataclass
 import numpy as np
 
 from refengine import defaults
-from refengine.arch import require_engines
 from refengine.engine import SequenceCalls, keep_all
-from refengine.quants import require
 from refengine.sequences import Sequences, Ubatch
-from refengine.spec import ModelSpec
+from refengine.spec import ModelSpec, require_runnable
 from solver.cost import CPU, Loc, TierPlacement, Workload
 from solver.groups import tensor_groups
 
@@ -60,8 +58,7 @@ class CpuEngine(SequenceCalls):
         from solver.plan import Plan
 
         self.spec = spec
-        require_engines(spec.arch)
-        require(spec.qtypes, self.name)
+        require_runnable(spec, self.name)
         if plan is not None:
             check_plan(plan, spec)
             parsed = Plan.from_json(plan, spec)

@@ -22,11 +22,9 @@ from collections import Counter
 import numpy as np
 
 from refengine.agreement import PATHS
-from refengine.arch import require_engines
 from refengine.engine import SequenceCalls, keep_all
-from refengine.quants import require
 from refengine.sequences import Sequences, Ubatch, one_sequence
-from refengine.spec import ModelSpec
+from refengine.spec import ModelSpec, require_runnable
 from solver.cost import PINNED, ROUTED, TierPlacement
 from solver.groups import cache_nbytes, routed_slot_nbytes, tensor_groups
 from solver.memory import kv_cell_nbytes, kv_layer_nbytes
@@ -115,8 +113,7 @@ class PlanExecutor(SequenceCalls):
 
         check_plan(plan, spec)
         check_users(plan, n_seq)
-        require_engines(spec.arch)
-        require(spec.qtypes, self.name)
+        require_runnable(spec, self.name)
         self.spec = spec
         self.plan = plan = Plan.from_json(plan, spec)
         self.workload, self.n_ctx = plan.workload, plan.workload.n_ctx

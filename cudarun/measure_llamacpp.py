@@ -28,7 +28,8 @@ from refengine.spec import ModelSpec, load_spec
 from refengine.synthetic import SyntheticConfig, write_synthetic
 from solver.cost import FFN_PRODUCTS, LAYER_PRODUCTS
 from solver.memory import expected_distinct_experts
-from solver.profile import ANY_TYPE, SCORE_TWIN_KV_HEADS, SCORE_WIDE_KV_HEADS, Figure, RateTable
+from solver.profile import (ANY_TYPE, SCORE_TWIN_KV_HEADS, SCORE_WIDE_KV_HEADS, Figure, RateTable,
+                            score_row)
 
 from .measure_cpu import (ATTENTION_DIMS, LAYER, MATMUL_TOKENS, MATVEC_TYPES, ROUTED,
                           ROUTED_TWINS, fixed_layer_seconds, layer_config,
@@ -236,18 +237,13 @@ def score_layers(head_dim: int, quick: bool, kv_heads: int = SCORE_TWIN_KV_HEADS
     return max(layers * SCORE_TWIN_KV_HEADS // kv_heads, 1)
 
 
-def score_row(depth: int, kv_heads: int) -> str:
-    """A score table's row name (`RateTable.at_depth`)."""
-    return str(depth) if kv_heads == SCORE_TWIN_KV_HEADS else f"{depth}@{kv_heads}"
-
-
 def attention_score_seconds(llama_bench: Path, threads: int, runs: int, tmp: Path,
                             quick: bool = False) -> tuple[dict, dict]:  # fmt: skip
     """({(depth, KV heads): {head size: seconds}} of llama.cpp's CPU attention in a prompt, per
     layer, query head, token and key; the same in a decode): for each of ATTENTION_DIMS,
-    synthetic llamas of small matrices (SCORE_KV_HEADS KV heads of the size, 4 query heads over
-    each) run a prompt and a decode at each of SCORE_DEPTHS and at 0; the difference per layer,
-    query head, token and key. (Priced as our F16 BLAS rate instead,
+    synthetic llamas of small matrices (each of SCORE_KV_HEADS KV heads of the size, `score_heads`
+    query heads over them) run a prompt and a decode at each of SCORE_DEPTHS and at 0; the
+    difference per layer, query head, token and key. (Priced as our F16 BLAS rate instead,
     SmolLM2's prompt at depth 4096 ran 0.68 of predicted; as the cache bytes read at a rate
     measured on 64-wide heads, qwen2-1.5B's decode at depth 2048 ran 1.14.)"""
     depths, tokens = ((256, 512), 64) if quick else (SCORE_DEPTHS, 512)

@@ -20,11 +20,9 @@ import numpy as np
 
 from . import defaults
 from . import reference as ref
-from .arch import require_engines
 from .errors import UserError
-from .quants import require
 from .sequences import Sequences, Ubatch, check_entries, ubatches
-from .spec import ModelSpec, load_spec
+from .spec import ModelSpec, load_spec, require_runnable
 from .weights import GGUFWeights
 
 
@@ -167,8 +165,7 @@ class NumpyEngine(SequenceCalls):
     def __init__(self, model: ModelSpec | str, n_ctx: int | None = None,
                  n_ubatch: int = defaults.N_UBATCH, n_seq: int = 1, unified: bool = False):  # fmt: skip
         self.spec = model if isinstance(model, ModelSpec) else load_spec(model)
-        require_engines(self.spec.arch)
-        require(self.spec.qtypes, self.name)
+        require_runnable(self.spec, self.name)
         hp = self.spec.hparams
         self.n_ctx = min(n_ctx or defaults.N_CTX, hp.n_ctx_train)
         self.n_ubatch = self.ubatch_tokens = n_ubatch

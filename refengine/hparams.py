@@ -46,6 +46,20 @@ def swa_layers(traits: ArchTraits, n_layer: int, pattern: int | None = None) -> 
     return tuple(il % p < p - 1 for il in range(n_layer))
 
 
+def expert_rows(traits: ArchTraits, n_ff: int, stated: int) -> int:
+    """An expert's FFN rows: none without experts; a routed llama's, feed_forward_length (llama.cpp
+    reads no other key for it); the others', as `stated` (the file's key, a config's value)."""
+    if not traits.moe:
+        return 0
+    return n_ff if traits.moe_by_count else stated
+
+
+def swa_base(traits: ArchTraits, rope_base: float) -> float:
+    """The RoPE base of sliding-window layers where the file names none: the architecture's own
+    (gemma3's 10000), else the model's base (llama.cpp's default)."""
+    return traits.rope_base_swa or rope_base
+
+
 def attention_scale(
     traits: ArchTraits, n_layer: int, n_embd: int, n_head: int, head_dim: int
 ) -> float:

@@ -19,12 +19,12 @@ from pathlib import Path
 import numpy as np
 from gguf import GGMLQuantizationType
 
-from .arch import ArchTraits, arch_traits
+from .arch import ArchTraits, arch_traits, require_engines
 from .errors import UserError
 from .gguf_file import read_gguf
-from .hparams import HParams, attention_scale, check_hparams, swa_layers
+from .hparams import HParams, attention_scale, check_hparams, expert_rows, swa_base, swa_layers
 from .layout import check_tensors
-from .quants import qtype, tensor_nbytes
+from .quants import qtype, require, tensor_nbytes
 
 # Tensor roles (the planner places tensors by role; `info` totals bytes per role).
 ATTENTION, FFN, EXPERT, ROUTER, NORM, EMBEDDING, OUTPUT = (
@@ -115,6 +115,13 @@ class ModelSpec:
         return bool(self.hparams.swa_layers and self.hparams.swa_layers[il])
 
 
+def require_runnable(spec: ModelSpec, engine: str) -> None:
+    """One line when `engine` (an engine's name) cannot run `spec`: its architecture is planned
+    only, or its kernels lack one of its types."""
+    require_engines(spec.arch)
+    require(spec.qtypes, engine)
+
+
 class _Meta:
     """`{arch}.*` metadata, typed: `need_*` for keys llama.cpp requires, `get_*` with llama.cpp's
     default for the others; a value of the wrong type is one clear error either way."""
@@ -167,16 +174,6 @@ def _swa(m: _Meta, traits: ArchTraits, n_layer: int) -> tuple[int, tuple[bool, .
     return n_swa, swa_layers(
         traits, n_layer, None if pattern is None else m.get("attention.sliding_window_pattern", 0)
     )
-
-
-def expert_width(traits: ArchTraits, m: _Meta, n_ff: int, n_used: int) -> int:
-    """An expert's FFN rows: a routed llama's are feed_forward_length; the others' their key's,
-    else llama.cpp's fallback, n_ff over the experts used."""
-    if not traits.moe:
-        return 0
-    if traits.moe_by_count:
-        return n_ff
-    return m.get("expert_feed_forward_length", n_ff // n_used if n_used else 0)
 
 
 def load_spec(path: str | os.PathLike) -> ModelSpec:
@@ -238,7 +235,7 @@ def load_spec(path: str | os.PathLike) -> ModelSpec:
         n_rot=m.get("rope.dimension_count", head_dim),
         rope_base=m.get("rope.freq_base", 10000.0, float),
         rope_base_swa=m.get("rope.freq_base_swa",
-                            traits.rope_base_swa or m.get("rope.freq_base", 10000.0, float), float),
+                            swa_base(traits, m.get("rope.freq_base", 10000.0, float)), float),
         rope_scale=_rope_scale(m) if traits.engines else 1.0,  # planned only: llama.cpp's
         rms_eps=m.need("attention.layer_norm_rms_epsilon", float),
         attn_scale=attention_scale(traits, n_layer, n_embd, max(n_head, 1), max(head_dim, 1)),
@@ -246,7 +243,9 @@ def load_spec(path: str | os.PathLike) -> ModelSpec:
         swa_layers=swa,
         n_expert=m.get("expert_count", 0),
         n_expert_used=n_expert_used,
-        n_ff_exp=expert_width(traits, m, n_ff, n_expert_used),
+        # (llama.cpp's fallback where the key is absent: n_ff over the experts used)
+        n_ff_exp=expert_rows(traits, n_ff, m.get("expert_feed_forward_length",
+                                                 n_ff // n_expert_used if n_expert_used else 0)),
     )
     check_hparams(hp, traits, str(p))
     check_tensors(traits, hp, shapes, str(p))

@@ -24,7 +24,8 @@ from gguf import quants as gq
 
 from .arch import arch_traits
 from .errors import UserError
-from .hparams import HParams, attention_scale, check_hparams, swa_layers
+from .hparams import (HParams, attention_scale, check_hparams, expert_rows, swa_base,
+                      swa_layers)
 from .layout import QUANTIZED, tensor_layout
 from .qmix import MIXES, fit_rows, mixed_type
 from .quants import Q, dequantize, qtype, quantize, tensor_nbytes
@@ -92,7 +93,7 @@ class SyntheticConfig:
             head_dim_v=hd,
             n_rot=hd,
             rope_base=self.rope_base or traits.default_rope_base,
-            rope_base_swa=traits.rope_base_swa or self.rope_base or traits.default_rope_base,
+            rope_base_swa=swa_base(traits, self.rope_base or traits.default_rope_base),
             rope_scale=1.0,
             rms_eps=self.rms_eps,
             attn_scale=attention_scale(traits, self.n_layer, self.n_embd, self.n_head, hd),
@@ -100,7 +101,7 @@ class SyntheticConfig:
             swa_layers=swa_layers(traits, self.n_layer) if n_swa else (),
             n_expert=self.n_expert,
             n_expert_used=self.n_expert_used,
-            n_ff_exp=self.n_ff if traits.moe_by_count and traits.moe else self.n_ff_exp,
+            n_ff_exp=expert_rows(traits, self.n_ff, self.n_ff_exp),
         )
         check_hparams(hp, traits, f"synthetic {self.arch}")
         return hp

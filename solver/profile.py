@@ -69,6 +69,11 @@ SCORE_TWIN_KV_HEADS = 2
 SCORE_WIDE_KV_HEADS = 8
 
 
+def score_row(depth: int, kv_heads: int) -> str:
+    """A score table's row name (`RateTable.at_depth` reads it back)."""
+    return str(depth) if kv_heads == SCORE_TWIN_KV_HEADS else f"{depth}@{kv_heads}"
+
+
 @dataclass(frozen=True)
 class RateTable:
     """Achieved rate by ggml type and a size key (tokens, or threads for CPU matvec)."""
