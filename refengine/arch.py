@@ -17,6 +17,11 @@ architecture's name. Semantics follow llama.cpp (src/models/*.cpp, src/llama-mod
 - gpt-oss (planned, not run by the engines; docs/llamacpp-architectures.md, 2.1): every layer
   routed, with biases on the router, the experts and the attention's output, a sink logit per
   head, the pre-FFN norm named post_attention_norm, an untied head; even layers slide (pattern 2).
+- glm4moe (planned; 2.2): Q/K/V biases, optional Q/K norms, the pre-FFN norm post_attention_norm;
+  the first leading_dense_block_count layers dense, the others routed (a sigmoid router whose
+  selection adds exp_probs_b) beside expert_shared_count shared experts; the trailing
+  nextn_predict_layers blocks (multi-token prediction) are in the file but llama.cpp loads none
+  of their tensors and gives them no KV.
 
 The other names llama.cpp 0.3.36 knows (llamacpp_arches.json) are refused with what they are.
 """
@@ -58,6 +63,11 @@ class ArchTraits:
     untied_output: bool = False  # output.weight is required (llama.cpp has no tied fallback)
     # metadata llama.cpp requires of it beyond the common keys (without the "{arch}." prefix)
     required_keys: tuple[str, ...] = ()
+    shared_experts: bool = False  # routed layers add expert_shared_count experts every token uses
+    dense_lead: bool = False  # the first leading_dense_block_count layers have a dense FFN
+    expert_probs_bias: bool = False  # exp_probs_b.bias: a per-expert bias on the selection
+    nextn: bool = False  # nextn_predict_layers trailing blocks: in the file, not loaded
+    qk_norm_optional: bool = False  # attn_q_norm and attn_k_norm may be present
 
 
 ARCHES: dict[str, ArchTraits] = {
@@ -118,6 +128,23 @@ ARCHES: dict[str, ArchTraits] = {
             ffn_norm="post_attention_norm",
             untied_output=True,
             required_keys=("expert_feed_forward_length", "attention.sliding_window"),
+        ),
+        ArchTraits(
+            "glm4moe",
+            rope_style="neox",
+            ffn_act="silu",
+            qkv_bias=True,
+            moe=True,
+            expert_weights_norm=True,
+            default_rope_base=1e6,
+            engines=False,
+            ffn_norm="post_attention_norm",
+            required_keys=("expert_feed_forward_length", "expert_shared_count"),
+            shared_experts=True,
+            dense_lead=True,
+            expert_probs_bias=True,
+            nextn=True,
+            qk_norm_optional=True,
         ),
     )
 }

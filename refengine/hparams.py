@@ -31,11 +31,28 @@ class HParams:
     n_expert: int = 0
     n_expert_used: int = 0
     n_ff_exp: int = 0
+    n_dense_lead: int = 0  # leading layers with a dense FFN (n_ff wide) in a routed model
+    n_ff_shexp: int = 0  # the shared experts' rows beside the routed ones (every routed layer)
+    n_nextn: int = 0  # trailing NextN (multi-token prediction) blocks llama.cpp does not load
+
+    @property
+    def n_block(self) -> int:
+        """llama.cpp's layer count (the file's block_count): the NextN blocks follow the
+        n_layer it computes, and the output layer has this index."""
+        return self.n_layer + self.n_nextn
+
+    def routed(self, il: int | None) -> bool:
+        """Whether layer il routes its tokens to experts (a leading dense layer does not)."""
+        return self.n_expert > 0 and il is not None and il >= self.n_dense_lead
 
     @property
     def n_ff_active(self) -> int:
-        """FFN rows one token computes: the routed experts' together, or the dense FFN's."""
-        return self.n_ff_exp * self.n_expert_used if self.n_expert else self.n_ff
+        """The widest FFN product's rows per token: a routed layer's chosen experts' or its
+        shared experts' (computed after them), or a dense layer's."""
+        if not self.n_expert:
+            return self.n_ff
+        dense = self.n_ff if self.n_dense_lead else 0
+        return max(self.n_ff_exp * self.n_expert_used, self.n_ff_shexp, dense)
 
 
 def swa_layers(traits: ArchTraits, n_layer: int, pattern: int | None = None) -> tuple[bool, ...]:
@@ -101,8 +118,10 @@ def check_hparams(hp: HParams, traits: ArchTraits, where: str) -> None:
                 f"{where}: a MoE model needs 0 < experts used ({hp.n_expert_used}) <= "
                 f"experts ({hp.n_expert}) and an expert FFN size ({hp.n_ff_exp})"
             )
-    elif hp.n_ff <= 0:
+    if (not traits.moe or hp.n_dense_lead) and hp.n_ff <= 0:
         raise UserError(f"{where}: n_ff = {hp.n_ff} must be positive")
+    if not 0 <= hp.n_dense_lead <= hp.n_layer:
+        raise UserError(f"{where}: {hp.n_dense_lead} leading dense layers of {hp.n_layer}")
     if hp.swa_layers and len(hp.swa_layers) != hp.n_layer:
         raise UserError(
             f"{where}: the sliding-window pattern names {len(hp.swa_layers)} layers, "

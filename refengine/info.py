@@ -45,6 +45,7 @@ def info_dict(spec: ModelSpec) -> dict:
         "nbytes": spec.weights_nbytes,
         "nbytes_by_role": dict(totals),
         "tied_output": spec.tied_output,
+        "unloaded_nbytes": sum(t.nbytes for t in spec.unloaded),
         "layers": layer_rows(spec),
         "tensors": [
             {

@@ -24,7 +24,7 @@ def tensor_layout(traits: ArchTraits, hp: HParams, tied_output: bool = True) -> 
     d, hd, hdv = hp.n_embd, hp.head_dim, hp.head_dim_v
     q_dim, k_dim, v_dim = hp.n_head * hd, hp.n_head_kv * hd, hp.n_head_kv * hdv
     out = [TensorSlot("token_embd.weight", (hp.n_vocab, d), QUANTIZED)]
-    for il in range(hp.n_layer):
+    for il in range(hp.n_block):
 
         def add(base, shape, kind=QUANTIZED):
             out.append(TensorSlot(f"blk.{il}.{base}", shape, kind))
@@ -48,21 +48,32 @@ def tensor_layout(traits: ArchTraits, hp: HParams, tied_output: bool = True) -> 
         if traits.post_norms:
             add("post_attention_norm.weight", (d,), F32)
         add(f"{traits.ffn_norm}.weight", (d,), F32)
-        if traits.moe:
+        if hp.routed(il):
             e, f = hp.n_expert, hp.n_ff_exp
             add("ffn_gate_inp.weight", (e, d), F32)  # the router stays F32, as converters write it
             if traits.router_bias:
                 add("ffn_gate_inp.bias", (e,), F32)
+            if traits.expert_probs_bias:
+                add("exp_probs_b.bias", (e,), F32)
             for stack, rows, cols in (("gate", f, d), ("up", f, d), ("down", d, f)):
                 add(f"ffn_{stack}_exps.weight", (e, rows, cols))
                 if traits.expert_bias:
                     add(f"ffn_{stack}_exps.bias", (e, rows), F32)
+            if hp.n_ff_shexp:
+                fs = hp.n_ff_shexp
+                add("ffn_gate_shexp.weight", (fs, d))
+                add("ffn_up_shexp.weight", (fs, d))
+                add("ffn_down_shexp.weight", (d, fs))
         else:
             add("ffn_gate.weight", (hp.n_ff, d))
             add("ffn_up.weight", (hp.n_ff, d))
             add("ffn_down.weight", (d, hp.n_ff))
         if traits.post_norms:
             add("post_ffw_norm.weight", (d,), F32)
+        if il >= hp.n_layer:  # a NextN block: the layer's input and the token's, mixed
+            add("nextn.eh_proj.weight", (d, 2 * d))
+            add("nextn.enorm.weight", (d,), F32)
+            add("nextn.hnorm.weight", (d,), F32)
     out.append(TensorSlot("output_norm.weight", (d,), F32))
     if not tied_output or traits.untied_output:
         out.append(TensorSlot("output.weight", (hp.n_vocab, d), QUANTIZED))
@@ -71,19 +82,26 @@ def tensor_layout(traits: ArchTraits, hp: HParams, tied_output: bool = True) -> 
 
 def optional_slots(traits: ArchTraits, hp: HParams) -> list[TensorSlot]:
     """Tensors llama.cpp accepts when present (and the engine applies): Q/K/V biases on any
-    architecture."""
-    if traits.qkv_bias:
-        return []
-    dims = {
-        "q": hp.n_head * hp.head_dim,
-        "k": hp.n_head_kv * hp.head_dim,
-        "v": hp.n_head_kv * hp.head_dim_v,
-    }
-    return [
-        TensorSlot(f"blk.{il}.attn_{x}.bias", (n,), F32)
-        for il in range(hp.n_layer)
-        for x, n in dims.items()
-    ]
+    architecture; Q/K norms where optional; a NextN block's own embedding and head."""
+    out = []
+    if not traits.qkv_bias:
+        dims = {
+            "q": hp.n_head * hp.head_dim,
+            "k": hp.n_head_kv * hp.head_dim,
+            "v": hp.n_head_kv * hp.head_dim_v,
+        }
+        out += [TensorSlot(f"blk.{il}.attn_{x}.bias", (n,), F32)
+                for il in range(hp.n_block) for x, n in dims.items()]  # fmt: skip
+    if traits.qk_norm_optional:
+        out += [TensorSlot(f"blk.{il}.attn_{x}_norm.weight", (hp.head_dim,), F32)
+                for il in range(hp.n_block) for x in "qk"]  # fmt: skip
+    for il in range(hp.n_layer, hp.n_block):
+        out += [TensorSlot(f"blk.{il}.nextn.embed_tokens.weight", (hp.n_vocab, hp.n_embd),
+                           QUANTIZED),
+                TensorSlot(f"blk.{il}.nextn.shared_head_head.weight", (hp.n_vocab, hp.n_embd),
+                           QUANTIZED),
+                TensorSlot(f"blk.{il}.nextn.shared_head_norm.weight", (hp.n_embd,), F32)]
+    return out
 
 
 def check_tensors(

@@ -5,7 +5,8 @@ From src/llama-quant.cpp (`llama_tensor_get_type_impl`, no user overrides, no im
 - attn_v: Q6_K in the layers `use_more_bits` picks, else Q4_K; Q5_K instead of Q4_K in a 70B
   llama (80 layers, grouped KV); Q8_0 in an 8-expert MoE;
 - attn_k: Q8_0 in an 8-expert MoE; attn_output: Q5_K in an 8-expert MoE;
-- ffn_down and ffn_down_exps: Q6_K in the layers `use_more_bits` picks;
+- ffn_down, ffn_down_exps and ffn_down_shexp: Q6_K in the layers `use_more_bits` picks (of all
+  the file's blocks, NextN's included);
 - every other matrix Q4_K, norms F32.
 A matrix whose rows are not whole blocks falls back as llama.cpp's `tensor_type_fallback` does
 (Q4_K -> Q5_0, Q5_K -> Q5_1, Q6_K -> Q8_0), then to F16.
@@ -46,7 +47,7 @@ def mixed_type(mix: str, name: str, layer: int | None, hp: HParams, arch: str, t
     if kind == "attn_v":
         if moe8:
             return Q.Q8_0
-        if use_more_bits(layer, hp.n_layer):
+        if use_more_bits(layer, hp.n_block):  # counted over every block, NextN's too
             return Q.Q6_K
         llama_70b = arch == "llama" and hp.n_layer == 80 and hp.n_head != hp.n_head_kv
         return Q.Q5_K if llama_70b else Q.Q4_K
@@ -54,7 +55,7 @@ def mixed_type(mix: str, name: str, layer: int | None, hp: HParams, arch: str, t
         return Q.Q8_0
     if kind == "attn_output" and moe8:
         return Q.Q5_K
-    if kind in ("ffn_down", "ffn_down_exps") and use_more_bits(layer, hp.n_layer):
+    if kind.startswith("ffn_down") and use_more_bits(layer, hp.n_block):
         return Q.Q6_K
     return Q.Q4_K
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 import os
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import cached_property
 from pathlib import Path
 
@@ -27,7 +27,7 @@ from .layout import check_tensors
 from .quants import qtype, require, tensor_nbytes
 
 # Tensor roles (the planner places tensors by role; `info` totals bytes per role).
-ATTENTION, FFN, EXPERT, ROUTER, NORM, EMBEDDING, OUTPUT = (
+ATTENTION, FFN, EXPERT, ROUTER, NORM, EMBEDDING, OUTPUT, NEXTN = (
     "attention",
     "ffn",
     "moe_expert",
@@ -35,6 +35,7 @@ ATTENTION, FFN, EXPERT, ROUTER, NORM, EMBEDDING, OUTPUT = (
     "norm",
     "embedding",
     "output",
+    "nextn",
 )
 ROLES = (EMBEDDING, ATTENTION, NORM, FFN, ROUTER, EXPERT, OUTPUT)
 
@@ -54,9 +55,11 @@ def tensor_role(name: str) -> str:
         return EMBEDDING
     if base == "output":
         return OUTPUT
+    if base.startswith("nextn."):
+        return NEXTN
     if "norm" in base:
         return NORM
-    if base == "ffn_gate_inp":
+    if base in ("ffn_gate_inp", "exp_probs_b"):
         return ROUTER
     if base.endswith("_exps"):
         return EXPERT
@@ -86,6 +89,8 @@ class ModelSpec:
     path: Path | None = None  # None for a spec-only model
     file_nbytes: int = 0
     name: str = ""
+    # in the file, and loaded by nobody: the NextN blocks' tensors (llama.cpp's TENSOR_SKIP)
+    unloaded: tuple[TensorInfo, ...] = ()
 
     @cached_property
     def by_name(self) -> dict[str, TensorInfo]:
@@ -183,7 +188,8 @@ def load_spec(path: str | os.PathLike) -> ModelSpec:
     name = g.fields.get("general.architecture")
     m = _Meta(g.fields, str(name), p)
     traits = arch_traits(name, m.get("expert_count", 0))  # a llama with experts routes
-    for key in traits.required_keys:
+    routed_keys = ("expert_count", "expert_used_count") if traits.moe else ()
+    for key in (*routed_keys, *traits.required_keys):
         m.need(key)
 
     tensors = []
@@ -213,11 +219,13 @@ def load_spec(path: str | os.PathLike) -> ModelSpec:
     if len(shapes.get("token_embd.weight", ())) != 2:
         raise UserError(f"{p}: no 2-D token_embd.weight tensor; not a supported model file")
 
-    n_embd, n_head, n_layer = (
+    n_embd, n_head, n_block = (
         m.need("embedding_length"),
         m.need("attention.head_count"),
         m.need("block_count"),
     )
+    n_nextn = m.get("nextn_predict_layers", 0) if traits.nextn else 0
+    n_layer = n_block - n_nextn
     head_dim = m.get("attention.key_length", n_embd // n_head if n_head > 0 else 0)
     n_expert_used = m.get("expert_used_count", 0)
     n_ff = m.get("feed_forward_length", 0)
@@ -246,14 +254,19 @@ def load_spec(path: str | os.PathLike) -> ModelSpec:
         # (llama.cpp's fallback where the key is absent: n_ff over the experts used)
         n_ff_exp=expert_rows(traits, n_ff, m.get("expert_feed_forward_length",
                                                  n_ff // n_expert_used if n_expert_used else 0)),
+        n_dense_lead=m.get("leading_dense_block_count", 0) if traits.dense_lead else 0,
+        n_nextn=n_nextn,
     )
+    if traits.shared_experts:  # each as wide as a routed expert
+        hp = replace(hp, n_ff_shexp=hp.n_ff_exp * m.need("expert_shared_count"))
     check_hparams(hp, traits, str(p))
     check_tensors(traits, hp, shapes, str(p))
     return ModelSpec(
         arch=traits,
         hparams=hp,
-        tensors=tuple(tensors),
+        tensors=tuple(t for t in tensors if t.layer is None or t.layer < n_layer),
         path=p.resolve(),
         file_nbytes=g.file_nbytes,
         name=str(g.fields.get("general.name", p.stem)),
+        unloaded=tuple(t for t in tensors if t.layer is not None and t.layer >= n_layer),
     )

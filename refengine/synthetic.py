@@ -19,7 +19,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
-from gguf import GGMLQuantizationType, GGUFWriter, TokenType
+from gguf import ExpertGatingFuncType, GGMLQuantizationType, GGUFWriter, TokenType
 from gguf import quants as gq
 
 from .arch import arch_traits
@@ -41,6 +41,7 @@ class SyntheticConfig:
     n_head: int = 4
     n_head_kv: int = 2
     head_dim: int = 0  # 0: n_embd / n_head
+    n_rot: int = 0  # dimensions of each head RoPE rotates; 0: all
     n_vocab: int = 512
     n_ctx_train: int = 4096
     qtype: str = "Q8_0"  # type of the matrices; norms, biases and the router stay F32
@@ -50,6 +51,9 @@ class SyntheticConfig:
     n_expert: int = 0
     n_expert_used: int = 0
     n_ff_exp: int = 0
+    n_expert_shared: int = 0  # shared experts (glm4moe), each n_ff_exp wide
+    n_dense_lead: int = 0  # leading dense layers (glm4moe)
+    n_nextn: int = 0  # NextN blocks after the n_layer (glm4moe); llama.cpp loads none
     tied_output: bool = False  # tied, the residual's own token embedding dominates the logits
     # A random head gives flat distributions (top probability ~0.3) whose argmax llama.cpp's 8-bit
     # activation noise flips at 2-5% of positions. Adding to each token's row the direction of its
@@ -80,6 +84,11 @@ class SyntheticConfig:
         if self.n_head <= 0 or self.n_embd <= 0:
             raise UserError("a synthetic model needs positive --heads and --embd")
         hd = self.head_dim or self.n_embd // self.n_head
+        for value, trait, what in ((self.n_expert_shared, traits.shared_experts, "shared experts"),
+                                   (self.n_dense_lead, traits.dense_lead, "leading dense layers"),
+                                   (self.n_nextn, traits.nextn, "NextN blocks")):  # fmt: skip
+            if value and not trait:
+                raise UserError(f"a {self.arch} model has no {what}")
         n_swa = (self.n_swa or 4) if traits.swa_pattern else 0
         hp = HParams(
             n_vocab=self.n_vocab,
@@ -91,7 +100,7 @@ class SyntheticConfig:
             n_head_kv=self.n_head_kv,
             head_dim=hd,
             head_dim_v=hd,
-            n_rot=hd,
+            n_rot=self.n_rot or hd,
             rope_base=self.rope_base or traits.default_rope_base,
             rope_base_swa=swa_base(traits, self.rope_base or traits.default_rope_base),
             rope_scale=1.0,
@@ -102,6 +111,9 @@ class SyntheticConfig:
             n_expert=self.n_expert,
             n_expert_used=self.n_expert_used,
             n_ff_exp=expert_rows(traits, self.n_ff, self.n_ff_exp),
+            n_dense_lead=self.n_dense_lead,
+            n_ff_shexp=self.n_ff_exp * self.n_expert_shared,
+            n_nextn=self.n_nextn,
         )
         check_hparams(hp, traits, f"synthetic {self.arch}")
         return hp
@@ -174,7 +186,7 @@ def spec_from_hparams(cfg: SyntheticConfig) -> ModelSpec:
     """A ModelSpec for a model described by hyperparameters alone (no file, no weights)."""
     traits, hp = arch_traits(cfg.arch, cfg.n_expert), cfg.hparams()
     tensors = []
-    for slot in tensor_layout(traits, hp, cfg.tied_output):
+    for slot in tensor_layout(traits, hp, cfg.tied_output):  # NextN blocks last
         tt = slot_type(cfg, hp, slot)
         tensors.append(
             TensorInfo(
@@ -186,9 +198,11 @@ def spec_from_hparams(cfg: SyntheticConfig) -> ModelSpec:
                 tensor_role(slot.name),
             )
         )
-    return ModelSpec(
-        arch=traits, hparams=hp, tensors=tuple(tensors), name=cfg.name or f"{cfg.arch}-spec"
-    )
+    nextn = [t.layer is not None and t.layer >= hp.n_layer for t in tensors]
+    return ModelSpec(arch=traits, hparams=hp,
+                     tensors=tuple(t for t, x in zip(tensors, nextn) if not x),
+                     name=cfg.name or f"{cfg.arch}-spec",
+                     unloaded=tuple(t for t, x in zip(tensors, nextn) if x))  # fmt: skip
 
 
 # -- vocabulary -----------------------------------------------------------------------------------
@@ -305,7 +319,7 @@ def write_synthetic(path: str | Path, cfg: SyntheticConfig) -> Path:
     w.add_name(cfg.name or f"synthetic-{cfg.arch}")
     w.add_context_length(hp.n_ctx_train)
     w.add_embedding_length(hp.n_embd)
-    w.add_block_count(hp.n_layer)
+    w.add_block_count(hp.n_block)
     w.add_feed_forward_length(hp.n_ff)
     w.add_head_count(hp.n_head)
     w.add_head_count_kv(hp.n_head_kv)
@@ -321,6 +335,15 @@ def write_synthetic(path: str | Path, cfg: SyntheticConfig) -> Path:
         w.add_expert_used_count(hp.n_expert_used)
         if not traits.moe_by_count:  # a routed llama's experts are feed_forward_length wide
             w.add_expert_feed_forward_length(hp.n_ff_exp)
+    if traits.shared_experts:  # GLM-4.5's routing: sigmoid, the top-k weights summing to 1
+        w.add_expert_shared_count(cfg.n_expert_shared)
+        w.add_expert_gating_func(ExpertGatingFuncType.SIGMOID)
+        w.add_expert_weights_norm(True)
+        w.add_expert_weights_scale(1.0)
+    if traits.dense_lead:
+        w.add_leading_dense_block_count(hp.n_dense_lead)
+    if traits.nextn:
+        w.add_nextn_predict_layers(hp.n_nextn)
     w.add_file_type(file_type)
 
     tokens, types, merges = vocabulary(hp.n_vocab)

@@ -334,7 +334,7 @@ class CostModel:
         fixed = cpu.llamacpp_layer_seconds if llama else cpu.layer_seconds
         hp = self.spec.hparams
         per_expert = 0.0
-        if hp.n_expert > 0:
+        if hp.routed(g.layer):
             fixed = (cpu.llamacpp_routed_layer_seconds if llama else
                      cpu.routed_layer_seconds) or fixed  # fmt: skip
             each = cpu.llamacpp_expert_seconds if llama else cpu.expert_seconds
@@ -343,7 +343,7 @@ class CostModel:
             if each:  # each expert the ubatch's tokens chose starts its own products
                 per_expert = each.value * expected_distinct_experts(hp.n_expert,
                                                                     hp.n_expert_used, tokens)
-        if fixed and g.kind == ATTN_SIDE and not llama and not hp.n_expert:
+        if fixed and g.kind == ATTN_SIDE and not llama and not hp.routed(g.layer):
             fixed = self.our_layer_fixed(g.layer) or fixed
         fixed = fixed.value + per_expert if fixed and g.kind == ATTN_SIDE else 0.0
         if tokens == 1:  # the matvec's measured rate covers its arithmetic; the matmul rate,
@@ -369,7 +369,7 @@ class CostModel:
         seconds = max(read, flops / (rates.at(qtype, at) * 1e9)) + fixed
         if not llama:  # our host's element-wise work beside the matrices, where measured
             seconds += tokens * self.host_elementwise_seconds(g, tokens)
-            if (g.kind == ATTN_SIDE and hp.n_expert and g.layer > 0
+            if (g.kind == ATTN_SIDE and g.layer > 0 and hp.routed(g.layer - 1)
                     and tokens >= HOST_PANEL_TOKENS and cpu.routed_handoff_seconds):  # fmt: skip
                 seconds += cpu.routed_handoff_seconds.value  # after the last layer's experts
         return seconds

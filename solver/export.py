@@ -269,14 +269,16 @@ def llamacpp_args(
             "GPU's layers must follow the previous GPU's"
         )
     want = tensor_devices(spec, place)
-    ngl = len(gpu_kv) + 1 if (gpu_kv or want["output_norm.weight"] != CPU_BUFT) else 0
-    # -ts: repeating layers per device, and the output layer (index n_layer, after them) on
+    # the NextN blocks, which load nothing, count as layers between the last and the output's
+    after = 1 + spec.hparams.n_nextn
+    ngl = len(gpu_kv) + after if (gpu_kv or want["output_norm.weight"] != CPU_BUFT) else 0
+    # -ts: repeating layers per device, and the output layer (index n_block, after them) on
     # the device holding output_norm when it can follow the layers, else on the last GPU used
     ts = [kv_devices.count(d) for d in range(n_devices)]
     head = place.groups["output"]
     last_used = max(kv_devices, default=0)
     if ngl:
-        ts[head.device if head.on_gpu and head.device >= last_used else last_used] += 1
+        ts[head.device if head.on_gpu and head.device >= last_used else last_used] += after
     default = llamacpp_defaults(spec, ngl, ts)
     tied_head = want.get("token_embd.weight@output")
     if tied_head is not None and tied_head != default["token_embd.weight@output"]:
@@ -309,7 +311,7 @@ def tensor_split_args(plan: dict, spec: ModelSpec) -> list[str]:
     fp = plan["fingerprint"]
     parallel = ["-np", str(fp["users"]), "-kvu"] if fp["users"] > 1 else []
     return [
-        "-fit", "off", "-c", str(fp["n_ctx"]), *parallel, "-ngl", str(spec.hparams.n_layer + 1),
+        "-fit", "off", "-c", str(fp["n_ctx"]), *parallel, "-ngl", str(spec.hparams.n_block + 1),
         "-sm", "tensor", "-b", str(max(max(fp["tiers"]), DEFAULT_N_BATCH)),
         "-ub", str(max(fp["tiers"])), "-fa", "on",
         "-ctk", fp["kv_type"], "-ctv", fp["kv_type"],
@@ -319,9 +321,9 @@ def tensor_split_args(plan: dict, spec: ModelSpec) -> list[str]:
 
 def llamacpp_defaults(spec: ModelSpec, ngl: int, ts: list[int] | None = None) -> dict[str, str]:
     """Where llama.cpp puts each tensor given only `-ngl` and integer `-ts` counts: the last
-    ngl - 1 repeating layers and the output layer (index n_layer) offloaded, GPU layer offset k
-    on the first device whose cumulative count exceeds k."""
-    n = spec.hparams.n_layer
+    ngl - 1 repeating layers (NextN blocks included) and the output layer (index n_block)
+    offloaded, GPU layer offset k on the first device whose cumulative count exceeds k."""
+    n = spec.hparams.n_block
     ts = ts or [ngl]
     first_gpu_layer = n - (ngl - 1) if ngl >= 1 else n + 1
     cumulative = [sum(ts[: d + 1]) for d in range(len(ts))]
@@ -337,7 +339,7 @@ def llamacpp_defaults(spec: ModelSpec, ngl: int, ts: list[int] | None = None) ->
         il = t.layer
         if t.name == "token_embd.weight":
             out[t.name] = CPU_BUFT  # the input embedding always stays on the CPU
-        else:  # output_norm and output are layer n_layer
+        else:  # output_norm and output are layer n_block
             out[t.name] = device_of(n if il is None else il)
     if spec.tied_output:
         out["token_embd.weight@output"] = device_of(n)

@@ -19,7 +19,8 @@ from refengine.spec import ATTENTION, EMBEDDING, EXPERT, FFN, NORM, OUTPUT, ROUT
 ATTN_SIDE, FFN_MATRIX, EXPERTS, EMBD, HEAD = "attn", "ffn", "experts", "embd", "output"
 POST_FFN_NORM = "post_ffw_norm.weight"  # gemma3's norm after the FFN: read with the down matrix
 # a layer's FFN groups in the order they compute (gate and up feed down), whatever the GGUF order
-FFN_ORDER = ("ffn_gate", "ffn_up", "ffn_down", "ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")
+FFN_ORDER = ("ffn_gate", "ffn_up", "ffn_down", "ffn_gate_exps", "ffn_up_exps", "ffn_down_exps",
+             "ffn_gate_shexp", "ffn_up_shexp", "ffn_down_shexp")  # (glm4moe: after the routed)
 
 
 @dataclass(frozen=True)

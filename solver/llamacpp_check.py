@@ -104,7 +104,7 @@ def parse_load_log(text: str, spec: ModelSpec) -> LoadLog:
 
     layer_device = {int(m.group(1)): m.group(2) for m in _LAYER.finditer(text)}
     overridden = {m.group(1): device_of(m.group(2)) for m in _OVERRIDE.finditer(text)}
-    n = spec.hparams.n_layer
+    n = spec.hparams.n_block  # the output layer's index
     for t in spec.tensors:
         if t.name in overridden:
             log.tensors[t.name] = overridden[t.name]

@@ -22,7 +22,10 @@
   (2k + 1) n_embd where it also mixes the layer before its first (CPU-computed experts of a layer
   elsewhere: their mix runs on the next device), and then the head beside such layers keeps
   n_embd more; a device holding the head alone mixes the last layer's and keeps those inputs, (k + 1)
-  n_embd per token, beside the head's. Measured on dense, MoE and sliding-window
+  n_embd per token, beside the head's. With shared experts (glm4moe), computed after the mix,
+  the FFN term of a mixing device is (k + 4) n_embd, and a device that holds the head and mixes a
+  layer before the last keeps 2 k n_ff_exp + n_embd more beside the logits (a bound: llama.cpp
+  reserved up to 2.9 MiB less). Measured on dense, MoE and sliding-window
   shapes to the 1/64 MiB llama.cpp prints, except where ggml's best-fit allocator fragments
   (an FFN narrower than about 2.5 n_embd; without flash attention the allocator's reuse varies).
 - Scratch ring (our runtime): `prefetch_depth` slots, each as large as the largest set of tensors a
@@ -81,6 +84,7 @@ def compute_nbytes(
     holds_masks: bool = False,
     mixes_cpu_experts: bool = False,
     mixes_the_layer_before: bool = False,
+    mixes_before_the_last: bool = False,
 ) -> int:
     """Compute buffer of one device for ubatches of n_ubatch tokens, `output_rows` of which get
     logits there (llama.cpp reserves for all n_ubatch; our runtime, one per sequence): llama.cpp's
@@ -92,7 +96,7 @@ def compute_nbytes(
         return nbytes(layout(spec, n_ubatch, output_rows, n_ctx)) + map_padding_nbytes(spec)
     return llamacpp_compute_nbytes(spec, n_ubatch, n_ctx, flash_attn, output_rows, pipeline_copies,
                                    attends, holds_masks, mixes_cpu_experts,
-                                   mixes_the_layer_before)  # fmt: skip
+                                   mixes_the_layer_before, mixes_before_the_last)  # fmt: skip
 
 
 def llamacpp_compute_nbytes(
@@ -106,13 +110,15 @@ def llamacpp_compute_nbytes(
     holds_masks: bool = False,
     mixes_cpu_experts: bool = False,
     mixes_the_layer_before: bool = False,
+    mixes_before_the_last: bool = False,
 ) -> int:
     """`pipeline_copies`: llama.cpp's scheduler keeps that many copies of each input a device
     receives (the incoming activations, and the KQ masks where it `attends` but does not hold them
     itself) when it pipelines ubatches across devices; the defaults bound every device.
     `mixes_cpu_experts`: the routed experts of the device's layers run on the CPU, the device only
     mixes their outputs; `mixes_the_layer_before`: it also mixes those of the layer before its
-    first (with no layers: before the head)."""
+    first (with no layers: before the head); `mixes_before_the_last`: it mixes those of a layer
+    before the model's last."""
     hp = spec.hparams
     n_kv = pad_cells(n_ctx)
     tokens = min(n_ubatch, n_kv)  # llama.cpp caps the ubatch at the context
@@ -130,13 +136,19 @@ def llamacpp_compute_nbytes(
     ffn = 4 * tokens * (3 * hp.n_ff_active + 2 * hp.n_embd + q_dim)
     head = 4 * min(output_rows, tokens) * (hp.n_vocab + hp.n_embd)
     k, activations = hp.n_expert_used, 4 * tokens * hp.n_embd
+    shared = 1 if hp.n_ff_shexp else 0  # the shared experts' output beside the routed mix
     if mixes_cpu_experts:
-        ffn = activations * (2 * k + 1 if mixes_the_layer_before else k + 3)
+        ffn = activations * (2 * k + 1 if mixes_the_layer_before else k + 3 + shared)
         # n_embd more beside the head where the layer before was another device's (measured;
         # none after CPU layers: reserved either way)
         head += activations if output_rows and mixes_the_layer_before else 0
     elif mixes_the_layer_before and output_rows:  # the head alone
         head += activations * (k + 1)
+    if shared and mixes_before_the_last and output_rows:
+        # beside the logits, the chosen experts' gate and up outputs and n_embd (measured on
+        # glm4moe, tests/test_glm4moe.py: 0.0-2.9 MiB over llama.cpp's figure, which its
+        # allocator's placement of earlier tensors sets)
+        head += 4 * tokens * (2 * k * hp.n_ff_exp + hp.n_embd)
     if pipeline_copies == 1:
         return max(masks + max(attention, ffn), head)
     # the activations, and the small integer inputs (positions, output ids: measured 20 bytes a

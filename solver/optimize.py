@@ -402,7 +402,7 @@ def _program(
     roles = [(copies, False, False)] + ([(1, True, True), (1, False, True)] if llama else [])
     bound = lambda rows: max(  # noqa: E731
         compute_nbytes(p.spec, tier, work.n_ctx, work.flash_attn, rows, p.target, n, True, False,
-                       mixes, before)  # fmt: skip
+                       mixes, before, llama)  # fmt: skip
         for n, mixes, before in roles
     )
     base = bound(0)

@@ -66,6 +66,11 @@ def info(model: str, as_json: bool, tensors: bool) -> None:
         "",
     )
     con.print(t)
+    if spec.unloaded:
+        first, last = spec.hparams.n_layer, spec.hparams.n_block - 1
+        con.print(f"NextN block {first}{f'-{last}' if last > first else ''}: "
+                  f"{_mib(d['unloaded_nbytes'])} MiB in the file that llama.cpp does not load "
+                  "(multi-token prediction) and no plan places")  # fmt: skip
     if tensors:
         tt = Table(title="tensors")
         for col in ("name", "shape", "type", "bytes", "role"):
