@@ -22,6 +22,10 @@ architecture's name. Semantics follow llama.cpp (src/models/*.cpp, src/llama-mod
   selection adds exp_probs_b) beside expert_shared_count shared experts; the trailing
   nextn_predict_layers blocks (multi-token prediction) are in the file but llama.cpp loads none
   of their tensors and gives them no KV.
+- deepseek2 (planned; 2.3): as glm4moe's layers (leading dense, routed beside shared experts, an
+  optional selection bias, NextN blocks) with multi-head latent attention: Q through a rank
+  q_lora_rank (none in the "lite" models), K and V through kv_lora_rank, split per head into
+  attn_k_b and attn_v_b; the cache keeps kv_lora_rank + RoPE dims a token and layer, no V.
 
 The other names llama.cpp 0.3.36 knows (llamacpp_arches.json) are refused with what they are.
 """
@@ -68,6 +72,8 @@ class ArchTraits:
     expert_probs_bias: bool = False  # exp_probs_b.bias: a per-expert bias on the selection
     nextn: bool = False  # nextn_predict_layers trailing blocks: in the file, not loaded
     qk_norm_optional: bool = False  # attn_q_norm and attn_k_norm may be present
+    mla: bool = False  # multi-head latent attention (HParams.mla)
+    optional_tensors: tuple[str, ...] = ()  # layer tensors (blk.N. left out) a file may omit
 
 
 ARCHES: dict[str, ArchTraits] = {
@@ -145,6 +151,22 @@ ARCHES: dict[str, ArchTraits] = {
             expert_probs_bias=True,
             nextn=True,
             qk_norm_optional=True,
+        ),
+        ArchTraits(
+            "deepseek2",
+            rope_style="norm",
+            ffn_act="silu",
+            moe=True,
+            expert_weights_norm=True,
+            engines=False,
+            required_keys=("expert_feed_forward_length", "expert_shared_count",
+                           "attention.kv_lora_rank"),  # fmt: skip
+            shared_experts=True,
+            dense_lead=True,
+            expert_probs_bias=True,
+            nextn=True,
+            mla=True,
+            optional_tensors=("exp_probs_b.bias",),
         ),
     )
 }

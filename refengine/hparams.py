@@ -34,6 +34,16 @@ class HParams:
     n_dense_lead: int = 0  # leading layers with a dense FFN (n_ff wide) in a routed model
     n_ff_shexp: int = 0  # the shared experts' rows beside the routed ones (every routed layer)
     n_nextn: int = 0  # trailing NextN (multi-token prediction) blocks llama.cpp does not load
+    # multi-head latent attention (deepseek2): Q and KV through low-rank projections; the cache
+    # holds one row per token of head_dim = kv_lora_rank + n_rot values (n_head_kv = 1), no V
+    q_lora_rank: int = 0  # 0: Q projected directly
+    kv_lora_rank: int = 0
+    head_dim_mla: int = 0  # a query head's size after the projections (no RoPE + RoPE dims)
+    head_dim_v_mla: int = 0
+
+    @property
+    def mla(self) -> bool:
+        return self.kv_lora_rank > 0
 
     @property
     def n_block(self) -> int:
@@ -120,6 +130,13 @@ def check_hparams(hp: HParams, traits: ArchTraits, where: str) -> None:
             )
     if (not traits.moe or hp.n_dense_lead) and hp.n_ff <= 0:
         raise UserError(f"{where}: n_ff = {hp.n_ff} must be positive")
+    if hp.mla and not (hp.n_rot < hp.head_dim_mla and hp.head_dim_v_mla > 0
+                       and hp.head_dim == hp.kv_lora_rank + hp.n_rot):  # fmt: skip
+        raise UserError(
+            f"{where}: latent attention needs RoPE dims {hp.n_rot} below the query head size "
+            f"{hp.head_dim_mla}, a value head size ({hp.head_dim_v_mla}) and a cached key of "
+            f"kv_lora_rank + RoPE dims ({hp.kv_lora_rank} + {hp.n_rot}, not {hp.head_dim})"
+        )
     if not 0 <= hp.n_dense_lead <= hp.n_layer:
         raise UserError(f"{where}: {hp.n_dense_lead} leading dense layers of {hp.n_layer}")
     if hp.swa_layers and len(hp.swa_layers) != hp.n_layer:

@@ -30,9 +30,12 @@ def tensor_layout(traits: ArchTraits, hp: HParams, tied_output: bool = True) -> 
             out.append(TensorSlot(f"blk.{il}.{base}", shape, kind))
 
         add("attn_norm.weight", (d,), F32)
-        add("attn_q.weight", (q_dim, d))
-        add("attn_k.weight", (k_dim, d))
-        add("attn_v.weight", (v_dim, d))
+        if hp.mla:
+            out.extend(_latent_attention(hp, f"blk.{il}."))
+        else:
+            add("attn_q.weight", (q_dim, d))
+            add("attn_k.weight", (k_dim, d))
+            add("attn_v.weight", (v_dim, d))
         if traits.qkv_bias:
             add("attn_q.bias", (q_dim,), F32)
             add("attn_k.bias", (k_dim,), F32)
@@ -40,7 +43,7 @@ def tensor_layout(traits: ArchTraits, hp: HParams, tied_output: bool = True) -> 
         if traits.qk_norm:
             add("attn_q_norm.weight", (hd,), F32)
             add("attn_k_norm.weight", (hd,), F32)
-        add("attn_output.weight", (d, hp.n_head * hdv))
+        add("attn_output.weight", (d, hp.n_head * (hp.head_dim_v_mla if hp.mla else hdv)))
         if traits.attn_out_bias:
             add("attn_output.bias", (d,), F32)
         if traits.attn_sinks:
@@ -80,6 +83,25 @@ def tensor_layout(traits: ArchTraits, hp: HParams, tied_output: bool = True) -> 
     return out
 
 
+def _latent_attention(hp: HParams, prefix: str) -> list[TensorSlot]:
+    """Multi-head latent attention's projections (deepseek2): Q through a rank q_lora_rank (or
+    directly), the cached latent and the RoPE key from one product, and per head the latent's
+    maps to a key without RoPE and to a value."""
+    d, h, r_kv = hp.n_embd, hp.n_head, hp.kv_lora_rank
+    nope = hp.head_dim_mla - hp.n_rot
+    q = [("attn_q_a_norm.weight", (hp.q_lora_rank,), F32),
+         ("attn_q_a.weight", (hp.q_lora_rank, d), QUANTIZED),
+         ("attn_q_b.weight", (h * hp.head_dim_mla, hp.q_lora_rank), QUANTIZED)
+         ] if hp.q_lora_rank else [("attn_q.weight", (h * hp.head_dim_mla, d), QUANTIZED)]
+    return [TensorSlot(prefix + name, shape, kind) for name, shape, kind in (
+        *q,
+        ("attn_kv_a_norm.weight", (r_kv,), F32),
+        ("attn_kv_a_mqa.weight", (r_kv + hp.n_rot, d), QUANTIZED),
+        ("attn_k_b.weight", (h, r_kv, nope), QUANTIZED),
+        ("attn_v_b.weight", (h, hp.head_dim_v_mla, r_kv), QUANTIZED),
+    )]  # fmt: skip
+
+
 def optional_slots(traits: ArchTraits, hp: HParams) -> list[TensorSlot]:
     """Tensors llama.cpp accepts when present (and the engine applies): Q/K/V biases on any
     architecture; Q/K norms where optional; a NextN block's own embedding and head."""
@@ -104,6 +126,11 @@ def optional_slots(traits: ArchTraits, hp: HParams) -> list[TensorSlot]:
     return out
 
 
+def layer_stem(name: str) -> str:
+    """A tensor's name without its layer prefix (blk.3.attn_q.weight -> attn_q.weight)."""
+    return name.split(".", 2)[2] if name.startswith("blk.") else name
+
+
 def check_tensors(
     traits: ArchTraits, hp: HParams, shapes: dict[str, tuple[int, ...]], where: str
 ) -> None:
@@ -124,7 +151,8 @@ def check_tensors(
                 f"{where}: tensor {name} has shape {tuple(shape)}, expected {want} "
                 "from the file's hyperparameters"
             )
-    missing = [n for n in expected if n not in shapes]
+    missing = [n for n in expected if n not in shapes
+               and layer_stem(n) not in traits.optional_tensors]  # fmt: skip
     if missing:
         raise UserError(
             f"{where}: {len(missing)} tensors are missing (first: {missing[0]}); the file "

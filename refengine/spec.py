@@ -181,6 +181,23 @@ def _swa(m: _Meta, traits: ArchTraits, n_layer: int) -> tuple[int, tuple[bool, .
     )
 
 
+def _latent(m: _Meta, hp: HParams, n_layer: int) -> HParams:
+    """A deepseek2 file's latent attention. Its converter writes the cache's row as the key
+    (key_length = kv_lora_rank + RoPE dims, one KV head) and the query and value heads' sizes as
+    *_mla; llama.cpp requires q_lora_rank but of its "lite" models (26 or 27 layers, or 48 with
+    a vocabulary of 128256)."""
+    if not all(f"{m.arch}.attention.{k}_length_mla" in m.fields for k in ("key", "value")):
+        raise UserError(f"{m.path}: no attention.key_length_mla / value_length_mla: an older "
+                        "conversion (one attn_kv_b per layer) that refengine does not plan; "
+                        "convert the model again with a current llama.cpp")  # fmt: skip
+    lite = n_layer in (26, 27) or (n_layer == 48 and hp.n_vocab == 128256)
+    return replace(hp, kv_lora_rank=m.need("attention.kv_lora_rank"),
+                   q_lora_rank=m.get("attention.q_lora_rank", 0) if lite
+                   else m.need("attention.q_lora_rank"),
+                   head_dim_mla=m.need("attention.key_length_mla"),
+                   head_dim_v_mla=m.need("attention.value_length_mla"))  # fmt: skip
+
+
 def load_spec(path: str | os.PathLike) -> ModelSpec:
     """ModelSpec of a GGUF file (no weights read), checked against its architecture's layout."""
     g = read_gguf(path)
@@ -259,6 +276,8 @@ def load_spec(path: str | os.PathLike) -> ModelSpec:
     )
     if traits.shared_experts:  # each as wide as a routed expert
         hp = replace(hp, n_ff_shexp=hp.n_ff_exp * m.need("expert_shared_count"))
+    if traits.mla:
+        hp = _latent(m, hp, n_layer)
     check_hparams(hp, traits, str(p))
     check_tensors(traits, hp, shapes, str(p))
     return ModelSpec(

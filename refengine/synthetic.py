@@ -42,6 +42,10 @@ class SyntheticConfig:
     n_head_kv: int = 2
     head_dim: int = 0  # 0: n_embd / n_head
     n_rot: int = 0  # dimensions of each head RoPE rotates; 0: all
+    head_dim_v: int = 0  # 0: head_dim
+    # deepseek2's latent attention: head_dim and head_dim_v are a query's and a value's head
+    q_lora_rank: int = 0
+    kv_lora_rank: int = 0
     n_vocab: int = 512
     n_ctx_train: int = 4096
     qtype: str = "Q8_0"  # type of the matrices; norms, biases and the router stay F32
@@ -99,7 +103,7 @@ class SyntheticConfig:
             n_head=self.n_head,
             n_head_kv=self.n_head_kv,
             head_dim=hd,
-            head_dim_v=hd,
+            head_dim_v=self.head_dim_v or hd,
             n_rot=self.n_rot or hd,
             rope_base=self.rope_base or traits.default_rope_base,
             rope_base_swa=swa_base(traits, self.rope_base or traits.default_rope_base),
@@ -115,6 +119,13 @@ class SyntheticConfig:
             n_ff_shexp=self.n_ff_exp * self.n_expert_shared,
             n_nextn=self.n_nextn,
         )
+        if traits.mla:  # the cache's row is the key: the latent and the RoPE key, one head
+            hp = replace(hp, n_head_kv=1, head_dim=self.kv_lora_rank + hp.n_rot,
+                         head_dim_v=self.kv_lora_rank, q_lora_rank=self.q_lora_rank,
+                         kv_lora_rank=self.kv_lora_rank, head_dim_mla=hd,
+                         head_dim_v_mla=hp.head_dim_v)  # fmt: skip
+        elif self.kv_lora_rank or self.q_lora_rank:
+            raise UserError(f"a {self.arch} model has no latent attention")
         check_hparams(hp, traits, f"synthetic {self.arch}")
         return hp
 
@@ -344,6 +355,12 @@ def write_synthetic(path: str | Path, cfg: SyntheticConfig) -> Path:
         w.add_leading_dense_block_count(hp.n_dense_lead)
     if traits.nextn:
         w.add_nextn_predict_layers(hp.n_nextn)
+    if hp.mla:
+        if hp.q_lora_rank:
+            w.add_q_lora_rank(hp.q_lora_rank)
+        w.add_kv_lora_rank(hp.kv_lora_rank)
+        w.add_key_length_mla(hp.head_dim_mla)
+        w.add_value_length_mla(hp.head_dim_v_mla)
     w.add_file_type(file_type)
 
     tokens, types, merges = vocabulary(hp.n_vocab)

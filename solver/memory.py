@@ -28,6 +28,9 @@
   reserved up to 2.9 MiB less). Measured on dense, MoE and sliding-window
   shapes to the 1/64 MiB llama.cpp prints, except where ggml's best-fit allocator fragments
   (an FFN narrower than about 2.5 n_embd; without flash attention the allocator's reuse varies).
+  Latent attention (deepseek2) keeps per token n_head (2 kv_lora_rank + 2 n_rot + head_dim_mla)
+  + 2 n_embd + q_lora_rank values (measured over seven shapes to 3 values a token), and, as a
+  bound, the shared expert's n_ff_shexp.
 - Scratch ring (our runtime): `prefetch_depth` slots, each as large as the largest set of tensors a
   layer streams, so layer i+1's copy lands while layer i computes.
 """
@@ -58,7 +61,8 @@ def kv_cell_nbytes(spec: ModelSpec, kv_type: str) -> int:
     """Bytes one cached token takes in one layer (K and V)."""
     hp = spec.hparams
     q = qtype(kv_type.upper())
-    return q.row_nbytes(hp.head_dim * hp.n_head_kv) + q.row_nbytes(hp.head_dim_v * hp.n_head_kv)
+    v = 0 if hp.mla else q.row_nbytes(hp.head_dim_v * hp.n_head_kv)  # latent attention: no V
+    return q.row_nbytes(hp.head_dim * hp.n_head_kv) + v
 
 
 def kv_cells(spec: ModelSpec, il: int, kv: KVShape) -> int:
@@ -129,6 +133,14 @@ def llamacpp_compute_nbytes(
     n_kv_full = n_kv if not all(swa) else 0
     masks = mask_value_nbytes * tokens * (n_kv_full + n_kv_swa)
     attention = 4 * tokens * (2 * hp.n_embd + 2 * q_dim)
+    if hp.mla:  # the absorbed queries (latent + RoPE per head), the latent output per head,
+        # the projected queries, their RoPE part, and Q's low-rank input (measured, fa on/off);
+        # and a shared expert's rows, which the allocator left in the way from three routed
+        # layers on (0.72 MiB of its 0.75 at 512 tokens)
+        attention = 4 * tokens * (hp.n_head * (2 * hp.kv_lora_rank + 2 * hp.n_rot
+                                               + hp.head_dim_mla)
+                                  + 2 * hp.n_embd + hp.q_lora_rank + hp.n_ff_shexp)  # fmt: skip
+        q_dim = hp.n_head * hp.head_dim_v_mla  # what the FFN's term keeps of the attention's
     if not flash_attn:
         # the scores, and a copy of the attention's output made contiguous (at most n_embd / 2
         # beyond the flash path's tensors, as measured)
