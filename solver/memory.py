@@ -9,8 +9,8 @@
   sized for a full ubatch of T = min(n_ubatch, n_ctx) tokens of f32 activations: in a layer's
   attention 2 n_embd + 2 q_dim values per token (with flash attention; without it, also the KQ
   scores, n_kv x n_head per token), in its FFN 3 n_ff (routed: n_ff_exp x experts used) +
-  2 n_embd + q_dim, beside the KQ mask copied to the device (n_kv per token, f16 with flash
-  attention, f32 without; sliding-window layers have their own); at the output head, logits and
+  2 n_embd + q_dim (routed, at least the k experts' outputs and their mix, (k + 3) n_embd),
+  beside the KQ mask copied to the device (n_kv per token, f16 with flash attention, f32 without; sliding-window layers have their own); at the output head, logits and
   the normed input, n_vocab + n_embd per output row. With several devices and every layer
   offloaded without overrides, llama.cpp pipelines ubatches across the devices and keeps
   PIPELINE_COPIES copies of each input a device receives from another, for the whole graph: the
@@ -148,6 +148,8 @@ def llamacpp_compute_nbytes(
     ffn = 4 * tokens * (3 * hp.n_ff_active + 2 * hp.n_embd + q_dim)
     head = 4 * min(output_rows, tokens) * (hp.n_vocab + hp.n_embd)
     k, activations = hp.n_expert_used, 4 * tokens * hp.n_embd
+    if hp.n_expert:  # the chosen experts' outputs and their mix, where wider than the products
+        ffn = max(ffn, activations * (k + 3))
     shared = 1 if hp.n_ff_shexp else 0  # the shared experts' output beside the routed mix
     if mixes_cpu_experts:
         ffn = activations * (2 * k + 1 if mixes_the_layer_before else k + 3 + shared)

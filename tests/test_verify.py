@@ -90,6 +90,8 @@ MATRIX = [
     ("dense", 4096, 4096, False),
     ("moe", 4096, 16384, True),  # routed FFN: experts used x n_ff_exp
     ("moe", 512, 4096, False),
+    # experts narrow beside n_embd: mixing their outputs, (k + 3) n_embd, outweighs computing them
+    ("moe-narrow", 512, 2048, True),
     # (at ubatches of 256-512 and contexts of 2048-8192 llama.cpp reserves 2.8-5.6 MiB more for
     # this shape than planned: not yet modelled, docs/measured/2026-11-28-gpt-oss-compute.txt)
     ("gpt-oss", 4096, 16384, True),
@@ -108,6 +110,8 @@ def shapes(tmp_path_factory):
         "--vocab 8000 --qtype Q4_K",
         "moe": "--arch qwen3moe --layers 4 --embd 512 --ff 1024 --heads 8 --kv-heads 4 "
         "--experts 16 --experts-used 4 --expert-ff 384 --vocab 8000 --qtype Q4_K",
+        "moe-narrow": "--arch qwen3moe --layers 2 --embd 1024 --ff 1024 --heads 8 --kv-heads 2 "
+        "--experts 16 --experts-used 8 --expert-ff 128 --vocab 1000 --qtype Q8_0",
         # sinks, biases on the router and the experts, every other layer a 128-token window
         "gpt-oss": "--arch gpt-oss --layers 4 --embd 512 --ff 1024 --heads 8 --kv-heads 4 "
         "--head-dim 64 --experts 16 --experts-used 4 --expert-ff 384 --swa 128 --vocab 8000 "
