@@ -10,8 +10,9 @@
   attention 2 n_embd + 2 q_dim values per token (with flash attention; without it, also the KQ
   scores, n_kv x n_head per token), in its FFN 3 n_ff (routed: n_ff_exp x experts used) +
   2 n_embd + q_dim (routed, at least the k experts' outputs and their mix, (k + 3) n_embd),
-  beside the KQ mask copied to the device (n_kv per token, f16 with flash attention, f32 without; sliding-window layers have their own); at the output head, logits and
-  the normed input, n_vocab + n_embd per output row. With several devices and every layer
+  beside the KQ mask copied to the device (n_kv per token, f16 with flash attention, f32 without;
+  sliding-window layers have their own); at the output head, logits and the normed input,
+  n_vocab + n_embd per output row. With several devices and every layer
   offloaded without overrides, llama.cpp pipelines ubatches across the devices and keeps
   PIPELINE_COPIES copies of each input a device receives from another, for the whole graph: the
   activations entering it (n_embd per token) and, where it attends, the masks (the first device
