@@ -22,8 +22,8 @@
   experts' outputs, k n_embd per token, and mixes them: its FFN term is (k + 3) n_embd per token,
   (2k + 1) n_embd where it also mixes the layer before its first (CPU-computed experts of a layer
   elsewhere: their mix runs on the next device), and then the head beside such layers keeps
-  n_embd more; a device holding the head alone mixes the last layer's and keeps those inputs, (k + 1)
-  n_embd per token, beside the head's. With shared experts (glm4moe), computed after the mix,
+  n_embd more; a device holding the head alone mixes the last layer's and keeps those inputs,
+  (k + 1) n_embd per token, beside the head's. With shared experts (glm4moe), computed after the mix,
   the FFN term of a mixing device is (k + 4) n_embd, and a device that holds the head and mixes a
   layer before the last keeps 2 k n_ff_exp + n_embd more beside the logits (a bound: llama.cpp
   reserved up to 2.9 MiB less). Measured on dense, MoE and sliding-window
