@@ -4,34 +4,32 @@
   values in the KV type (f16: 2 B per value; q8_0: 34 B per 32). llama.cpp pads n_ctx to 256
   cells; a sliding-window layer holds pad256(min(n_ctx_seq, n_swa * n_seq + n_ubatch)) cells.
 - Compute buffer of llama.cpp, fixed against llama.cpp's own `sched_reserve` figures (refengine
-  verify; tests/test_verify.py): ggml's allocator reuses a tensor's memory once its last reader
-  has run, so a device's buffer is the largest set of tensors alive at one point of the graph,
-  sized for a full ubatch of T = min(n_ubatch, n_ctx) tokens of f32 activations: in a layer's
-  attention 2 n_embd + 2 q_dim values per token (with flash attention; without it, also the KQ
-  scores, n_kv x n_head per token), in its FFN 3 n_ff (routed: n_ff_exp x experts used) +
-  2 n_embd + q_dim (routed, at least the k experts' outputs and their mix, (k + 3) n_embd),
-  beside the KQ mask copied to the device (n_kv per token, f16 with flash attention, f32 without;
-  sliding-window layers have their own); at the output head, logits and the normed input,
-  n_vocab + n_embd per output row. With several devices and every layer
-  offloaded without overrides, llama.cpp pipelines ubatches across the devices and keeps
-  PIPELINE_COPIES copies of each input a device receives from another, for the whole graph: the
-  activations entering it (n_embd per token) and, where it attends, the masks (the first device
-  to attend holds the masks themselves, so one copy fewer; a device holding only the head
-  receives no masks). A device whose layers' routed experts are computed on the CPU (held there
+  verify; tests/test_verify.py): ggml's allocator reuses a tensor's memory once its last reader has
+  run, so a device's buffer is the largest set of tensors alive at one point of the graph, sized for
+  a full ubatch of T = min(n_ubatch, n_ctx) tokens of f32 activations: in a layer's attention 2
+  n_embd + 2 q_dim values per token (with flash attention; without it, also the KQ scores, n_kv x
+  n_head per token), in its FFN 3 n_ff (routed: n_ff_exp x experts used) + 2 n_embd + q_dim (routed,
+  at least the k experts' outputs and their mix, (k + 3) n_embd), beside the KQ mask copied to the
+  device (n_kv per token, f16 with flash attention, f32 without; sliding-window layers have their
+  own); at the output head, logits and the normed input, n_vocab + n_embd per output row. With
+  several devices and every layer offloaded without overrides, llama.cpp pipelines ubatches across
+  the devices and keeps PIPELINE_COPIES copies of each input a device receives from another, for the
+  whole graph: the activations entering it (n_embd per token) and, where it attends, the masks (the
+  first device to attend holds the masks themselves, so one copy fewer; a device holding only the
+  head receives no masks). A device whose layers' routed experts are computed on the CPU (held there
   and not offloaded: RPC devices never offload, a GPU only at 32 tokens and more) receives the
   experts' outputs, k n_embd per token, and mixes them: its FFN term is (k + 3) n_embd per token,
   (2k + 1) n_embd where it also mixes the layer before its first (CPU-computed experts of a layer
-  elsewhere: their mix runs on the next device), and then the head beside such layers keeps
-  n_embd more; a device holding the head alone mixes the last layer's and keeps those inputs,
-  (k + 1) n_embd per token, beside the head's. With shared experts (glm4moe), computed after the mix,
-  the FFN term of a mixing device is (k + 4) n_embd, and a device that holds the head and mixes a
-  layer before the last keeps 2 k n_ff_exp + n_embd more beside the logits (a bound: llama.cpp
-  reserved up to 2.9 MiB less). Measured on dense, MoE and sliding-window
-  shapes to the 1/64 MiB llama.cpp prints, except where ggml's best-fit allocator fragments
-  (an FFN narrower than about 2.5 n_embd; without flash attention the allocator's reuse varies).
-  Latent attention (deepseek2) keeps per token n_head (2 kv_lora_rank + 2 n_rot + head_dim_mla)
-  + 2 n_embd + q_lora_rank values (measured over seven shapes to 3 values a token), and, as a
-  bound, the shared expert's n_ff_shexp.
+  elsewhere: their mix runs on the next device), and then the head beside such layers keeps n_embd
+  more; a device holding the head alone mixes the last layer's and keeps those inputs, (k + 1)
+  n_embd per token, beside the head's. With shared experts (glm4moe), computed after the mix, the
+  FFN term of a mixing device is (k + 4) n_embd, and a device that holds the head and mixes a layer
+  before the last keeps 2 k n_ff_exp + n_embd more beside the logits (a bound: llama.cpp reserved up
+  to 2.9 MiB less). Measured on dense, MoE and sliding-window shapes to the 1/64 MiB llama.cpp
+  prints, except where ggml's best-fit allocator fragments (an FFN narrower than about 2.5 n_embd;
+  without flash attention the allocator's reuse varies). Latent attention (deepseek2) keeps per
+  token n_head (2 kv_lora_rank + 2 n_rot + head_dim_mla) + 2 n_embd + q_lora_rank values (measured
+  over seven shapes to 3 values a token), and, as a bound, the shared expert's n_ff_shexp.
 - Scratch ring (our runtime): `prefetch_depth` slots, each as large as the largest set of tensors a
   layer streams, so layer i+1's copy lands while layer i computes.
 """
