@@ -26,6 +26,9 @@ architecture's name. Semantics follow llama.cpp (src/models/*.cpp, src/llama-mod
   optional selection bias, NextN blocks) with multi-head latent attention: Q through a rank
   q_lora_rank (none in the "lite" models), K and V through kv_lora_rank, split per head into
   attn_k_b and attn_v_b; the cache keeps kv_lora_rank + RoPE dims a token and layer, no V.
+- llama4 (planned; 2.6): every interleave_moe_layer_step-th layer routed beside one shared expert
+  as wide as a routed one, the others dense; 3 of every 4 layers attend within chunks of 8192
+  tokens (cached as a sliding window of 8192), unless the file's sliding_window is 0.
 
 The other names llama.cpp 0.3.36 knows (llamacpp_arches.json) are refused with what they are.
 """
@@ -74,6 +77,11 @@ class ArchTraits:
     qk_norm_optional: bool = False  # attn_q_norm and attn_k_norm may be present
     mla: bool = False  # multi-head latent attention (HParams.mla)
     optional_tensors: tuple[str, ...] = ()  # layer tensors (blk.N. left out) a file may omit
+    one_shared_expert: bool = False  # routed layers add one shared expert, as wide as a routed one
+    interleaved_moe: bool = False  # interleave_moe_layer_step: every step-th layer routes
+    # chunked attention on the sliding-window pattern's layers: llama.cpp's chunk, whatever the
+    # file's sliding_window says but 0 (none)
+    attention_chunk: int = 0
 
 
 ARCHES: dict[str, ArchTraits] = {
@@ -167,6 +175,19 @@ ARCHES: dict[str, ArchTraits] = {
             nextn=True,
             mla=True,
             optional_tensors=("exp_probs_b.bias",),
+        ),
+        ArchTraits(
+            "llama4",
+            rope_style="norm",
+            ffn_act="silu",
+            moe=True,
+            swa_pattern=4,
+            default_rope_base=500000.0,
+            engines=False,
+            required_keys=("expert_feed_forward_length", "interleave_moe_layer_step"),
+            one_shared_expert=True,
+            interleaved_moe=True,
+            attention_chunk=8192,
         ),
     )
 }

@@ -34,6 +34,7 @@ class HParams:
     n_dense_lead: int = 0  # leading layers with a dense FFN (n_ff wide) in a routed model
     n_ff_shexp: int = 0  # the shared experts' rows beside the routed ones (every routed layer)
     n_nextn: int = 0  # trailing NextN (multi-token prediction) blocks llama.cpp does not load
+    moe_every: int = 1  # layer il routes when (il + 1) % moe_every == 0 (llama4's interleave)
     # multi-head latent attention (deepseek2): Q and KV through low-rank projections; the cache
     # holds one row per token of head_dim = kv_lora_rank + n_rot values (n_head_kv = 1), no V
     q_lora_rank: int = 0  # 0: Q projected directly
@@ -53,7 +54,8 @@ class HParams:
 
     def routed(self, il: int | None) -> bool:
         """Whether layer il routes its tokens to experts (a leading dense layer does not)."""
-        return self.n_expert > 0 and il is not None and il >= self.n_dense_lead
+        return (self.n_expert > 0 and il is not None and il >= self.n_dense_lead
+                and (il + 1) % self.moe_every == 0)  # fmt: skip
 
     @property
     def n_ff_active(self) -> int:
@@ -61,7 +63,7 @@ class HParams:
         shared experts' (computed after them), or a dense layer's."""
         if not self.n_expert:
             return self.n_ff
-        dense = self.n_ff if self.n_dense_lead else 0
+        dense = self.n_ff if self.n_dense_lead or self.moe_every > 1 else 0
         return max(self.n_ff_exp * self.n_expert_used, self.n_ff_shexp, dense)
 
 
@@ -128,7 +130,7 @@ def check_hparams(hp: HParams, traits: ArchTraits, where: str) -> None:
                 f"{where}: a MoE model needs 0 < experts used ({hp.n_expert_used}) <= "
                 f"experts ({hp.n_expert}) and an expert FFN size ({hp.n_ff_exp})"
             )
-    if (not traits.moe or hp.n_dense_lead) and hp.n_ff <= 0:
+    if (not traits.moe or hp.n_dense_lead or hp.moe_every > 1) and hp.n_ff <= 0:
         raise UserError(f"{where}: n_ff = {hp.n_ff} must be positive")
     if hp.mla and not (hp.n_rot < hp.head_dim_mla and hp.head_dim_v_mla > 0
                        and hp.head_dim == hp.kv_lora_rank + hp.n_rot):  # fmt: skip
@@ -137,6 +139,8 @@ def check_hparams(hp: HParams, traits: ArchTraits, where: str) -> None:
             f"{hp.head_dim_mla}, a value head size ({hp.head_dim_v_mla}) and a cached key of "
             f"kv_lora_rank + RoPE dims ({hp.kv_lora_rank} + {hp.n_rot}, not {hp.head_dim})"
         )
+    if hp.moe_every < 1:
+        raise UserError(f"{where}: a MoE layer every {hp.moe_every} layers")
     if not 0 <= hp.n_dense_lead <= hp.n_layer:
         raise UserError(f"{where}: {hp.n_dense_lead} leading dense layers of {hp.n_layer}")
     if hp.swa_layers and len(hp.swa_layers) != hp.n_layer:

@@ -171,6 +171,9 @@ def _rope_scale(m: _Meta) -> float:
 
 def _swa(m: _Meta, traits: ArchTraits, n_layer: int) -> tuple[int, tuple[bool, ...]]:
     n_swa = m.get("attention.sliding_window", 0) if traits.swa_pattern else 0
+    if traits.attention_chunk:  # llama4: chunked unless the window is given as 0
+        n_swa = m.get("attention.sliding_window", traits.attention_chunk) and (
+            traits.attention_chunk)  # fmt: skip
     if n_swa == 0:
         return 0, ()
     pattern = m.fields.get(f"{m.arch}.attention.sliding_window_pattern")
@@ -276,6 +279,10 @@ def load_spec(path: str | os.PathLike) -> ModelSpec:
     )
     if traits.shared_experts:  # each as wide as a routed expert
         hp = replace(hp, n_ff_shexp=hp.n_ff_exp * m.need("expert_shared_count"))
+    if traits.one_shared_expert:
+        hp = replace(hp, n_ff_shexp=hp.n_ff_exp)
+    if traits.interleaved_moe:
+        hp = replace(hp, moe_every=m.need("interleave_moe_layer_step"))
     if traits.mla:
         hp = _latent(m, hp, n_layer)
     check_hparams(hp, traits, str(p))

@@ -58,6 +58,7 @@ class SyntheticConfig:
     n_expert_shared: int = 0  # shared experts (glm4moe), each n_ff_exp wide
     n_dense_lead: int = 0  # leading dense layers (glm4moe)
     n_nextn: int = 0  # NextN blocks after the n_layer (glm4moe); llama.cpp loads none
+    moe_every: int = 1  # llama4: every moe_every-th layer routes, the others are dense
     tied_output: bool = False  # tied, the residual's own token embedding dominates the logits
     # A random head gives flat distributions (top probability ~0.3) whose argmax llama.cpp's 8-bit
     # activation noise flips at 2-5% of positions. Adding to each token's row the direction of its
@@ -94,6 +95,7 @@ class SyntheticConfig:
             if value and not trait:
                 raise UserError(f"a {self.arch} model has no {what}")
         n_swa = (self.n_swa or 4) if traits.swa_pattern else 0
+        n_swa = traits.attention_chunk or n_swa  # llama.cpp's chunk, whatever the file says
         hp = HParams(
             n_vocab=self.n_vocab,
             n_ctx_train=self.n_ctx_train,
@@ -116,9 +118,14 @@ class SyntheticConfig:
             n_expert_used=self.n_expert_used,
             n_ff_exp=expert_rows(traits, self.n_ff, self.n_ff_exp),
             n_dense_lead=self.n_dense_lead,
-            n_ff_shexp=self.n_ff_exp * self.n_expert_shared,
             n_nextn=self.n_nextn,
+            moe_every=self.moe_every,
+            n_ff_shexp=self.n_ff_exp if traits.one_shared_expert else 0,
         )
+        if self.n_expert_shared:
+            hp = replace(hp, n_ff_shexp=self.n_ff_exp * self.n_expert_shared)
+        if self.moe_every > 1 and not traits.interleaved_moe:
+            raise UserError(f"a {self.arch} model routes every layer")
         if traits.mla:  # the cache's row is the key: the latent and the RoPE key, one head
             hp = replace(hp, n_head_kv=1, head_dim=self.kv_lora_rank + hp.n_rot,
                          head_dim_v=self.kv_lora_rank, q_lora_rank=self.q_lora_rank,
@@ -353,6 +360,8 @@ def write_synthetic(path: str | Path, cfg: SyntheticConfig) -> Path:
         w.add_expert_weights_scale(1.0)
     if traits.dense_lead:
         w.add_leading_dense_block_count(hp.n_dense_lead)
+    if traits.interleaved_moe:
+        w.add_interleave_moe_layer_step(hp.moe_every)
     if traits.nextn:
         w.add_nextn_predict_layers(hp.n_nextn)
     if hp.mla:

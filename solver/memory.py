@@ -163,7 +163,7 @@ def llamacpp_compute_nbytes(
         # allocator's placement of earlier tensors sets)
         head += 4 * tokens * (2 * k * hp.n_ff_exp + hp.n_embd)
     if pipeline_copies == 1:
-        return max(masks + max(attention, ffn), head)
+        return max(masks + max(attention, ffn), head) if attends else head
     # the activations, and the small integer inputs (positions, output ids: measured 20 bytes a
     # token on a device that attends, 24 on the head's; the larger bounds both)
     arriving = pipeline_copies * tokens * (4 * hp.n_embd + PIPELINED_INT_INPUT_NBYTES)

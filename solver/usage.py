@@ -102,9 +102,10 @@ def device_usage(
         and len({loc.device for loc in layers}) > 1
     )
     copies = PIPELINE_COPIES if pipelined else 1
-    attends = not pipelined or any(
-        here(mine[g.name]) for g in groups if g.layer is not None and g.kind == ATTN_SIDE
-    )
+    # (unpipelined, a device holding any of a layer's groups reserves for a whole layer; one
+    # holding the head alone, for the head)
+    attends = any(here(mine[g.name]) for g in groups if g.layer is not None
+                  and (g.kind == ATTN_SIDE or not pipelined))  # fmt: skip
     holds_masks = pipelined and here(mine["blk.0.attn"])  # the first layer's device makes them
     # routed experts held on the CPU and computed there: their device only mixes their outputs
     on_cpu = runner.ggml_memory and not (op_offload and tier >= OP_OFFLOAD_MIN_TOKENS)

@@ -31,6 +31,7 @@ from .base import cli
 @click.option("--head-dim-v", type=int, help="Value head size (head size).")
 @click.option("--q-lora", "q_lora_rank", type=int, help="Q's rank (deepseek2).")
 @click.option("--kv-lora", "kv_lora_rank", type=int, help="The cached latent's rank (deepseek2).")
+@click.option("--moe-every", type=int, help="llama4: every Nth layer routes.")
 @click.option("--swa", "n_swa", type=int, help="Sliding window (gemma3).")
 @click.option("--qtype", help="Type of the matrices (Q4_K, Q8_0, F16, ...).")
 @click.option("--seed", type=int)
