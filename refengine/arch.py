@@ -26,6 +26,10 @@ architecture's name. Semantics follow llama.cpp (src/models/*.cpp, src/llama-mod
   optional selection bias, NextN blocks) with multi-head latent attention: Q through a rank
   q_lora_rank (none in the "lite" models), K and V through kv_lora_rank, split per head into
   attn_k_b and attn_v_b; the cache keeps kv_lora_rank + RoPE dims a token and layer, no V.
+- qwen35moe (planned; 2.5): every full_attention_interval-th layer gated full attention (Q twice
+  as wide: queries and their gate; Q/K norms), the others a gated delta net whose state per
+  sequence replaces the KV cache; every layer routed beside a sigmoid-gated shared expert;
+  NextN blocks as glm4moe's.
 - llama4 (planned; 2.6): every interleave_moe_layer_step-th layer routed beside one shared expert
   as wide as a routed one, the others dense; 3 of every 4 layers attend within chunks of 8192
   tokens (cached as a sliding window of 8192), unless the file's sliding_window is 0.
@@ -76,6 +80,10 @@ class ArchTraits:
     nextn: bool = False  # nextn_predict_layers trailing blocks: in the file, not loaded
     qk_norm_optional: bool = False  # attn_q_norm and attn_k_norm may be present
     mla: bool = False  # multi-head latent attention (HParams.mla)
+    hybrid: bool = False  # gated delta net layers between gated full-attention ones (qwen35moe)
+    # the shared expert: sigmoid-gated per token (ffn_gate_inp_shexp), as wide as the file's
+    # expert_shared_feed_forward_length (else feed_forward_length), not a count of experts
+    gated_shared_expert: bool = False
     optional_tensors: tuple[str, ...] = ()  # layer tensors (blk.N. left out) a file may omit
     one_shared_expert: bool = False  # routed layers add one shared expert, as wide as a routed one
     interleaved_moe: bool = False  # interleave_moe_layer_step: every step-th layer routes
@@ -175,6 +183,23 @@ ARCHES: dict[str, ArchTraits] = {
             nextn=True,
             mla=True,
             optional_tensors=("exp_probs_b.bias",),
+        ),
+        ArchTraits(
+            "qwen35moe",
+            rope_style="neox",
+            ffn_act="silu",
+            qk_norm=True,
+            moe=True,
+            expert_weights_norm=True,
+            default_rope_base=1e7,
+            synthetic_pre_tokenizer="qwen2",
+            engines=False,
+            ffn_norm="post_attention_norm",
+            required_keys=("rope.dimension_sections", "ssm.conv_kernel", "ssm.inner_size",
+                           "ssm.state_size", "ssm.time_step_rank", "ssm.group_count"),
+            nextn=True,
+            hybrid=True,
+            gated_shared_expert=True,
         ),
         ArchTraits(
             "llama4",

@@ -42,9 +42,27 @@ class HParams:
     head_dim_mla: int = 0  # a query head's size after the projections (no RoPE + RoPE dims)
     head_dim_v_mla: int = 0
 
+    # a gated delta net (qwen35moe's linear attention) on the layers flagged here: per sequence a
+    # convolution's last ssm_conv_kernel - 1 inputs and a state of ssm_state x ssm_inner, in F32
+    recurrent_layers: tuple[bool, ...] = ()
+    ssm_conv_kernel: int = 0
+    ssm_inner: int = 0  # the values' width: ssm_state x ssm_v_heads
+    ssm_state: int = 0  # a head's key (and value) size
+    ssm_groups: int = 0  # key heads
+    ssm_v_heads: int = 0  # value heads (the file's ssm.time_step_rank)
+
     @property
     def mla(self) -> bool:
         return self.kv_lora_rank > 0
+
+    def recurrent(self, il: int) -> bool:
+        return bool(self.recurrent_layers and self.recurrent_layers[il])
+
+    @property
+    def state_nbytes(self) -> int:
+        """A recurrent layer's state for one sequence (llama.cpp's n_embd_r + n_embd_s, F32)."""
+        conv = (self.ssm_conv_kernel - 1) * (self.ssm_inner + 2 * self.ssm_groups * self.ssm_state)
+        return 4 * (conv + self.ssm_state * self.ssm_inner)
 
     @property
     def n_block(self) -> int:
@@ -81,6 +99,11 @@ def expert_rows(traits: ArchTraits, n_ff: int, stated: int) -> int:
     if not traits.moe:
         return 0
     return n_ff if traits.moe_by_count else stated
+
+
+def recurrent_layers(n_layer: int, interval: int) -> tuple[bool, ...]:
+    """llama.cpp's hybrid pattern: every interval-th layer attends, the others are recurrent."""
+    return tuple((il + 1) % interval != 0 for il in range(n_layer))
 
 
 def swa_base(traits: ArchTraits, rope_base: float) -> float:

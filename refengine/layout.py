@@ -30,8 +30,15 @@ def tensor_layout(traits: ArchTraits, hp: HParams, tied_output: bool = True) -> 
             out.append(TensorSlot(f"blk.{il}.{base}", shape, kind))
 
         add("attn_norm.weight", (d,), F32)
+        recurrent = il < hp.n_layer and hp.recurrent(il)
         if hp.mla:
             out.extend(_latent_attention(hp, f"blk.{il}."))
+        elif recurrent:
+            out.extend(_delta_net(hp, f"blk.{il}."))
+        elif traits.hybrid:  # gated attention: Q's rows twice, the queries and their gate
+            add("attn_q.weight", (2 * q_dim, d))
+            add("attn_k.weight", (k_dim, d))
+            add("attn_v.weight", (v_dim, d))
         else:
             add("attn_q.weight", (q_dim, d))
             add("attn_k.weight", (k_dim, d))
@@ -40,10 +47,11 @@ def tensor_layout(traits: ArchTraits, hp: HParams, tied_output: bool = True) -> 
             add("attn_q.bias", (q_dim,), F32)
             add("attn_k.bias", (k_dim,), F32)
             add("attn_v.bias", (v_dim,), F32)
-        if traits.qk_norm:
+        if traits.qk_norm and not recurrent:
             add("attn_q_norm.weight", (hd,), F32)
             add("attn_k_norm.weight", (hd,), F32)
-        add("attn_output.weight", (d, hp.n_head * (hp.head_dim_v_mla if hp.mla else hdv)))
+        if not recurrent:
+            add("attn_output.weight", (d, hp.n_head * (hp.head_dim_v_mla if hp.mla else hdv)))
         if traits.attn_out_bias:
             add("attn_output.bias", (d,), F32)
         if traits.attn_sinks:
@@ -62,6 +70,8 @@ def tensor_layout(traits: ArchTraits, hp: HParams, tied_output: bool = True) -> 
                 add(f"ffn_{stack}_exps.weight", (e, rows, cols))
                 if traits.expert_bias:
                     add(f"ffn_{stack}_exps.bias", (e, rows), F32)
+            if traits.gated_shared_expert:
+                add("ffn_gate_inp_shexp.weight", (d,), F32)
             if hp.n_ff_shexp:
                 fs = hp.n_ff_shexp
                 add("ffn_gate_shexp.weight", (fs, d))
@@ -99,6 +109,25 @@ def _latent_attention(hp: HParams, prefix: str) -> list[TensorSlot]:
         ("attn_kv_a_mqa.weight", (r_kv + hp.n_rot, d), QUANTIZED),
         ("attn_k_b.weight", (h, r_kv, nope), QUANTIZED),
         ("attn_v_b.weight", (h, hp.head_dim_v_mla, r_kv), QUANTIZED),
+    )]  # fmt: skip
+
+
+def _delta_net(hp: HParams, prefix: str) -> list[TensorSlot]:
+    """A gated delta net's tensors (qwen35moe's recurrent layers): Q, K and V in one product and
+    their gate, a short convolution over them, per value head a decay (ssm_a, ssm_alpha), a
+    time step's bias and a write strength (ssm_beta), a norm per head and the output."""
+    d, heads = hp.n_embd, hp.ssm_v_heads
+    conv = 2 * hp.ssm_groups * hp.ssm_state + hp.ssm_inner
+    return [TensorSlot(prefix + name, shape, kind) for name, shape, kind in (
+        ("attn_qkv.weight", (conv, d), QUANTIZED),
+        ("attn_gate.weight", (hp.ssm_inner, d), QUANTIZED),
+        ("ssm_conv1d.weight", (conv, hp.ssm_conv_kernel), F32),
+        ("ssm_dt.bias", (heads,), F32),
+        ("ssm_a", (heads,), F32),
+        ("ssm_beta.weight", (heads, d), QUANTIZED),
+        ("ssm_alpha.weight", (heads, d), QUANTIZED),
+        ("ssm_norm.weight", (hp.ssm_state,), F32),
+        ("ssm_out.weight", (d, hp.ssm_inner), QUANTIZED),
     )]  # fmt: skip
 
 

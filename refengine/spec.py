@@ -22,7 +22,8 @@ from gguf import GGMLQuantizationType
 from .arch import ArchTraits, arch_traits, require_engines
 from .errors import UserError
 from .gguf_file import read_gguf
-from .hparams import HParams, attention_scale, check_hparams, expert_rows, swa_base, swa_layers
+from .hparams import (HParams, attention_scale, check_hparams, expert_rows, recurrent_layers,
+                      swa_base, swa_layers)
 from .layout import check_tensors
 from .quants import qtype, require, tensor_nbytes
 
@@ -59,8 +60,10 @@ def tensor_role(name: str) -> str:
         return NEXTN
     if "norm" in base:
         return NORM
-    if base in ("ffn_gate_inp", "exp_probs_b"):
+    if base in ("ffn_gate_inp", "exp_probs_b", "ffn_gate_inp_shexp"):
         return ROUTER
+    if base.startswith("ssm_"):  # a recurrent layer's mixer, in place of attention
+        return ATTENTION
     if base.endswith("_exps"):
         return EXPERT
     if base.startswith("ffn_"):
@@ -147,13 +150,15 @@ class _Meta:
             )
         return kind(value)
 
-    def need(self, key: str, kind=int):
-        full = f"{self.arch}.{key}"
-        if full not in self.fields:
+    def require(self, key: str) -> None:
+        if f"{self.arch}.{key}" not in self.fields:
             raise UserError(
-                f"{self.path}: metadata key {full!r} is missing; the file is incomplete"
+                f"{self.path}: metadata key '{self.arch}.{key}' is missing; the file is incomplete"
             )
-        return self._typed(key, self.fields[full], kind)
+
+    def need(self, key: str, kind=int):
+        self.require(key)
+        return self._typed(key, self.fields[f"{self.arch}.{key}"], kind)
 
     def get(self, key: str, default, kind=int):
         full = f"{self.arch}.{key}"
@@ -201,6 +206,20 @@ def _latent(m: _Meta, hp: HParams, n_layer: int) -> HParams:
                    head_dim_v_mla=m.need("attention.value_length_mla"))  # fmt: skip
 
 
+def _recurrent(m: _Meta, hp: HParams, n_layer: int) -> HParams:
+    """A hybrid file's recurrent layers (its per-layer list, else every full_attention_interval-th
+    layer attends) and their state's sizes."""
+    listed = m.fields.get(f"{m.arch}.attention.recurrent_layers")
+    if isinstance(listed, np.ndarray):
+        layers = tuple(bool(b) for b in listed[:n_layer])
+    else:
+        layers = recurrent_layers(n_layer, m.get("full_attention_interval", 4))
+    return replace(hp, recurrent_layers=layers, ssm_conv_kernel=m.need("ssm.conv_kernel"),
+                   ssm_inner=m.need("ssm.inner_size"), ssm_state=m.need("ssm.state_size"),
+                   ssm_groups=m.need("ssm.group_count"),
+                   ssm_v_heads=m.need("ssm.time_step_rank"))  # fmt: skip
+
+
 def load_spec(path: str | os.PathLike) -> ModelSpec:
     """ModelSpec of a GGUF file (no weights read), checked against its architecture's layout."""
     g = read_gguf(path)
@@ -210,7 +229,7 @@ def load_spec(path: str | os.PathLike) -> ModelSpec:
     traits = arch_traits(name, m.get("expert_count", 0))  # a llama with experts routes
     routed_keys = ("expert_count", "expert_used_count") if traits.moe else ()
     for key in (*routed_keys, *traits.required_keys):
-        m.need(key)
+        m.require(key)
 
     tensors = []
     for t in g.tensors:
@@ -285,6 +304,10 @@ def load_spec(path: str | os.PathLike) -> ModelSpec:
         hp = replace(hp, moe_every=m.need("interleave_moe_layer_step"))
     if traits.mla:
         hp = _latent(m, hp, n_layer)
+    if traits.gated_shared_expert:
+        hp = replace(hp, n_ff_shexp=m.get("expert_shared_feed_forward_length", 0) or n_ff)
+    if traits.hybrid:
+        hp = _recurrent(m, hp, n_layer)
     check_hparams(hp, traits, str(p))
     check_tensors(traits, hp, shapes, str(p))
     return ModelSpec(

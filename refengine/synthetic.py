@@ -24,8 +24,8 @@ from gguf import quants as gq
 
 from .arch import arch_traits
 from .errors import UserError
-from .hparams import (HParams, attention_scale, check_hparams, expert_rows, swa_base,
-                      swa_layers)
+from .hparams import (HParams, attention_scale, check_hparams, expert_rows, recurrent_layers,
+                      swa_base, swa_layers)
 from .layout import QUANTIZED, tensor_layout
 from .qmix import MIXES, fit_rows, mixed_type
 from .quants import Q, dequantize, qtype, quantize, tensor_nbytes
@@ -58,6 +58,13 @@ class SyntheticConfig:
     n_expert_shared: int = 0  # shared experts (glm4moe), each n_ff_exp wide
     n_dense_lead: int = 0  # leading dense layers (glm4moe)
     n_nextn: int = 0  # NextN blocks after the n_layer (glm4moe); llama.cpp loads none
+    n_ff_shexp: int = 0  # a gated shared expert's width (qwen35moe); 0: n_ff
+    # qwen35moe's gated delta net on all layers but every full_attention_interval-th
+    full_attention_interval: int = 4
+    ssm_state: int = 0
+    ssm_groups: int = 0
+    ssm_v_heads: int = 0
+    ssm_conv_kernel: int = 4
     moe_every: int = 1  # llama4: every moe_every-th layer routes, the others are dense
     tied_output: bool = False  # tied, the residual's own token embedding dominates the logits
     # A random head gives flat distributions (top probability ~0.3) whose argmax llama.cpp's 8-bit
@@ -133,6 +140,14 @@ class SyntheticConfig:
                          head_dim_v_mla=hp.head_dim_v)  # fmt: skip
         elif self.kv_lora_rank or self.q_lora_rank:
             raise UserError(f"a {self.arch} model has no latent attention")
+        if traits.gated_shared_expert:
+            hp = replace(hp, n_ff_shexp=self.n_ff_shexp or self.n_ff)
+        if traits.hybrid:
+            hp = replace(hp, recurrent_layers=recurrent_layers(self.n_layer,
+                                                               self.full_attention_interval),
+                         ssm_conv_kernel=self.ssm_conv_kernel, ssm_state=self.ssm_state,
+                         ssm_groups=self.ssm_groups, ssm_v_heads=self.ssm_v_heads,
+                         ssm_inner=self.ssm_state * self.ssm_v_heads)  # fmt: skip
         check_hparams(hp, traits, f"synthetic {self.arch}")
         return hp
 
@@ -364,6 +379,17 @@ def write_synthetic(path: str | Path, cfg: SyntheticConfig) -> Path:
         w.add_interleave_moe_layer_step(hp.moe_every)
     if traits.nextn:
         w.add_nextn_predict_layers(hp.n_nextn)
+    if traits.gated_shared_expert:
+        w.add_expert_shared_feed_forward_length(hp.n_ff_shexp)
+    if traits.hybrid:
+        w.add_full_attention_interval(cfg.full_attention_interval)
+        w.add_ssm_conv_kernel(hp.ssm_conv_kernel)
+        w.add_ssm_inner_size(hp.ssm_inner)
+        w.add_ssm_state_size(hp.ssm_state)
+        w.add_ssm_time_step_rank(hp.ssm_v_heads)
+        w.add_ssm_group_count(hp.ssm_groups)
+        half = hp.n_rot // 2  # M-RoPE's sections (time, height, width): text uses them alike
+        w.add_rope_dimension_sections([half - 2 * (half // 3), half // 3, half // 3, 0])
     if hp.mla:
         if hp.q_lora_rank:
             w.add_q_lora_rank(hp.q_lora_rank)

@@ -522,6 +522,9 @@ class CostModel:
         self, il: int, tokens: int, depth: int, loc: Loc, sequences: int = 1
     ) -> float:
         hp = self.spec.hparams
+        if hp.recurrent(il):  # (as many figures as depths asked for)
+            return np.zeros_like(depth, dtype=float) + self.delta_net_seconds(tokens, loc,
+                                                                               sequences)
         keys = depth + (tokens / sequences + 1) / 2
         cells = sequences * depth + tokens
         if self.spec.is_swa(il):
@@ -568,6 +571,22 @@ class CostModel:
             nbytes / (gbps * 1e9),
             flops / (cpu.matmul_gflops.at("F16", tokens) * 1e9),
         )
+
+    def delta_net_seconds(self, tokens: int, loc: Loc, sequences: int = 1) -> float:
+        """A recurrent layer's mixing in place of attention, whatever the depth: each token
+        updates and reads its sequence's state (about 6 flops a state value), and each state is
+        read and written once a ubatch."""
+        hp = self.spec.hparams
+        flops = 6.0 * hp.ssm_state * hp.ssm_inner * tokens
+        nbytes = 2.0 * sequences * hp.state_nbytes
+        if loc.on_gpu:
+            gpu = self.profile.gpus[loc.device]
+            return max(nbytes / (gpu.matvec_gbps.at("F16", 1) * 1e9),
+                       flops / (GPU_ATTENTION_EFFICIENCY * gpu.matmul_tflops.at("F16", tokens)
+                                * 1e12))  # fmt: skip
+        cpu = self.profile.cpu
+        return max(nbytes / (cpu.memory_gbps.value * 1e9),
+                   flops / (cpu.matmul_gflops.at("F16", tokens) * 1e9))
 
     def attention_loc(self, kv: Loc, tokens: int, device: int = 0) -> Loc:
         """Where a layer's attention runs: with its KV, except under llama.cpp for ubatches of 32

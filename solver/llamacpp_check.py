@@ -84,9 +84,10 @@ class LoadLog:
 _USING = re.compile(r"using device (\S+) \(([^)]*)\)")
 _LAYER = re.compile(r"layer +(\d+) assigned to device (\S+?),")
 _OVERRIDE = re.compile(r"tensor (\S+) \(.*\) buffer type overridden to (\S+)")
-_BUFFER = re.compile(r"(load_tensors|llama_kv_cache|sched_reserve): +(\S+) (model|KV|compute) "
-                     r"buffer size = +([\d.]+) MiB")  # fmt: skip
-_KIND = {"model": "model_bytes", "KV": "kv_bytes", "compute": "compute_bytes"}
+_BUFFER = re.compile(r"(load_tensors|llama_kv_cache|llama_memory_recurrent|sched_reserve): +(\S+) "
+                     r"(model|KV|RS|compute) buffer size = +([\d.]+) MiB")  # fmt: skip
+# a recurrent layer's state (RS) is its cache, as a layer's KV is
+_KIND = {"model": "model_bytes", "KV": "kv_bytes", "RS": "kv_bytes", "compute": "compute_bytes"}
 
 
 def parse_load_log(text: str, spec: ModelSpec) -> LoadLog:

@@ -46,6 +46,7 @@ from .targets import traits
 KV_TYPES = ("f16", "q8_0")
 PIPELINE_COPIES = 4  # GGML_SCHED_MAX_COPIES
 PIPELINED_INT_INPUT_NBYTES = 24  # per token and copy
+DELTA_NET_CHUNK = 64  # tokens a gated delta net's prompt pass takes together (llama.cpp's)
 
 
 @dataclass(frozen=True)
@@ -72,6 +73,9 @@ def kv_cells(spec: ModelSpec, il: int, kv: KVShape) -> int:
 
 
 def kv_layer_nbytes(spec: ModelSpec, il: int, kv: KVShape) -> int:
+    """A layer's cache: its cells' K and V, or a recurrent layer's state for each user."""
+    if spec.hparams.recurrent(il):
+        return kv.users * spec.hparams.state_nbytes
     return kv_cells(spec, il, kv) * kv_cell_nbytes(spec, kv.kv_type)
 
 
@@ -149,6 +153,10 @@ def llamacpp_compute_nbytes(
     k, activations = hp.n_expert_used, 4 * tokens * hp.n_embd
     if hp.n_expert:  # the chosen experts' outputs and their mix, where wider than the products
         ffn = max(ffn, activations * (k + 3))
+    if hp.recurrent_layers:
+        attention = max(attention, _delta_net_nbytes(hp, tokens))
+        # beside a gated shared expert the chosen experts' outputs twice (measured, qwen35moe)
+        ffn = max(ffn, activations * (2 * k + 1) + 4 * tokens * k * hp.n_ff_exp)
     shared = 1 if hp.n_ff_shexp else 0  # the shared experts' output beside the routed mix
     if mixes_cpu_experts:
         ffn = activations * (2 * k + 1 if mixes_the_layer_before else k + 3 + shared)
@@ -160,8 +168,11 @@ def llamacpp_compute_nbytes(
     if shared and mixes_before_the_last and output_rows:
         # beside the logits, the chosen experts' gate and up outputs and n_embd (measured on
         # glm4moe, tests/test_glm4moe.py: 0.0-2.9 MiB over llama.cpp's figure, which its
-        # allocator's placement of earlier tensors sets)
-        head += 4 * tokens * (2 * k * hp.n_ff_exp + hp.n_embd)
+        # allocator's placement of earlier tensors sets); beside a gated shared expert
+        # (qwen35moe, any layer's), their outputs and two n_embd
+        gated = spec.arch.gated_shared_expert
+        head += activations * (k + 2) if gated else 4 * tokens * (2 * k * hp.n_ff_exp
+                                                                  + hp.n_embd)  # fmt: skip
     if pipeline_copies == 1:
         return max(masks + max(attention, ffn), head) if attends else head
     # the activations, and the small integer inputs (positions, output ids: measured 20 bytes a
@@ -172,6 +183,21 @@ def llamacpp_compute_nbytes(
     if holds_masks:
         return max(masks + max(attention, ffn), head) + (pipeline_copies - 1) * masks + arriving
     return max(max(attention, ffn), head) + pipeline_copies * masks + arriving
+
+
+def _delta_net_nbytes(hp, tokens: int) -> int:
+    """A gated delta net's compute buffer (qwen35moe's recurrent layers), a bound fitted to
+    llama.cpp's over 30 shapes (docs/measured/2026-11-28-qwen35moe-compute.txt): its convolution's
+    inputs and outputs, three times the convolved width a token, beside a state; or its chunks
+    of 64 tokens, which keep two states, per-chunk products and per-token queries, keys and values.
+    """
+    keys, values = hp.ssm_groups * hp.ssm_state, hp.ssm_inner
+    conv = 2 * keys + values
+    state = 4 * hp.ssm_state * hp.ssm_inner
+    convolution = 4 * tokens * (3 * conv + 2 * hp.n_embd + 64) + state
+    chunks = (3 * state // 2 + 4 * tokens * (4 * values + 5 * keys + 2 * hp.n_embd)
+              + 2 * 4 * DELTA_NET_CHUNK * values)  # fmt: skip
+    return max(convolution, chunks)
 
 
 def expected_distinct_experts(n_expert: int, n_used: int, tokens: int) -> float:
