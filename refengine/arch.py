@@ -30,6 +30,8 @@ architecture's name. Semantics follow llama.cpp (src/models/*.cpp, src/llama-mod
   as wide: queries and their gate; Q/K norms), the others a gated delta net whose state per
   sequence replaces the KV cache; every layer routed beside a sigmoid-gated shared expert;
   NextN blocks as glm4moe's.
+- qwen3next (planned; 2.4): qwen35moe's layers but for the delta net's write strength and decay
+  in one product (ssm_ba), and no M-RoPE sections.
 - llama4 (planned; 2.6): every interleave_moe_layer_step-th layer routed beside one shared expert
   as wide as a routed one, the others dense; 3 of every 4 layers attend within chunks of 8192
   tokens (cached as a sliding window of 8192), unless the file's sliding_window is 0.
@@ -90,6 +92,7 @@ class ArchTraits:
     # chunked attention on the sliding-window pattern's layers: llama.cpp's chunk, whatever the
     # file's sliding_window says but 0 (none)
     attention_chunk: int = 0
+    delta_net_ba: bool = False  # the delta net's write strength and decay in one ssm_ba product
 
 
 ARCHES: dict[str, ArchTraits] = {
@@ -200,6 +203,24 @@ ARCHES: dict[str, ArchTraits] = {
             nextn=True,
             hybrid=True,
             gated_shared_expert=True,
+        ),
+        ArchTraits(
+            "qwen3next",
+            rope_style="neox",
+            ffn_act="silu",
+            qk_norm=True,
+            moe=True,
+            expert_weights_norm=True,
+            default_rope_base=1e7,
+            synthetic_pre_tokenizer="qwen2",
+            engines=False,
+            ffn_norm="post_attention_norm",
+            required_keys=("ssm.conv_kernel", "ssm.inner_size", "ssm.state_size",
+                           "ssm.time_step_rank", "ssm.group_count"),
+            nextn=True,
+            hybrid=True,
+            gated_shared_expert=True,
+            delta_net_ba=True,
         ),
         ArchTraits(
             "llama4",

@@ -34,7 +34,7 @@ def tensor_layout(traits: ArchTraits, hp: HParams, tied_output: bool = True) -> 
         if hp.mla:
             out.extend(_latent_attention(hp, f"blk.{il}."))
         elif recurrent:
-            out.extend(_delta_net(hp, f"blk.{il}."))
+            out.extend(_delta_net(hp, f"blk.{il}.", traits.delta_net_ba))
         elif traits.hybrid:  # gated attention: Q's rows twice, the queries and their gate
             add("attn_q.weight", (2 * q_dim, d))
             add("attn_k.weight", (k_dim, d))
@@ -112,20 +112,22 @@ def _latent_attention(hp: HParams, prefix: str) -> list[TensorSlot]:
     )]  # fmt: skip
 
 
-def _delta_net(hp: HParams, prefix: str) -> list[TensorSlot]:
-    """A gated delta net's tensors (qwen35moe's recurrent layers): Q, K and V in one product and
-    their gate, a short convolution over them, per value head a decay (ssm_a, ssm_alpha), a
-    time step's bias and a write strength (ssm_beta), a norm per head and the output."""
+def _delta_net(hp: HParams, prefix: str, fused_ba: bool) -> list[TensorSlot]:
+    """A gated delta net's tensors (qwen35moe's and qwen3next's recurrent layers): Q, K and V in
+    one product and their gate, a short convolution over them, per value head a decay (ssm_a,
+    ssm_alpha), a time step's bias and a write strength (ssm_beta; qwen3next's ssm_ba holds both
+    products), a norm per head and the output."""
     d, heads = hp.n_embd, hp.ssm_v_heads
     conv = 2 * hp.ssm_groups * hp.ssm_state + hp.ssm_inner
+    ba = [("ssm_ba.weight", (2 * heads, d), QUANTIZED)] if fused_ba else [
+        ("ssm_beta.weight", (heads, d), QUANTIZED), ("ssm_alpha.weight", (heads, d), QUANTIZED)]
     return [TensorSlot(prefix + name, shape, kind) for name, shape, kind in (
         ("attn_qkv.weight", (conv, d), QUANTIZED),
         ("attn_gate.weight", (hp.ssm_inner, d), QUANTIZED),
         ("ssm_conv1d.weight", (conv, hp.ssm_conv_kernel), F32),
         ("ssm_dt.bias", (heads,), F32),
         ("ssm_a", (heads,), F32),
-        ("ssm_beta.weight", (heads, d), QUANTIZED),
-        ("ssm_alpha.weight", (heads, d), QUANTIZED),
+        *ba,
         ("ssm_norm.weight", (hp.ssm_state,), F32),
         ("ssm_out.weight", (d, hp.ssm_inner), QUANTIZED),
     )]  # fmt: skip

@@ -388,8 +388,9 @@ def write_synthetic(path: str | Path, cfg: SyntheticConfig) -> Path:
         w.add_ssm_state_size(hp.ssm_state)
         w.add_ssm_time_step_rank(hp.ssm_v_heads)
         w.add_ssm_group_count(hp.ssm_groups)
-        half = hp.n_rot // 2  # M-RoPE's sections (time, height, width): text uses them alike
-        w.add_rope_dimension_sections([half - 2 * (half // 3), half // 3, half // 3, 0])
+        if "rope.dimension_sections" in traits.required_keys:  # M-RoPE's (time, height,
+            half = hp.n_rot // 2  # width) sections: text uses them alike
+            w.add_rope_dimension_sections([half - 2 * (half // 3), half // 3, half // 3, 0])
     if hp.mla:
         if hp.q_lora_rank:
             w.add_q_lora_rank(hp.q_lora_rank)

@@ -5,6 +5,8 @@ layers and NextN blocks where the layers are (the real loads: each family's veri
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from refengine.synthetic import spec_from_hparams
@@ -20,7 +22,8 @@ from .test_qwen35moe import Q35
 from .test_routed_llama import ROUTED_LLAMA
 
 FAMILIES = {"gpt-oss": GPT_OSS, "glm4moe": GLM, "deepseek2": DS, "llama4": L4,
-            "qwen35moe": Q35, "mixtral-style llama": ROUTED_LLAMA}  # fmt: skip
+            "qwen35moe": Q35, "qwen3next": replace(Q35, arch="qwen3next"),
+            "mixtral-style llama": ROUTED_LLAMA}  # fmt: skip
 
 
 @pytest.mark.parametrize("family", FAMILIES)

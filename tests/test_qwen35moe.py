@@ -1,4 +1,4 @@
-"""qwen35moe (Qwen3.5/3.6 MoE), planned for llama.cpp: three of every four layers a gated delta
+"""qwen35moe (Qwen3.5/3.6 MoE) and qwen3next (Qwen3-Next), planned for llama.cpp: three of every four layers a gated delta
 net whose state per sequence stands in for the KV cache, every fourth gated full attention, each
 layer routed beside a sigmoid-gated shared expert (docs/llamacpp-architectures.md, 2.5). Its files
 read as llama.cpp lays them out, real llama.cpp allocates the cache and state planned and no more
@@ -44,6 +44,15 @@ def test_a_qwen35moe_file_reads_as_llama_cpp_lays_it_out(tmp_path):
     assert kv_layer_nbytes(spec, 0, KVShape(n_ctx=4096, users=3)) == 3 * hp.state_nbytes
 
 
+def test_a_qwen3next_file_holds_its_delta_nets_two_gates_in_one_product(tmp_path):
+    """qwen3next (Qwen3-Next): qwen35moe's layers but for ssm_ba, the write strength and decay
+    of each value head in one product."""
+    spec = load_spec(write_synthetic(tmp_path / "q3n.gguf", replace(Q35, arch="qwen3next")))
+    by = spec.by_name
+    assert by["blk.0.ssm_ba.weight"].shape == (2 * 8, 512) and "blk.0.ssm_beta.weight" not in by
+    assert spec.hparams.recurrent_layers == (True, True, True, False) * 2
+
+
 def test_a_qwen35moe_file_without_its_delta_net_sizes_is_refused_naming_the_key(tmp_path,
                                                                                 monkeypatch):
     from gguf import GGUFWriter
@@ -54,11 +63,13 @@ def test_a_qwen35moe_file_without_its_delta_net_sizes_is_refused_naming_the_key(
     assert "'qwen35moe.ssm.state_size' is missing" in r.stderr
 
 
-def test_qwen35_35b_a3b_is_as_large_as_published():
-    # Qwen: 35B parameters, 3B active; a Q4_K_M file of about 21 GB
+def test_qwen35_35b_a3b_and_qwen3_next_are_as_large_as_published():
+    # Qwen: 35B parameters, 3B active (a Q4_K_M file of about 21 GB); Qwen3-Next 80B
     spec = spec_from_hparams(preset("qwen3.5-35b-a3b"))
     assert spec.n_params / 1e9 == pytest.approx(35, rel=0.02)
     assert spec.weights_nbytes / 1e9 == pytest.approx(21.1, rel=0.03)
+    assert spec_from_hparams(preset("qwen3-next-80b-a3b")).n_params / 1e9 == pytest.approx(
+        80, rel=0.01)
 
 
 @pytest.mark.parametrize("ssm", [(128, 4, 8), (128, 8, 8), (64, 4, 16)])
@@ -85,12 +96,14 @@ def test_cache_state_and_compute_buffer_as_llamacpp_allocates(tmp_path, llama_bi
     assert -0.1 * MIB <= planned - measured <= 3 * MIB, (measured / MIB, planned / MIB)
 
 
-def test_verify_a_qwen35moe_plan_over_two_rpc_servers(tmp_path, llama_bin, rpc_servers):
+@pytest.mark.parametrize("arch", ["qwen35moe", "qwen3next"])
+def test_verify_a_hybrid_plan_over_two_rpc_servers(tmp_path, llama_bin, rpc_servers, arch):
     """Solved over two llama.cpp RPC servers of unequal budgets, exported and run in real
     llama.cpp: every tensor where the plan put it, each device's memory (its recurrent state
     with its KV) within 3% + 4 MiB of the plan and within its budget
     (docs/measured/2026-11-28-verify-qwen35moe.txt)."""
-    path = write_synthetic(tmp_path / "q35.gguf", replace(Q35, n_vocab=8000, qtype="Q4_K_M"))
+    cfg = replace(Q35, arch=arch, n_vocab=8000, qtype="Q4_K_M")
+    path = write_synthetic(tmp_path / "hybrid.gguf", cfg)
     rpc = ",".join(rpc_servers[:2])
     profile, plan = tmp_path / "rpc-prof.json", tmp_path / "plan.json"
     r = refengine("profile", "--rpc", rpc, "--cpu-from", "h100", "--quick", "-o", profile)
