@@ -18,6 +18,7 @@ from solver.groups import tensor_groups
 from solver.profile import Figure
 
 from .conftest import refengine
+from .rpc_verify import verify_over_two_servers
 from .test_cost import toy_profile
 
 GLM = SyntheticConfig("glm4moe", n_layer=4, n_embd=256, n_ff=512, n_head=8, n_head_kv=2,
@@ -165,18 +166,8 @@ def test_verify_a_glm4moe_plan_over_two_rpc_servers(tmp_path, llama_bin, rpc_ser
                                    "--dense-lead 1 --nextn 1 --vocab 8000 --qtype Q4_K_M"
                                    ).split())  # fmt: skip
     assert r.returncode == 0, r.stderr
-    rpc = ",".join(rpc_servers[:2])
-    profile, plan = tmp_path / "rpc-prof.json", tmp_path / "plan.json"
-    r = refengine("profile", "--rpc", rpc, "--cpu-from", "h100", "--quick", "-o", profile)
-    assert r.returncode == 0, r.stderr
-    r = refengine("solve", path, "--target", "llamacpp", "--rpc", rpc, "--budget", "40MiB,32MiB",
-                  "--profile", profile, "--ctx", "2048", "--tiers", "1,512", "--strategy", "fit",
-                  "-o", plan)  # fmt: skip
-    assert r.returncode == 0, r.stderr
-    r = refengine("verify", plan, "--llama-bin", llama_bin)
-    assert r.returncode == 0, r.stdout + r.stderr
-    n = len(load_spec(path).tensors)
-    assert f"tensors placed as planned: {n}/{n}" in r.stdout and "-ngl 6" in r.stdout
+    out = verify_over_two_servers(path, tmp_path, llama_bin, rpc_servers, "40MiB,32MiB", 2048)
+    assert "-ngl 6" in out
 
 
 def test_synth_refuses_a_part_the_architecture_lacks():

@@ -13,6 +13,7 @@ from refengine.synthetic import SyntheticConfig, preset, spec_from_hparams, writ
 from solver.groups import tensor_groups
 
 from .conftest import refengine
+from .rpc_verify import verify_over_two_servers
 
 GPT_OSS = SyntheticConfig("gpt-oss", n_layer=4, n_embd=256, n_ff=256, n_head=8, n_head_kv=2,
                           head_dim=64, n_vocab=1000, qtype="MXFP4_MOE", n_expert=8,
@@ -99,15 +100,5 @@ def test_verify_a_gpt_oss_plan_over_two_rpc_servers(tmp_path, llama_bin, rpc_ser
                                    "--expert-ff 384 --swa 128 --vocab 8000 --qtype MXFP4_MOE"
                                    ).split())  # fmt: skip
     assert r.returncode == 0, r.stderr
-    rpc = ",".join(rpc_servers[:2])
-    profile, plan = tmp_path / "rpc-prof.json", tmp_path / "plan.json"
-    r = refengine("profile", "--rpc", rpc, "--cpu-from", "h100", "--quick", "-o", profile)
-    assert r.returncode == 0, r.stderr
-    r = refengine("solve", path, "--target", "llamacpp", "--rpc", rpc, "--budget", "40MiB,32MiB",
-                  "--profile", profile, "--ctx", "2048", "--tiers", "1,512", "--strategy", "fit",
-                  "-o", plan)  # fmt: skip
-    assert r.returncode == 0, r.stderr
-    r = refengine("verify", plan, "--llama-bin", llama_bin)
-    assert r.returncode == 0, r.stdout + r.stderr
-    n = len(load_spec(path).tensors)
-    assert f"tensors placed as planned: {n}/{n}" in r.stdout and "-ts 2,3" in r.stdout
+    out = verify_over_two_servers(path, tmp_path, llama_bin, rpc_servers, "40MiB,32MiB", 2048)
+    assert "-ts 2,3" in out

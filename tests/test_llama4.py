@@ -13,6 +13,7 @@ from refengine.synthetic import SyntheticConfig, preset, spec_from_hparams, writ
 from solver.memory import KVShape, kv_layer_nbytes
 
 from .conftest import refengine
+from .rpc_verify import verify_over_two_servers
 
 L4 = SyntheticConfig("llama4", n_layer=8, n_embd=512, n_ff=1024, n_head=8, n_head_kv=2,
                      head_dim=64, n_vocab=8000, qtype="Q8_0", n_expert=16, n_expert_used=1,
@@ -84,15 +85,5 @@ def test_verify_a_llama4_plan_over_two_rpc_servers(tmp_path, llama_bin, rpc_serv
     plan and within its budget; the device that holds the head alone reserves for the head
     (docs/measured/2026-11-28-verify-llama4.txt)."""
     path = write_synthetic(tmp_path / "l4.gguf", L4)
-    rpc = ",".join(rpc_servers[:2])
-    profile, plan = tmp_path / "rpc-prof.json", tmp_path / "plan.json"
-    r = refengine("profile", "--rpc", rpc, "--cpu-from", "h100", "--quick", "-o", profile)
-    assert r.returncode == 0, r.stderr
-    r = refengine("solve", path, "--target", "llamacpp", "--rpc", rpc, "--budget", "64MiB,48MiB",
-                  "--profile", profile, "--ctx", "16384", "--tiers", "1,512", "--strategy", "fit",
-                  "-o", plan)  # fmt: skip
-    assert r.returncode == 0, r.stderr
-    r = refengine("verify", plan, "--llama-bin", llama_bin)
-    assert r.returncode == 0, r.stdout + r.stderr
-    n = len(load_spec(path).tensors)
-    assert f"tensors placed as planned: {n}/{n}" in r.stdout
+    out = verify_over_two_servers(path, tmp_path, llama_bin, rpc_servers, "64MiB,48MiB", 16384)
+    assert "-ts 4,1" in out  # RPC1 holds the head alone

@@ -16,6 +16,7 @@ from solver.groups import tensor_groups
 from solver.memory import KVShape, kv_layer_nbytes
 
 from .conftest import refengine
+from .rpc_verify import verify_over_two_servers
 
 Q35 = SyntheticConfig("qwen35moe", n_layer=8, n_embd=512, n_ff=1024, n_head=8, n_head_kv=2,
                       head_dim=128, n_rot=32, n_vocab=1000, qtype="Q8_0", n_expert=16,
@@ -104,15 +105,5 @@ def test_verify_a_hybrid_plan_over_two_rpc_servers(tmp_path, llama_bin, rpc_serv
     (docs/measured/2026-11-28-verify-qwen35moe.txt)."""
     cfg = replace(Q35, arch=arch, n_vocab=8000, qtype="Q4_K_M")
     path = write_synthetic(tmp_path / "hybrid.gguf", cfg)
-    rpc = ",".join(rpc_servers[:2])
-    profile, plan = tmp_path / "rpc-prof.json", tmp_path / "plan.json"
-    r = refengine("profile", "--rpc", rpc, "--cpu-from", "h100", "--quick", "-o", profile)
-    assert r.returncode == 0, r.stderr
-    r = refengine("solve", path, "--target", "llamacpp", "--rpc", rpc, "--budget", "64MiB,48MiB",
-                  "--profile", profile, "--ctx", "4096", "--tiers", "1,512", "--strategy", "fit",
-                  "-o", plan)  # fmt: skip
-    assert r.returncode == 0, r.stderr
-    r = refengine("verify", plan, "--llama-bin", llama_bin)
-    assert r.returncode == 0, r.stdout + r.stderr
-    n = len(load_spec(path).tensors)
-    assert f"tensors placed as planned: {n}/{n}" in r.stdout and "-ngl 10" in r.stdout
+    out = verify_over_two_servers(path, tmp_path, llama_bin, rpc_servers, "64MiB,48MiB", 4096)
+    assert "-ngl 10" in out

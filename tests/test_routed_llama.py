@@ -9,6 +9,7 @@ from refengine.spec import load_spec
 from refengine.synthetic import SyntheticConfig, write_synthetic
 
 from .conftest import refengine
+from .rpc_verify import verify_over_two_servers
 from .llamacpp_run import assert_both_run
 
 ROUTED_LLAMA = SyntheticConfig("llama", n_layer=2, n_embd=64, n_ff=96, n_head=4, n_head_kv=2,
@@ -42,15 +43,5 @@ def test_verify_a_mixtral_style_plan_over_two_rpc_servers(tmp_path, llama_bin, r
                                    "--kv-heads 2 --experts 8 --experts-used 2 --vocab 8000 "
                                    "--qtype Q4_K_M").split())  # fmt: skip
     assert r.returncode == 0, r.stderr
-    rpc = ",".join(rpc_servers[:2])
-    profile, plan = tmp_path / "rpc-prof.json", tmp_path / "plan.json"
-    r = refengine("profile", "--rpc", rpc, "--cpu-from", "h100", "--quick", "-o", profile)
-    assert r.returncode == 0, r.stderr
-    r = refengine("solve", path, "--target", "llamacpp", "--rpc", rpc, "--budget", "48MiB,32MiB",
-                  "--profile", profile, "--ctx", "4096", "--tiers", "1,512", "--strategy", "fit",
-                  "-o", plan)  # fmt: skip
-    assert r.returncode == 0, r.stderr
-    r = refengine("verify", plan, "--llama-bin", llama_bin)
-    assert r.returncode == 0, r.stdout + r.stderr
-    n = len(load_spec(path).tensors)
-    assert f"tensors placed as planned: {n}/{n}" in r.stdout and "_exps" in r.stdout
+    out = verify_over_two_servers(path, tmp_path, llama_bin, rpc_servers, "48MiB,32MiB", 4096)
+    assert "_exps" in out
