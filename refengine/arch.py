@@ -95,6 +95,24 @@ class ArchTraits:
     delta_net_ba: bool = False  # the delta net's write strength and decay in one ssm_ba product
 
 
+_QWEN35MOE = ArchTraits(
+    "qwen35moe",
+    rope_style="neox",
+    ffn_act="silu",
+    qk_norm=True,
+    moe=True,
+    expert_weights_norm=True,
+    default_rope_base=1e7,
+    synthetic_pre_tokenizer="qwen2",
+    engines=False,
+    ffn_norm="post_attention_norm",
+    required_keys=("rope.dimension_sections", "ssm.conv_kernel", "ssm.inner_size",
+                   "ssm.state_size", "ssm.time_step_rank", "ssm.group_count"),
+    nextn=True,
+    hybrid=True,
+    gated_shared_expert=True,
+)
+
 ARCHES: dict[str, ArchTraits] = {
     t.name: t
     for t in (
@@ -187,41 +205,9 @@ ARCHES: dict[str, ArchTraits] = {
             mla=True,
             optional_tensors=("exp_probs_b.bias",),
         ),
-        ArchTraits(
-            "qwen35moe",
-            rope_style="neox",
-            ffn_act="silu",
-            qk_norm=True,
-            moe=True,
-            expert_weights_norm=True,
-            default_rope_base=1e7,
-            synthetic_pre_tokenizer="qwen2",
-            engines=False,
-            ffn_norm="post_attention_norm",
-            required_keys=("rope.dimension_sections", "ssm.conv_kernel", "ssm.inner_size",
-                           "ssm.state_size", "ssm.time_step_rank", "ssm.group_count"),
-            nextn=True,
-            hybrid=True,
-            gated_shared_expert=True,
-        ),
-        ArchTraits(
-            "qwen3next",
-            rope_style="neox",
-            ffn_act="silu",
-            qk_norm=True,
-            moe=True,
-            expert_weights_norm=True,
-            default_rope_base=1e7,
-            synthetic_pre_tokenizer="qwen2",
-            engines=False,
-            ffn_norm="post_attention_norm",
-            required_keys=("ssm.conv_kernel", "ssm.inner_size", "ssm.state_size",
-                           "ssm.time_step_rank", "ssm.group_count"),
-            nextn=True,
-            hybrid=True,
-            gated_shared_expert=True,
-            delta_net_ba=True,
-        ),
+        _QWEN35MOE,
+        replace(_QWEN35MOE, name="qwen3next", required_keys=_QWEN35MOE.required_keys[1:],
+                delta_net_ba=True),  # fmt: skip
         ArchTraits(
             "llama4",
             rope_style="norm",
