@@ -93,6 +93,9 @@ class ArchTraits:
     # file's sliding_window says but 0 (none)
     attention_chunk: int = 0
     delta_net_ba: bool = False  # the delta net's write strength and decay in one ssm_ba product
+    # rope_freqs.weight may be present: llama3-style RoPE scaling's factor per frequency, which
+    # llama.cpp keeps with the first layer (and a copy with every other device's layers)
+    rope_freqs: bool = False
 
 
 _QWEN35MOE = ArchTraits(
@@ -220,6 +223,7 @@ ARCHES: dict[str, ArchTraits] = {
             one_shared_expert=True,
             interleaved_moe=True,
             attention_chunk=8192,
+            rope_freqs=True,
         ),
     )
 }

@@ -20,7 +20,11 @@ class TensorSlot:
     kind: str  # QUANTIZED or F32
 
 
-def tensor_layout(traits: ArchTraits, hp: HParams, tied_output: bool = True) -> list[TensorSlot]:
+ROPE_FREQS = "rope_freqs.weight"
+
+
+def tensor_layout(traits: ArchTraits, hp: HParams, tied_output: bool = True,
+                  rope_freqs: bool = False) -> list[TensorSlot]:  # fmt: skip
     d, hd, hdv = hp.n_embd, hp.head_dim, hp.head_dim_v
     q_dim, k_dim, v_dim = hp.n_head * hd, hp.n_head_kv * hd, hp.n_head_kv * hdv
     out = [TensorSlot("token_embd.weight", (hp.n_vocab, d), QUANTIZED)]
@@ -87,6 +91,8 @@ def tensor_layout(traits: ArchTraits, hp: HParams, tied_output: bool = True) -> 
             add("nextn.eh_proj.weight", (d, 2 * d))
             add("nextn.enorm.weight", (d,), F32)
             add("nextn.hnorm.weight", (d,), F32)
+    if rope_freqs:
+        out.append(TensorSlot(ROPE_FREQS, (hp.n_rot // 2,), F32))
     out.append(TensorSlot("output_norm.weight", (d,), F32))
     if not tied_output or traits.untied_output:
         out.append(TensorSlot("output.weight", (hp.n_vocab, d), QUANTIZED))
@@ -148,6 +154,8 @@ def optional_slots(traits: ArchTraits, hp: HParams) -> list[TensorSlot]:
     if traits.qk_norm_optional:
         out += [TensorSlot(f"blk.{il}.attn_{x}_norm.weight", (hp.head_dim,), F32)
                 for il in range(hp.n_block) for x in "qk"]  # fmt: skip
+    if traits.rope_freqs:
+        out.append(TensorSlot(ROPE_FREQS, (hp.n_rot // 2,), F32))
     for il in range(hp.n_layer, hp.n_block):
         out += [TensorSlot(f"blk.{il}.nextn.embed_tokens.weight", (hp.n_vocab, hp.n_embd),
                            QUANTIZED),

@@ -58,6 +58,8 @@ def tensor_role(name: str) -> str:
         return OUTPUT
     if base.startswith("nextn."):
         return NEXTN
+    if base == "rope_freqs":  # RoPE's factors, read with the first layer's attention
+        return ATTENTION
     if "norm" in base:
         return NORM
     if base in ("ffn_gate_inp", "exp_probs_b", "ffn_gate_inp_shexp"):

@@ -26,7 +26,7 @@ from .arch import arch_traits
 from .errors import UserError
 from .hparams import (HParams, attention_scale, check_hparams, expert_rows, recurrent_layers,
                       swa_base, swa_layers)
-from .layout import QUANTIZED, tensor_layout
+from .layout import QUANTIZED, ROPE_FREQS, tensor_layout
 from .qmix import MIXES, fit_rows, mixed_type
 from .quants import Q, dequantize, qtype, quantize, tensor_nbytes
 from .spec import ModelSpec, TensorInfo, layer_of, tensor_role
@@ -66,6 +66,7 @@ class SyntheticConfig:
     ssm_v_heads: int = 0
     ssm_conv_kernel: int = 4
     moe_every: int = 1  # llama4: every moe_every-th layer routes, the others are dense
+    rope_freqs: bool = False  # write llama3-style RoPE factors (all 1) where the arch takes them
     tied_output: bool = False  # tied, the residual's own token embedding dominates the logits
     # A random head gives flat distributions (top probability ~0.3) whose argmax llama.cpp's 8-bit
     # activation noise flips at 2-5% of positions. Adding to each token's row the direction of its
@@ -98,7 +99,8 @@ class SyntheticConfig:
         hd = self.head_dim or self.n_embd // self.n_head
         for value, trait, what in ((self.n_expert_shared, traits.shared_experts, "shared experts"),
                                    (self.n_dense_lead, traits.dense_lead, "leading dense layers"),
-                                   (self.n_nextn, traits.nextn, "NextN blocks")):  # fmt: skip
+                                   (self.n_nextn, traits.nextn, "NextN blocks"),
+                                   (self.rope_freqs, traits.rope_freqs, "rope_freqs")):  # fmt: skip
             if value and not trait:
                 raise UserError(f"a {self.arch} model has no {what}")
         n_swa = (self.n_swa or 4) if traits.swa_pattern else 0
@@ -219,7 +221,7 @@ def spec_from_hparams(cfg: SyntheticConfig) -> ModelSpec:
     """A ModelSpec for a model described by hyperparameters alone (no file, no weights)."""
     traits, hp = arch_traits(cfg.arch, cfg.n_expert), cfg.hparams()
     tensors = []
-    for slot in tensor_layout(traits, hp, cfg.tied_output):  # NextN blocks last
+    for slot in tensor_layout(traits, hp, cfg.tied_output, cfg.rope_freqs):  # NextN blocks last
         tt = slot_type(cfg, hp, slot)
         tensors.append(
             TensorInfo(
@@ -415,11 +417,13 @@ def write_synthetic(path: str | Path, cfg: SyntheticConfig) -> Path:
         raise UserError(f"routing_domains={domains} needs a MoE architecture and at most "
                         "min(experts, embd, vocab) domains")  # fmt: skip
     u = _domain_directions(cfg, hp.n_embd) if domains else None
-    for slot in tensor_layout(traits, hp, cfg.tied_output):
+    for slot in tensor_layout(traits, hp, cfg.tied_output, cfg.rope_freqs):
         n_in = slot.shape[-1]
         std = 1.0 / np.sqrt(n_in)
         t = slot_type(cfg, hp, slot)
-        if slot.name.endswith(".bias"):
+        if slot.name == ROPE_FREQS:
+            data, tt = quantize(np.ones(slot.shape, dtype=np.float32), Q.F32), Q.F32
+        elif slot.name.endswith(".bias"):
             data, tt = (
                 quantize(rng.normal(0.0, 0.1, size=slot.shape).astype(np.float32), Q.F32),
                 Q.F32,

@@ -22,6 +22,7 @@ import shlex
 from collections import defaultdict
 
 from refengine.errors import UserError
+from refengine.layout import ROPE_FREQS
 from refengine.spec import ModelSpec, layer_of
 
 from .budget import DEFAULT_N_BATCH
@@ -339,8 +340,8 @@ def llamacpp_defaults(spec: ModelSpec, ngl: int, ts: list[int] | None = None) ->
         il = t.layer
         if t.name == "token_embd.weight":
             out[t.name] = CPU_BUFT  # the input embedding always stays on the CPU
-        else:  # output_norm and output are layer n_block
-            out[t.name] = device_of(n if il is None else il)
+        else:  # output_norm and output are layer n_block; rope_freqs is the first layer's
+            out[t.name] = device_of(il if il is not None else 0 if t.name == ROPE_FREQS else n)
     if spec.tied_output:
         out["token_embd.weight@output"] = device_of(n)
     return out

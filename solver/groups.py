@@ -69,8 +69,10 @@ def _tensor_groups(spec: ModelSpec) -> list[Group]:
     for t in spec.tensors:
         per_layer.setdefault(t.layer, []).append(t)
     groups = [_group("token_embd", None, EMBD, [by["token_embd.weight"]])]
+    # a global tensor the layers read (rope_freqs) goes with the first layer, as in llama.cpp
+    with_first = [t for t in per_layer.get(None, []) if t.role == ATTENTION]
     for il in range(spec.hparams.n_layer):
-        infos = per_layer.get(il, [])
+        infos = per_layer.get(il, []) + (with_first if il == 0 else [])
         post_ffn = [t for t in infos if t.name == f"blk.{il}.{POST_FFN_NORM}"]
         attn = [t for t in infos if t.role in (ATTENTION, NORM, ROUTER) and t not in post_ffn]
         groups.append(_group(f"blk.{il}.attn", il, ATTN_SIDE, attn))

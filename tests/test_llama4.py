@@ -10,14 +10,16 @@ import pytest
 
 from refengine.spec import load_spec
 from refengine.synthetic import SyntheticConfig, preset, spec_from_hparams, write_synthetic
+from solver.groups import tensor_groups
 from solver.memory import KVShape, kv_layer_nbytes
 
 from .conftest import refengine
 from .rpc_verify import verify_over_two_servers
 
+# with rope_freqs, as Meta's files convert (llama3 RoPE scaling)
 L4 = SyntheticConfig("llama4", n_layer=8, n_embd=512, n_ff=1024, n_head=8, n_head_kv=2,
                      head_dim=64, n_vocab=8000, qtype="Q8_0", n_expert=16, n_expert_used=1,
-                     n_ff_exp=384, moe_every=2, seed=11)  # fmt: skip
+                     n_ff_exp=384, moe_every=2, rope_freqs=True, seed=11)  # fmt: skip
 
 
 def test_a_llama4_file_reads_as_llama_cpp_lays_it_out(tmp_path):
@@ -30,6 +32,10 @@ def test_a_llama4_file_reads_as_llama_cpp_lays_it_out(tmp_path):
     assert by["blk.2.ffn_up.weight"].shape == (1024, 512) and "blk.2.ffn_gate_inp.weight" not in by
     # chunks of 8192 on three of every four layers, whatever window the file names
     assert hp.n_swa == 8192 and hp.swa_layers == (True, True, True, False) * 2
+    # RoPE's factors, global, placed with the first layer as llama.cpp places them
+    assert by["rope_freqs.weight"].shape == (32,) and by["rope_freqs.weight"].layer is None
+    first = next(g for g in tensor_groups(spec) if g.name == "blk.0.attn")
+    assert "rope_freqs.weight" in first.tensors
 
 
 @pytest.mark.parametrize("window,chunk", [(None, 8192), (4096, 8192), (0, 0)])
@@ -77,6 +83,27 @@ def test_kv_and_compute_buffers_of_chunked_attention_as_llamacpp_allocates(tmp_p
     assert log.buffers["RPC0"].kv_bytes == sum(kv_layer_nbytes(spec, il, kv) for il in range(8))
     planned = llamacpp_compute_nbytes(spec, 512, 16384, True, 512)
     assert abs(log.buffers["RPC0"].compute_bytes - planned) <= 0.1 * MIB
+
+
+def test_exported_flags_keep_rope_freqs_with_the_first_layer(tmp_path, llama_bin, rpc_servers):
+    """Layers 0-3 on RPC0, layers 4-7 and the head on RPC1: llama.cpp loads rope_freqs, a global
+    tensor, with layer 0 on RPC0 (not with the head), as the plan and its flags say."""
+    from solver.cost import PINNED, Loc, TierPlacement
+    from solver.export import llamacpp_args, tensor_devices
+    from solver.llamacpp_check import on_rpc, parse_load_log, run_llamacpp
+
+    path = write_synthetic(tmp_path / "l4.gguf", L4)
+    spec = load_spec(path)
+    device = lambda il: 0 if il is not None and il < 4 else 1  # noqa: E731
+    place = TierPlacement({g.name: Loc(PINNED, device=device(g.layer)) for g in
+                           tensor_groups(spec)},
+                          {il: Loc(PINNED, device=device(il)) for il in range(8)})  # fmt: skip
+    place.groups["token_embd"] = Loc("cpu")
+    args = llamacpp_args(spec, place, 4096, "f16", True, n_devices=2)
+    assert "-ot" not in args  # where llama.cpp puts it unasked
+    log = parse_load_log(run_llamacpp(llama_bin, str(path), on_rpc(args, rpc_servers[:2])), spec)
+    want = {name: dev.replace("CUDA", "RPC") for name, dev in tensor_devices(spec, place).items()}
+    assert log.tensors == want and log.tensors["rope_freqs.weight"] == "RPC0"
 
 
 def test_verify_a_llama4_plan_over_two_rpc_servers(tmp_path, llama_bin, rpc_servers):

@@ -37,6 +37,7 @@ from .base import cli
 @click.option("--ssm-groups", type=int, help="Delta net key heads (qwen35moe).")
 @click.option("--ssm-v-heads", type=int, help="Delta net value heads (qwen35moe).")
 @click.option("--moe-every", type=int, help="llama4: every Nth layer routes.")
+@click.option("--rope-freqs", is_flag=True, default=None, help="llama4: write rope_freqs.")
 @click.option("--swa", "n_swa", type=int, help="Sliding window (gemma3).")
 @click.option("--qtype", help="Type of the matrices (Q4_K, Q8_0, F16, ...).")
 @click.option("--seed", type=int)
