@@ -64,7 +64,7 @@ def resolve_model(arg: str) -> Path:
         shapes = ", ".join(n for n in PRESETS if n not in KNOWN_MODELS)
         raise UserError(
             f"{arg}: no such file (known model names: {', '.join(KNOWN_MODELS)}; "
-            f"spec-only shapes, for solve and export: {shapes})"
+            f"spec-only shapes, for info, solve and export: {shapes})"
         )
     return p
 

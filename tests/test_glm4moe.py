@@ -175,3 +175,11 @@ def test_synth_refuses_a_part_the_architecture_lacks():
 
     with pytest.raises(UserError, match="a qwen3moe model has no shared experts"):
         replace(GLM, arch="qwen3moe").hparams()
+
+
+def test_info_shows_a_spec_only_shape_with_its_unloaded_nextn_block():
+    r = refengine("info", "glm-4.5-air")
+    assert r.returncode == 0, r.stderr
+    assert "architecture glm4moe" in r.stdout and "spec-only shape" in r.stdout
+    assert "NextN block 46: 1,631.68 MiB in the file that llama.cpp does not load" in (
+        " ".join(r.stdout.split()))

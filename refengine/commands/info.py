@@ -8,7 +8,7 @@ import json
 import click
 
 from ..info import info_dict
-from ..models import load_model
+from ..models import load_model_or_shape
 from ..spec import ROLES
 from .base import cli
 
@@ -22,17 +22,18 @@ def _mib(n: int) -> str:
 @click.option("--json", "as_json", is_flag=True, help="Print everything as JSON.")
 @click.option("--tensors", is_flag=True, help="Also list every tensor.")
 def info(model: str, as_json: bool, tensors: bool) -> None:
-    """Architecture, hyperparameters and a per-layer table of tensors, types and bytes."""
+    """Architecture, hyperparameters and a per-layer table of tensors, types and bytes (of a
+    GGUF file, a known model or a spec-only shape such as glm-4.5-air)."""
     from rich.console import Console
     from rich.table import Table
 
-    spec = load_model(model)
+    spec = load_model_or_shape(model)
     d = info_dict(spec)
     if as_json:
         click.echo(json.dumps(d, indent=1))
         return
     con = Console()
-    con.print(f"[bold]{spec.name}[/]  {spec.path}")
+    con.print(f"[bold]{spec.name}[/]  {spec.path or 'spec-only shape (refengine/shapes.json)'}")
     con.print(
         f"architecture {spec.arch.name}, {spec.n_params / 1e6:,.1f} M parameters, "
         f"{_mib(spec.weights_nbytes)} MiB of weights"
