@@ -23,8 +23,10 @@ def assert_both_run(path: Path, llama_bin: Path) -> None:
     ours = generate(NumpyEngine(spec, n_ctx=N_CTX), request, N_PREDICT, Sampler(0.0, 0, 1.0, 0),
                     io.StringIO())  # fmt: skip
     assert ours.tokens
-    p = subprocess.run([str(llama_bin / "llama-completion"), "-m", str(path), "-p", PROMPT,
-                        "-n", str(N_PREDICT), "--temp", "0", "-t", "2", "-c", str(N_CTX),
-                        "-no-cnv", "--no-warmup"], capture_output=True, timeout=120)  # fmt: skip
+    cmd = [str(llama_bin / "llama-completion"), "-m", str(path), "-p", PROMPT, "-n",
+           str(N_PREDICT), "--temp", "0", "-t", "2", "-c", str(N_CTX), "-no-cnv", "--no-warmup"]
+    p = subprocess.run(cmd, capture_output=True, timeout=120)
+    if p.returncode == 0 and not p.stdout:  # under CI's load it has once exited 0 printing
+        p = subprocess.run(cmd, capture_output=True, timeout=120)  # nothing: once more
     assert p.returncode == 0, p.stderr[-2000:]
-    assert p.stdout.decode(errors="replace").startswith(PROMPT), p.stdout
+    assert p.stdout.decode(errors="replace").startswith(PROMPT), (p.stdout, p.stderr[-2000:])
