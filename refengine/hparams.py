@@ -101,6 +101,18 @@ def expert_rows(traits: ArchTraits, n_ff: int, stated: int) -> int:
     return n_ff if traits.moe_by_count else stated
 
 
+def shared_expert_rows(traits: ArchTraits, n_ff: int, n_ff_exp: int, count: int,
+                       stated: int) -> int:  # fmt: skip
+    """A routed layer's shared experts' rows: a gated one as wide as `stated` (the file's
+    expert_shared_feed_forward_length) or else n_ff (qwen35moe, qwen3next); one as wide as a
+    routed expert (llama4); `count` such (glm4moe, deepseek2); none elsewhere."""
+    if traits.gated_shared_expert:
+        return stated or n_ff
+    if traits.one_shared_expert:
+        return n_ff_exp
+    return n_ff_exp * count if traits.shared_experts else 0
+
+
 def recurrent_layers(n_layer: int, interval: int) -> tuple[bool, ...]:
     """llama.cpp's hybrid pattern: every interval-th layer attends, the others are recurrent."""
     return tuple((il + 1) % interval != 0 for il in range(n_layer))

@@ -23,7 +23,7 @@ from .arch import ArchTraits, arch_traits, require_engines
 from .errors import UserError
 from .gguf_file import read_gguf
 from .hparams import (HParams, attention_scale, check_hparams, expert_rows, recurrent_layers,
-                      swa_base, swa_layers)
+                      shared_expert_rows, swa_base, swa_layers)
 from .layout import check_tensors
 from .quants import qtype, require, tensor_nbytes
 
@@ -298,16 +298,13 @@ def load_spec(path: str | os.PathLike) -> ModelSpec:
         n_dense_lead=m.get("leading_dense_block_count", 0) if traits.dense_lead else 0,
         n_nextn=n_nextn,
     )
-    if traits.shared_experts:  # each as wide as a routed expert
-        hp = replace(hp, n_ff_shexp=hp.n_ff_exp * m.need("expert_shared_count"))
-    if traits.one_shared_expert:
-        hp = replace(hp, n_ff_shexp=hp.n_ff_exp)
+    hp = replace(hp, n_ff_shexp=shared_expert_rows(
+        traits, n_ff, hp.n_ff_exp, m.need("expert_shared_count") if traits.shared_experts else 0,
+        m.get("expert_shared_feed_forward_length", 0) if traits.gated_shared_expert else 0))
     if traits.interleaved_moe:
         hp = replace(hp, moe_every=m.need("interleave_moe_layer_step"))
     if traits.mla:
         hp = _latent(m, hp, n_layer)
-    if traits.gated_shared_expert:
-        hp = replace(hp, n_ff_shexp=m.get("expert_shared_feed_forward_length", 0) or n_ff)
     if traits.hybrid:
         hp = _recurrent(m, hp, n_layer)
     check_hparams(hp, traits, str(p))

@@ -25,7 +25,7 @@ from gguf import quants as gq
 from .arch import arch_traits
 from .errors import UserError
 from .hparams import (HParams, attention_scale, check_hparams, expert_rows, recurrent_layers,
-                      swa_base, swa_layers)
+                      shared_expert_rows, swa_base, swa_layers)
 from .layout import QUANTIZED, ROPE_FREQS, tensor_layout
 from .qmix import MIXES, fit_rows, mixed_type
 from .quants import Q, dequantize, qtype, quantize, tensor_nbytes
@@ -129,10 +129,9 @@ class SyntheticConfig:
             n_dense_lead=self.n_dense_lead,
             n_nextn=self.n_nextn,
             moe_every=self.moe_every,
-            n_ff_shexp=self.n_ff_exp if traits.one_shared_expert else 0,
+            n_ff_shexp=shared_expert_rows(traits, self.n_ff, self.n_ff_exp, self.n_expert_shared,
+                                          self.n_ff_shexp),
         )
-        if self.n_expert_shared:
-            hp = replace(hp, n_ff_shexp=self.n_ff_exp * self.n_expert_shared)
         if self.moe_every > 1 and not traits.interleaved_moe:
             raise UserError(f"a {self.arch} model routes every layer")
         if traits.mla:  # the cache's row is the key: the latent and the RoPE key, one head
@@ -142,8 +141,6 @@ class SyntheticConfig:
                          head_dim_v_mla=hp.head_dim_v)  # fmt: skip
         elif self.kv_lora_rank or self.q_lora_rank:
             raise UserError(f"a {self.arch} model has no latent attention")
-        if traits.gated_shared_expert:
-            hp = replace(hp, n_ff_shexp=self.n_ff_shexp or self.n_ff)
         if traits.hybrid:
             hp = replace(hp, recurrent_layers=recurrent_layers(self.n_layer,
                                                                self.full_attention_interval),

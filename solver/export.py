@@ -23,7 +23,7 @@ from collections import defaultdict
 
 from refengine.errors import UserError
 from refengine.layout import ROPE_FREQS
-from refengine.spec import ModelSpec, layer_of
+from refengine.spec import ModelSpec, TensorInfo, layer_of
 
 from .budget import DEFAULT_N_BATCH
 from .cost import CPU, TierPlacement, check_kv_cache
@@ -320,6 +320,14 @@ def tensor_split_args(plan: dict, spec: ModelSpec) -> list[str]:
     ]  # fmt: skip
 
 
+def llamacpp_layer(t: TensorInfo, n_block: int) -> int:
+    """The layer whose device llama.cpp gives tensor t: its block; for the global tensors, the
+    output layer (index n_block), but for rope_freqs, which the first layer creates."""
+    if t.layer is not None:
+        return t.layer
+    return 0 if t.name == ROPE_FREQS else n_block
+
+
 def llamacpp_defaults(spec: ModelSpec, ngl: int, ts: list[int] | None = None) -> dict[str, str]:
     """Where llama.cpp puts each tensor given only `-ngl` and integer `-ts` counts: the last
     ngl - 1 repeating layers (NextN blocks included) and the output layer (index n_block)
@@ -337,11 +345,10 @@ def llamacpp_defaults(spec: ModelSpec, ngl: int, ts: list[int] | None = None) ->
 
     out = {}
     for t in spec.tensors:
-        il = t.layer
         if t.name == "token_embd.weight":
             out[t.name] = CPU_BUFT  # the input embedding always stays on the CPU
-        else:  # output_norm and output are layer n_block; rope_freqs is the first layer's
-            out[t.name] = device_of(il if il is not None else 0 if t.name == ROPE_FREQS else n)
+        else:
+            out[t.name] = device_of(llamacpp_layer(t, n))
     if spec.tied_output:
         out["token_embd.weight@output"] = device_of(n)
     return out

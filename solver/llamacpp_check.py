@@ -17,10 +17,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from refengine.errors import UserError
-from refengine.layout import ROPE_FREQS
 from refengine.spec import ModelSpec
 
-from .export import on_rpc_servers, rpc_buffer
+from .export import llamacpp_layer, on_rpc_servers, rpc_buffer
 from .targets import traits
 
 LLAMACPP_VERSION = "0.3.36"  # the llama-cpp-python sdist scripts/build_llamacpp.sh builds
@@ -113,8 +112,7 @@ def parse_load_log(text: str, spec: ModelSpec) -> LoadLog:
         elif t.name == "token_embd.weight":
             log.tensors[t.name] = HOST  # the input layer is always the host's
         else:
-            il = t.layer if t.layer is not None else 0 if t.name == ROPE_FREQS else n
-            log.tensors[t.name] = layer_device.get(il, HOST)
+            log.tensors[t.name] = layer_device.get(llamacpp_layer(t, n), HOST)
     if spec.tied_output:  # the head reads a copy of the embedding on the output layer's device
         log.tensors["token_embd.weight@output"] = overridden.get(
             "token_embd.weight", layer_device.get(n, HOST)

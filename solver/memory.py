@@ -91,7 +91,7 @@ def compute_nbytes(
     holds_masks: bool = False,
     mixes_cpu_experts: bool = False,
     mixes_the_layer_before: bool = False,
-    mixes_before_the_last: bool = False,
+    mixed_cpu_layers: tuple[int, ...] = (),
 ) -> int:
     """Compute buffer of one device for ubatches of n_ubatch tokens, `output_rows` of which get
     logits there (llama.cpp reserves for all n_ubatch; our runtime, one per sequence): llama.cpp's
@@ -103,7 +103,7 @@ def compute_nbytes(
         return nbytes(layout(spec, n_ubatch, output_rows, n_ctx)) + map_padding_nbytes(spec)
     return llamacpp_compute_nbytes(spec, n_ubatch, n_ctx, flash_attn, output_rows, pipeline_copies,
                                    attends, holds_masks, mixes_cpu_experts,
-                                   mixes_the_layer_before, mixes_before_the_last)  # fmt: skip
+                                   mixes_the_layer_before, mixed_cpu_layers)  # fmt: skip
 
 
 def llamacpp_compute_nbytes(
@@ -117,15 +117,15 @@ def llamacpp_compute_nbytes(
     holds_masks: bool = False,
     mixes_cpu_experts: bool = False,
     mixes_the_layer_before: bool = False,
-    mixes_before_the_last: bool = False,
+    mixed_cpu_layers: tuple[int, ...] = (),
 ) -> int:
     """`pipeline_copies`: llama.cpp's scheduler keeps that many copies of each input a device
     receives (the incoming activations, and the KQ masks where it `attends` but does not hold them
     itself) when it pipelines ubatches across devices; the defaults bound every device.
     `mixes_cpu_experts`: the routed experts of the device's layers run on the CPU, the device only
     mixes their outputs; `mixes_the_layer_before`: it also mixes those of the layer before its
-    first (with no layers: before the head); `mixes_before_the_last`: it mixes those of a layer
-    before the model's last."""
+    first (with no layers: before the head); `mixed_cpu_layers`: the layers of the device whose
+    CPU-computed experts it mixes."""
     hp = spec.hparams
     n_kv = pad_cells(n_ctx)
     tokens = min(n_ubatch, n_kv)  # llama.cpp caps the ubatch at the context
@@ -165,12 +165,12 @@ def llamacpp_compute_nbytes(
         head += activations if output_rows and mixes_the_layer_before else 0
     elif mixes_the_layer_before and output_rows:  # the head alone
         head += activations * (k + 1)
-    if shared and mixes_before_the_last and output_rows:
-        # beside the logits, the chosen experts' gate and up outputs and n_embd (measured on
-        # glm4moe, tests/test_glm4moe.py: 0.0-2.9 MiB over llama.cpp's figure, which its
-        # allocator's placement of earlier tensors sets); beside a gated shared expert
-        # (qwen35moe, any layer's), their outputs and two n_embd
-        gated = spec.arch.gated_shared_expert
+    gated = spec.arch.gated_shared_expert
+    if shared and output_rows and any(gated or il < hp.n_layer - 1 for il in mixed_cpu_layers):
+        # beside the logits where it mixes a layer before the last, the chosen experts' gate and
+        # up outputs and n_embd (measured on glm4moe, tests/test_glm4moe.py: 0.0-2.9 MiB over
+        # llama.cpp's figure, which its allocator's placement of earlier tensors sets); beside a
+        # gated shared expert (qwen35moe), where it mixes any layer, their outputs and two n_embd
         head += activations * (k + 2) if gated else 4 * tokens * (2 * k * hp.n_ff_exp
                                                                   + hp.n_embd)  # fmt: skip
     if pipeline_copies == 1:

@@ -400,9 +400,10 @@ def _program(
     work = p.workload
     # (a device mixing CPU-computed experts may need more than the FFN it would compute)
     roles = [(copies, False, False)] + ([(1, True, True), (1, False, True)] if llama else [])
+    mixed = tuple(range(n_layer)) if llama else ()  # (any layer's CPU experts, as a bound)
     bound = lambda rows: max(  # noqa: E731
         compute_nbytes(p.spec, tier, work.n_ctx, work.flash_attn, rows, p.target, n, True, False,
-                       mixes, before, llama)  # fmt: skip
+                       mixes, before, mixed)  # fmt: skip
         for n, mixes, before in roles
     )
     base = bound(0)

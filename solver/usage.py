@@ -116,11 +116,10 @@ def device_usage(
     mixes_before = (
         on_cpu and (mixes or not mine_layers) and first is not None and first - 1 in cpu_experts
     )
-    early = on_cpu and any(il < spec.hparams.n_layer - 1 or spec.arch.gated_shared_expert
-                           for il in mine_layers & cpu_experts)  # fmt: skip
+    mixed = tuple(sorted(mine_layers & cpu_experts)) if on_cpu else ()
     compute = (
         compute_nbytes(spec, tier, w.n_ctx, w.flash_attn, rows, target, copies, attends,
-                       holds_masks, mixes, mixes_before, early)  # fmt: skip
+                       holds_masks, mixes, mixes_before, mixed)  # fmt: skip
         if holds or offloads
         else 0
     )

@@ -125,8 +125,8 @@ def test_exported_flags_count_the_nextn_block_among_llamacpps_layers(tmp_path, l
 
 
 # -ot: which layers' routed experts the CPU computes, with -ngl 8 -ts 3,5 (layers 3-5, the NextN
-# block and the head on RPC1): (mixes all its layers', a layer before the last among them)
-CPU_EXPERTS = {"blk\\.4\\.": (False, True), "blk\\.[3-5]\\.": (True, True)}
+# block and the head on RPC1): (mixes all its layers', the layers whose experts it mixes)
+CPU_EXPERTS = {"blk\\.4\\.": (False, (4,)), "blk\\.[3-5]\\.": (True, (3, 4, 5))}
 
 
 @pytest.mark.parametrize("vocab", [8000, 1000])
@@ -148,9 +148,9 @@ def test_compute_buffer_where_the_cpu_computes_experts_beside_a_shared_one(
             "-ts", "3,5", "-sm", "layer", "-c", "2048", "-b", "2048", "-ub", "512", "-fa", "on",
             "-ot", f"{layers}ffn_(gate|up|down)_exps\\.weight=CPU"]  # fmt: skip
     log = parse_load_log(run_llamacpp(llama_bin, str(path), args), spec)
-    mixes, early = CPU_EXPERTS[layers]
+    mixes, mixed = CPU_EXPERTS[layers]
     planned = llamacpp_compute_nbytes(spec, 512, 2048, True, 512, 1, True, False, mixes, False,
-                                      early)  # fmt: skip
+                                      mixed)  # fmt: skip
     measured = log.buffers["RPC1"].compute_bytes
     assert -0.1 * MIB <= planned - measured <= MIB, (measured / MIB, planned / MIB)
 
