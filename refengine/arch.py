@@ -36,7 +36,9 @@ architecture's name. Semantics follow llama.cpp (src/models/*.cpp, src/llama-mod
   as wide as a routed one, the others dense; 3 of every 4 layers attend within chunks of 8192
   tokens (cached as a sliding window of 8192), unless the file's sliding_window is 0.
 
-The other names llama.cpp 0.3.36 knows (llamacpp_arches.json) are refused with what they are.
+The other causal text architectures llama.cpp 0.3.36 knows (llamacpp_arches.json) are planned by
+the generic rule (`refengine/generic.py`), but those with a state per sequence, which it cannot
+price; encoders, projectors and the like are refused with what they are.
 """
 
 from __future__ import annotations
@@ -96,6 +98,8 @@ class ArchTraits:
     # rope_freqs.weight may be present: llama3-style RoPE scaling's factor per frequency, which
     # llama.cpp keeps with the first layer (and a copy with every other device's layers)
     rope_freqs: bool = False
+    # no exact model: priced from the file's tensor names and shapes (refengine/generic.py)
+    generic: bool = False
 
 
 _QWEN35MOE = ArchTraits(
@@ -231,7 +235,11 @@ RUN_BY_ENGINES = tuple(name for name, t in ARCHES.items() if t.engines)
 
 
 def arch_traits(name, n_expert: int = 0) -> ArchTraits:
-    """The traits of architecture `name`, routed where its files decide by their `n_expert`."""
+    """The traits of architecture `name`, routed where its files decide by their `n_expert`; a
+    causal text architecture without a model here gets the generic rule's (no routing: the
+    generic reader decides that from the file's expert stacks)."""
+    if isinstance(name, str) and name not in ARCHES and plannable_generically(name):
+        return ArchTraits(name, rope_style="norm", ffn_act="silu", engines=False, generic=True)
     if not isinstance(name, str) or name not in ARCHES:
         raise UserError(unsupported(name))
     traits = ARCHES[name]
@@ -240,25 +248,41 @@ def arch_traits(name, n_expert: int = 0) -> ArchTraits:
     return traits
 
 
+def plannable_generically(name: str) -> bool:
+    """A causal text architecture llama.cpp knows whose memory is a KV cache alone."""
+    known = llamacpp_arches()
+    return name in known["decoder"] and not _stateful(name)
+
+
+def _stateful(name: str) -> str:
+    """What state per sequence an architecture keeps beside (or instead of) a KV cache, or ''."""
+    state = llamacpp_arches()["stateful"]
+    if name in state["recurrent"]:
+        return "a recurrent state per sequence instead of a KV cache"
+    if name in state["hybrid"]:
+        return "a recurrent state per sequence beside its KV cache"
+    return ""
+
+
 @cache
 def llamacpp_arches() -> dict:
-    """{"decoder": [names], "refused": {name: what it is}}: llama.cpp 0.3.36's architectures."""
+    """llama.cpp 0.3.36's architectures: {"decoder": [names], "refused": {name: what it is},
+    "stateful": {"recurrent": [names], "hybrid": [names]}}."""
     return json.loads(Path(__file__).with_name("llamacpp_arches.json").read_text())
 
 
 def unsupported(name) -> str:
     """Why a file of architecture `name` is refused, in one line."""
     known = llamacpp_arches()
-    planned = ", ".join(ARCHES)
     if name in known["refused"]:
         return (f"architecture {name!r} is not a text generator refengine can plan "
                 f"({known['refused'][name]})")  # fmt: skip
-    if name in known["decoder"]:
-        return (f"architecture {name!r} runs in llama.cpp, but refengine does not plan it yet "
-                f"(it plans {planned})")  # fmt: skip
+    if name in known["decoder"]:  # only a stateful one is refused
+        return (f"architecture {name!r} keeps {_stateful(name)}, which refengine's generic rule "
+                f"cannot price (of such models it plans "
+                f"{', '.join(n for n, t in ARCHES.items() if t.hybrid)})")  # fmt: skip
     return (f"architecture {name!r} is not one of the {len(known['decoder'])} text "
-            f"architectures llama.cpp 0.3.36 knows; the file is damaged or newer than it "
-            f"(refengine plans {planned})")  # fmt: skip
+            f"architectures llama.cpp 0.3.36 knows; the file is damaged or newer than it")
 
 
 def require_engines(traits: ArchTraits) -> None:

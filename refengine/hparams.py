@@ -35,6 +35,7 @@ class HParams:
     n_ff_shexp: int = 0  # the shared experts' rows beside the routed ones (every routed layer)
     n_nextn: int = 0  # trailing NextN (multi-token prediction) blocks llama.cpp does not load
     moe_every: int = 1  # layer il routes when (il + 1) % moe_every == 0 (llama4's interleave)
+    routed_layers: tuple[bool, ...] = ()  # per layer, where the file says (the generic rule)
     # multi-head latent attention (deepseek2): Q and KV through low-rank projections; the cache
     # holds one row per token of head_dim = kv_lora_rank + n_rot values (n_head_kv = 1), no V
     q_lora_rank: int = 0  # 0: Q projected directly
@@ -72,8 +73,15 @@ class HParams:
 
     def routed(self, il: int | None) -> bool:
         """Whether layer il routes its tokens to experts (a leading dense layer does not)."""
+        if self.routed_layers:
+            return il is not None and self.routed_layers[il]
         return (self.n_expert > 0 and il is not None and il >= self.n_dense_lead
                 and (il + 1) % self.moe_every == 0)  # fmt: skip
+
+    @property
+    def dense_layers(self) -> bool:
+        """Whether any computed layer has a dense FFN (n_ff wide)."""
+        return not all(self.routed(il) for il in range(self.n_layer))
 
     @property
     def n_ff_active(self) -> int:
@@ -81,7 +89,7 @@ class HParams:
         shared experts' (computed after them), or a dense layer's."""
         if not self.n_expert:
             return self.n_ff
-        dense = self.n_ff if self.n_dense_lead or self.moe_every > 1 else 0
+        dense = self.n_ff if self.dense_layers else 0
         return max(self.n_ff_exp * self.n_expert_used, self.n_ff_shexp, dense)
 
 
@@ -165,7 +173,7 @@ def check_hparams(hp: HParams, traits: ArchTraits, where: str) -> None:
                 f"{where}: a MoE model needs 0 < experts used ({hp.n_expert_used}) <= "
                 f"experts ({hp.n_expert}) and an expert FFN size ({hp.n_ff_exp})"
             )
-    if (not traits.moe or hp.n_dense_lead or hp.moe_every > 1) and hp.n_ff <= 0:
+    if hp.n_ff <= 0 and (not traits.moe or hp.dense_layers):
         raise UserError(f"{where}: n_ff = {hp.n_ff} must be positive")
     if hp.mla and not (hp.n_rot < hp.head_dim_mla and hp.head_dim_v_mla > 0
                        and hp.head_dim == hp.kv_lora_rank + hp.n_rot):  # fmt: skip

@@ -38,6 +38,7 @@ def info_dict(spec: ModelSpec) -> dict:
         "path": str(spec.path),
         "name": spec.name,
         "arch": spec.arch.name,
+        "priced_generically": spec.arch.generic,
         "hparams": {
             k: (list(v) if isinstance(v, tuple) else v) for k, v in vars(spec.hparams).items()
         },

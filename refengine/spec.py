@@ -21,6 +21,7 @@ from gguf import GGMLQuantizationType
 
 from .arch import ArchTraits, arch_traits, require_engines
 from .errors import UserError
+from .generic import generic_hparams
 from .gguf_file import read_gguf
 from .hparams import (HParams, attention_scale, check_hparams, expert_rows, recurrent_layers,
                       shared_expert_rows, swa_base, swa_layers)
@@ -73,6 +74,30 @@ def tensor_role(name: str) -> str:
     if base.startswith("attn_"):
         return ATTENTION
     raise UserError(f"tensor {name!r} has no known role; the file is not a supported layout")
+
+
+_INPUT_LAYER = ("token_embd.", "position_embd.", "token_types.", "per_layer_token_embd.")
+
+
+def generic_role(name: str) -> str:
+    """A tensor's role under the generic rule, by llama.cpp's layer of it: the input layer's
+    tensors are embeddings, the other global ones the output layer's but RoPE factors (read
+    with the first layer); in a block, what is not an FFN, a router or a norm is the attention
+    side, whatever it computes."""
+    if layer_of(name) is None:
+        if name.startswith(_INPUT_LAYER):
+            return EMBEDDING
+        if name.startswith("rope_"):
+            return ATTENTION
+        return NORM if "norm" in name else OUTPUT
+    base = _BLK.sub(r"\2", name).rsplit(".", 1)[0]
+    if base.endswith("_exps"):
+        return EXPERT
+    if base.startswith(("ffn_gate_inp", "exp_probs_b")):
+        return ROUTER
+    if "norm" in base:
+        return NORM
+    return FFN if base.startswith("ffn_") else ATTENTION
 
 
 @dataclass(frozen=True)
@@ -229,6 +254,7 @@ def load_spec(path: str | os.PathLike) -> ModelSpec:
     name = g.fields.get("general.architecture")
     m = _Meta(g.fields, str(name), p)
     traits = arch_traits(name, m.get("expert_count", 0))  # a llama with experts routes
+    role_of = generic_role if traits.generic else tensor_role
     routed_keys = ("expert_count", "expert_used_count") if traits.moe else ()
     for key in (*routed_keys, *traits.required_keys):
         m.require(key)
@@ -252,13 +278,19 @@ def load_spec(path: str | os.PathLike) -> ModelSpec:
                 qtype=q.ggml,
                 nbytes=nbytes,
                 layer=layer_of(t.name),
-                role=tensor_role(t.name),
+                role=role_of(t.name),
                 offset=t.offset,
             )
         )
     shapes = {t.name: t.shape for t in tensors}
     if len(shapes.get("token_embd.weight", ())) != 2:
         raise UserError(f"{p}: no 2-D token_embd.weight tensor; not a supported model file")
+    if traits.generic:  # the file's tensors are llama.cpp's to check
+        traits, hp = generic_hparams(m, traits, shapes, shapes["token_embd.weight"][0])
+        check_hparams(hp, traits, str(p))
+        return ModelSpec(arch=traits, hparams=hp, tensors=tuple(tensors), path=p.resolve(),
+                         file_nbytes=g.file_nbytes,
+                         name=str(g.fields.get("general.name", p.stem)))  # fmt: skip
 
     n_embd, n_head, n_block = (
         m.need("embedding_length"),

@@ -26,10 +26,68 @@ from .arch import arch_traits
 from .errors import UserError
 from .hparams import (HParams, attention_scale, check_hparams, expert_rows, recurrent_layers,
                       shared_expert_rows, swa_base, swa_layers)
-from .layout import QUANTIZED, ROPE_FREQS, tensor_layout
+from .layout import F32, QUANTIZED, ROPE_FREQS, TensorSlot, tensor_layout
 from .qmix import MIXES, fit_rows, mixed_type
 from .quants import Q, dequantize, qtype, quantize, tensor_nbytes
-from .spec import ModelSpec, TensorInfo, layer_of, tensor_role
+from .spec import ModelSpec, TensorInfo, generic_role, layer_of, tensor_role
+
+
+@dataclass(frozen=True)
+class GenericSample:
+    """How to write a file of an architecture the generic rule prices (for tests): the layout
+    llama.cpp 0.3.36 loads for it (src/models/<arch>.cpp), as a modelled family's with its
+    differences."""
+
+    like: str  # the modelled family whose layout and keys it starts from
+    drop: tuple[str, ...] = ()  # layer tensors that family has and this one lacks
+    # layer F32 vectors it adds, each with its width: "d" n_embd, "q" Q's rows, "k" K's rows
+    vectors: tuple[tuple[str, str], ...] = ()
+    keys: tuple[tuple[str, float], ...] = ()  # float metadata it requires beyond the family's
+    untied: bool = False  # output.weight required
+
+
+GENERIC_SAMPLES = {
+    # a routed llama (each expert feed_forward_length wide) whose logits are scaled
+    "granitemoe": GenericSample("llama", keys=(("logit_scale", 1.0),)),
+    # no norm before attention or the FFN: Q and K normed over all their heads, norms after both
+    "olmo2": GenericSample("llama", drop=("attn_norm.weight", "ffn_norm.weight"),
+                           vectors=(("attn_q_norm.weight", "q"), ("attn_k_norm.weight", "k"),
+                                    ("post_attention_norm.weight", "d"),
+                                    ("post_ffw_norm.weight", "d")), untied=True),
+}
+
+
+def layout_traits(arch: str, n_expert: int):
+    """The traits whose layout a synthetic file of `arch` is written in: its own, or for an
+    architecture the generic rule prices, its sample's family's."""
+    traits = arch_traits(arch, n_expert)
+    if not traits.generic:
+        return traits
+    if arch not in GENERIC_SAMPLES:
+        raise UserError(f"refengine plans {arch} generically but writes synthetic files of "
+                        f"{', '.join(GENERIC_SAMPLES)} only among such architectures")
+    return arch_traits(GENERIC_SAMPLES[arch].like, n_expert)
+
+
+def synthetic_layout(cfg: "SyntheticConfig", hp: HParams) -> list:
+    """The tensors a synthetic file of `cfg` holds (layout.TensorSlot), in the file's order."""
+    slots = tensor_layout(layout_traits(cfg.arch, cfg.n_expert), hp, cfg.tied_output,
+                          cfg.rope_freqs)  # fmt: skip
+    sample = GENERIC_SAMPLES.get(cfg.arch)
+    if sample is None:
+        return slots
+    width = {"d": hp.n_embd, "q": hp.n_head * hp.head_dim, "k": hp.n_head_kv * hp.head_dim}
+    out = []
+    for slot in slots:
+        il = layer_of(slot.name)
+        if il is not None and slot.name.split(".", 2)[2] in sample.drop:
+            continue
+        out.append(slot)
+        if slot.name == f"blk.{il}.attn_output.weight":  # the layer's vectors after attention
+            out += [TensorSlot(f"blk.{il}.{name}", (width[w],), F32) for name, w in sample.vectors]
+    if sample.untied and not any(slot.name == "output.weight" for slot in out):
+        out.append(TensorSlot("output.weight", (hp.n_vocab, hp.n_embd), QUANTIZED))
+    return out
 
 
 @dataclass(frozen=True)
@@ -93,7 +151,7 @@ class SyntheticConfig:
 
     def hparams(self) -> HParams:
         """The hyperparameters this config describes; UserError if the engine cannot run them."""
-        traits = arch_traits(self.arch, self.n_expert)
+        traits = layout_traits(self.arch, self.n_expert)
         if self.n_head <= 0 or self.n_embd <= 0:
             raise UserError("a synthetic model needs positive --heads and --embd")
         hd = self.head_dim or self.n_embd // self.n_head
@@ -217,8 +275,10 @@ def slot_type(cfg: SyntheticConfig, hp: HParams, slot) -> GGMLQuantizationType:
 def spec_from_hparams(cfg: SyntheticConfig) -> ModelSpec:
     """A ModelSpec for a model described by hyperparameters alone (no file, no weights)."""
     traits, hp = arch_traits(cfg.arch, cfg.n_expert), cfg.hparams()
+    role_of = generic_role if traits.generic else tensor_role
+    traits = replace(traits, moe=True) if traits.generic and hp.n_expert else traits
     tensors = []
-    for slot in tensor_layout(traits, hp, cfg.tied_output, cfg.rope_freqs):  # NextN blocks last
+    for slot in synthetic_layout(cfg, hp):  # NextN blocks last
         tt = slot_type(cfg, hp, slot)
         tensors.append(
             TensorInfo(
@@ -227,7 +287,7 @@ def spec_from_hparams(cfg: SyntheticConfig) -> ModelSpec:
                 tt,
                 tensor_nbytes(slot.shape, tt),
                 layer_of(slot.name),
-                tensor_role(slot.name),
+                role_of(slot.name),
             )
         )
     nextn = [t.layer is not None and t.layer >= hp.n_layer for t in tensors]
@@ -342,7 +402,7 @@ ROUTER_LOGIT_STD = 4.0
 
 def write_synthetic(path: str | Path, cfg: SyntheticConfig) -> Path:
     """Write a random-weight GGUF for `cfg`; the same cfg always gives the same bytes."""
-    traits, hp = arch_traits(cfg.arch, cfg.n_expert), cfg.hparams()
+    traits, hp = layout_traits(cfg.arch, cfg.n_expert), cfg.hparams()
     file_type = MIXES.get(cfg.qtype.upper()) or int(qtype(cfg.qtype).ggml)
     rng = np.random.default_rng(cfg.seed)
     path = Path(path)
@@ -396,6 +456,8 @@ def write_synthetic(path: str | Path, cfg: SyntheticConfig) -> Path:
         w.add_kv_lora_rank(hp.kv_lora_rank)
         w.add_key_length_mla(hp.head_dim_mla)
         w.add_value_length_mla(hp.head_dim_v_mla)
+    for key, value in GENERIC_SAMPLES.get(cfg.arch, GenericSample("")).keys:
+        w.add_float32(f"{cfg.arch}.{key}", value)
     w.add_file_type(file_type)
 
     tokens, types, merges = vocabulary(hp.n_vocab)
@@ -414,7 +476,7 @@ def write_synthetic(path: str | Path, cfg: SyntheticConfig) -> Path:
         raise UserError(f"routing_domains={domains} needs a MoE architecture and at most "
                         "min(experts, embd, vocab) domains")  # fmt: skip
     u = _domain_directions(cfg, hp.n_embd) if domains else None
-    for slot in tensor_layout(traits, hp, cfg.tied_output, cfg.rope_freqs):
+    for slot in synthetic_layout(cfg, hp):
         n_in = slot.shape[-1]
         std = 1.0 / np.sqrt(n_in)
         t = slot_type(cfg, hp, slot)

@@ -61,8 +61,8 @@ import numpy as np
 from refengine.errors import UserError
 from refengine.spec import ModelSpec
 
-from .groups import (ATTN_SIDE, EMBD, EXPERTS, FFN_MATRIX, FFN_ORDER, HEAD, Group, expert_nbytes,
-                     routed_nbytes)
+from .groups import (ATTN_SIDE, EMBD, EXPERTS, FFN_MATRIX, HEAD, Group, expert_nbytes,
+                     ffn_rank, routed_nbytes)
 from .groups import tensor_groups
 from .memory import expected_distinct_experts, kv_cell_nbytes
 from .profile import ANY_TYPE, PANEL_TYPE, Figure, HardwareProfile
@@ -263,7 +263,7 @@ class CostModel:
         for il, groups in self.by_layer.items():  # each layer's groups in compute order
             if il is not None:
                 groups.sort(key=lambda g: -1 if g.kind == ATTN_SIDE else
-                            FFN_ORDER.index(g.name.split(".")[2]))  # fmt: skip
+                            ffn_rank(g.name.split(".")[2]))  # fmt: skip
         self.threads = workload.threads or profile.cpu.threads
         self.cell_nbytes = kv_cell_nbytes(spec, workload.kv_type)
         hp = spec.hparams

@@ -23,6 +23,12 @@ FFN_ORDER = ("ffn_gate", "ffn_up", "ffn_down", "ffn_gate_exps", "ffn_up_exps", "
              "ffn_gate_shexp", "ffn_up_shexp", "ffn_down_shexp")  # (glm4moe: after the routed)
 
 
+def ffn_rank(base: str) -> int:
+    """Where an FFN group computes in its layer (FFN_ORDER; products it does not name after,
+    in the file's order)."""
+    return FFN_ORDER.index(base) if base in FFN_ORDER else len(FFN_ORDER)
+
+
 @dataclass(frozen=True)
 class Group:
     name: str  # "blk.3.attn", "blk.3.ffn_up", "token_embd", "output"
@@ -68,9 +74,12 @@ def _tensor_groups(spec: ModelSpec) -> list[Group]:
     per_layer: dict[int | None, list] = {}
     for t in spec.tensors:
         per_layer.setdefault(t.layer, []).append(t)
-    groups = [_group("token_embd", None, EMBD, [by["token_embd.weight"]])]
+    glob = per_layer.get(None, [])
+    embd = by["token_embd.weight"]
+    groups = [_group("token_embd", None, EMBD,
+                     [embd, *(t for t in glob if t.role == EMBEDDING and t is not embd)])]
     # a global tensor the layers read (rope_freqs) goes with the first layer, as in llama.cpp
-    with_first = [t for t in per_layer.get(None, []) if t.role == ATTENTION]
+    with_first = [t for t in glob if t.role == ATTENTION]
     for il in range(spec.hparams.n_layer):
         infos = per_layer.get(il, []) + (with_first if il == 0 else [])
         post_ffn = [t for t in infos if t.name == f"blk.{il}.{POST_FFN_NORM}"]
@@ -84,8 +93,9 @@ def _tensor_groups(spec: ModelSpec) -> list[Group]:
             kind = EXPERTS if members[0].role == EXPERT else FFN_MATRIX
             extra = post_ffn if base.startswith("ffn_down") else []
             groups.append(_group(f"blk.{il}.{base}", il, kind, [*members, *extra]))
-    head = by.get("output.weight", by["token_embd.weight"])  # a tied head reuses token_embd
-    groups.append(_group("output", None, HEAD, [by["output_norm.weight"], head]))
+    # the output layer: its norms, then the head (a tied head reuses token_embd)
+    head = [t for t in glob if t.role == NORM] + [t for t in glob if t.role == OUTPUT]
+    groups.append(_group("output", None, HEAD, head if "output.weight" in by else [*head, embd]))
     assert {t.role for t in spec.tensors} <= {
         ATTENTION,
         NORM,

@@ -92,6 +92,7 @@ def compute_nbytes(
     mixes_cpu_experts: bool = False,
     mixes_the_layer_before: bool = False,
     mixed_cpu_layers: tuple[int, ...] = (),
+    one_layer: bool = False,
 ) -> int:
     """Compute buffer of one device for ubatches of n_ubatch tokens, `output_rows` of which get
     logits there (llama.cpp reserves for all n_ubatch; our runtime, one per sequence): llama.cpp's
@@ -103,7 +104,7 @@ def compute_nbytes(
         return nbytes(layout(spec, n_ubatch, output_rows, n_ctx)) + map_padding_nbytes(spec)
     return llamacpp_compute_nbytes(spec, n_ubatch, n_ctx, flash_attn, output_rows, pipeline_copies,
                                    attends, holds_masks, mixes_cpu_experts,
-                                   mixes_the_layer_before, mixed_cpu_layers)  # fmt: skip
+                                   mixes_the_layer_before, mixed_cpu_layers, one_layer)  # fmt: skip
 
 
 def llamacpp_compute_nbytes(
@@ -118,6 +119,7 @@ def llamacpp_compute_nbytes(
     mixes_cpu_experts: bool = False,
     mixes_the_layer_before: bool = False,
     mixed_cpu_layers: tuple[int, ...] = (),
+    one_layer: bool = False,
 ) -> int:
     """`pipeline_copies`: llama.cpp's scheduler keeps that many copies of each input a device
     receives (the incoming activations, and the KQ masks where it `attends` but does not hold them
@@ -125,7 +127,8 @@ def llamacpp_compute_nbytes(
     `mixes_cpu_experts`: the routed experts of the device's layers run on the CPU, the device only
     mixes their outputs; `mixes_the_layer_before`: it also mixes those of the layer before its
     first (with no layers: before the head); `mixed_cpu_layers`: the layers of the device whose
-    CPU-computed experts it mixes."""
+    CPU-computed experts it mixes; `one_layer`: the device computes a single layer, whose masks
+    its allocator frees after the attention (unpipelined)."""
     hp = spec.hparams
     n_kv = pad_cells(n_ctx)
     tokens = min(n_ubatch, n_kv)  # llama.cpp caps the ubatch at the context
@@ -174,7 +177,13 @@ def llamacpp_compute_nbytes(
         head += activations * (k + 2) if gated else 4 * tokens * (2 * k * hp.n_ff_exp
                                                                   + hp.n_embd)  # fmt: skip
     if pipeline_copies == 1:
-        return max(masks + max(attention, ffn), head) if attends else head
+        # (measured: llama and olmo2 layouts, one layer at 16384 cells, 16 MiB of masks:
+        # 20.0 and 19.0 MiB allocated, where the masks beside the FFN's 12 would be 28)
+        # (not where it mixes CPU experts: between its splits the masks stay, 22.0 MiB
+        # allocated on granitemoe where freeing them would leave 20)
+        body = (max(masks + attention, ffn) if one_layer and not mixes_cpu_experts
+                else masks + max(attention, ffn))  # fmt: skip
+        return max(body, head) if attends else head
     # the activations, and the small integer inputs (positions, output ids: measured 20 bytes a
     # token on a device that attends, 24 on the head's; the larger bounds both)
     arriving = pipeline_copies * tokens * (4 * hp.n_embd + PIPELINED_INT_INPUT_NBYTES)

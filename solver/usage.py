@@ -119,7 +119,9 @@ def device_usage(
     mixed = tuple(sorted(mine_layers & cpu_experts)) if on_cpu else ()
     compute = (
         compute_nbytes(spec, tier, w.n_ctx, w.flash_attn, rows, target, copies, attends,
-                       holds_masks, mixes, mixes_before, mixed)  # fmt: skip
+                       holds_masks, mixes, mixes_before, mixed,
+                       len({g.layer for g in groups if g.layer is not None
+                            and here(mine[g.name])}) == 1)  # fmt: skip
         if holds or offloads
         else 0
     )

@@ -27,6 +27,8 @@ def info(model: str, as_json: bool, tensors: bool) -> None:
     from rich.console import Console
     from rich.table import Table
 
+    from refengine.generic import generic_note
+
     spec = load_model_or_shape(model)
     d = info_dict(spec)
     if as_json:
@@ -39,6 +41,8 @@ def info(model: str, as_json: bool, tensors: bool) -> None:
         f"{_mib(spec.weights_nbytes)} MiB of weights"
         + (", output tied to token_embd" if spec.tied_output else "")
     )
+    if spec.arch.generic:
+        con.print(generic_note(spec.arch.name), soft_wrap=True)
     hp = Table(title="hyperparameters", show_header=False)
     for k, v in d["hparams"].items():
         if k == "swa_layers":

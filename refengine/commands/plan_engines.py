@@ -10,6 +10,7 @@ import click
 
 from .. import defaults
 from ..errors import UserError
+from ..arch import require_engines
 from ..models import load_model
 from .base import PLAN_ENGINES, cli, parse_tokens, plan_engine, plan_options
 
@@ -51,6 +52,7 @@ def diff(model, prompt, tokens, n_predict, ctx_size, engine_name, **plan_args) -
     from ..engine import NumpyEngine
 
     spec = load_model(model)
+    require_engines(spec.arch)  # before any engine or GPU is asked for
     ids = _prompt_ids(spec, prompt, tokens)
     engine, plan = plan_engine(engine_name, spec, ctx_size, plan_args, len(ids), n_predict)
     reference = NumpyEngine(spec, n_ctx=engine.n_ctx)
@@ -104,6 +106,7 @@ def bench(model, n_prompt, n_gen, depth, ctx_size, baseline, engine_name, trace,
     except ValueError:
         raise UserError(f"--depth takes comma-separated token counts, not {depth!r}") from None
     spec = load_model(model)
+    require_engines(spec.arch)  # before any engine or GPU is asked for
     n_ctx = ctx_size or max(depths) + max(n_prompt, n_gen + 1)
     engine, plan = plan_engine(engine_name, spec, n_ctx, plan_args, n_prompt, n_gen)
     # the stand-in's devices take the profile's GPU, one a budget

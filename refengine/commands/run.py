@@ -11,6 +11,7 @@ import click
 
 from .. import defaults
 from ..errors import UserError
+from ..arch import require_engines
 from ..models import load_model
 from .base import ENGINES, cli, open_for_writing, parse_tokens, plan_engine, plan_options
 
@@ -72,6 +73,7 @@ def run(
     if n_predict < 0:
         raise UserError("-n must be 0 or more")
     spec = load_model(model)
+    require_engines(spec.arch)  # before any engine or GPU is asked for
     if len(texts) > 1:
         return _run_together(spec, texts, n_predict, ctx_size, engine_name, temp, top_k, top_p,
                              seed, dump_logits, trace, plan_args)  # fmt: skip

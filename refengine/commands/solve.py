@@ -168,6 +168,10 @@ def solve(
         f"{' + '.join(f'{b / 2**30:.2f}' for b in budgets)} GiB, "
         f"ctx {n_ctx}, prompt {w.prompt_tokens}, generate {gen_tokens}, users {users}"
     )
+    if spec.arch.generic:
+        from refengine.generic import generic_note
+
+        con.print(generic_note(spec.arch.name), soft_wrap=True)
     groups = tensor_groups(spec)
     t = Table(title=f"plan: {chosen.name}")
     for col in ("tier", "placement", "ubatch s", "bound"):
