@@ -2,8 +2,8 @@
 
     .venv/bin/python examples/grid.py [--time-limit 6]
 
-Models: 8B, 32B, 70B dense (Q4_K); 30B-A3B and 122B-A10B MoE (Q4_K); gpt-oss-120b (MXFP4_MOE),
-GLM-4.5-Air and DeepSeek-V3 (Q4_K_M), which refengine plans for llama.cpp only, so their cells solve
+Models: 8B, 32B, 70B dense (Q4_K); 30B-A3B MoE (Q4_K); Qwen3.5-122B-A10B (hybrid MoE), gpt-oss-120b
+(MXFP4_MOE), GLM-4.5-Air and DeepSeek-V3 (Q4_K_M), which refengine plans for llama.cpp only, so their cells solve
 `--target llamacpp`, beside the named strategy llama.cpp runs (its --fit); `--models` takes a
 subset. Machines: the two client profiles with budgets 4, 8, 12, 16, 24 GB (skipped where larger
 than the card), and the RTX 4090 + RTX 3060 pair with 16+6, 24+6 and 24+12 GB, where llama.cpp's fit
@@ -32,7 +32,7 @@ MODELS = {
     "32B": preset("qwen3-32b"),
     "70B": preset("llama3-70b"),
     "30B-A3B": preset("qwen3moe-30b-a3b"),
-    "122B-A10B": preset("qwen3moe-122b-a10b"),
+    "Qwen3.5-122B-A10B": preset("qwen3.5-122b-a10b"),
     "gpt-oss-120b": preset("gpt-oss-120b"),
     "GLM-4.5-Air": preset("glm-4.5-air"),
     "DeepSeek-V3": preset("deepseek-v3"),

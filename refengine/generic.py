@@ -6,7 +6,8 @@ but a routed stack (`*_exps`), of which a token reads the experts it chose; a la
 it holds such stacks (`expert_count` and `expert_used_count` are then required); the KV cache
 keeps `attention.head_count_kv` x (`key_length` + `value_length`) F16 values a token on every
 layer, within a sliding window only where the file says which layers slide (else every layer is
-priced with a full cache: never less than llama.cpp allocates). The FFN's widths, which llama.cpp's
+priced with a full cache: never less than llama.cpp allocates); where the file gives head counts
+per layer, every layer is priced with the most. The FFN's widths, which llama.cpp's
 compute buffer follows, are the rows of the file's own products. Architectures with a state per
 sequence are refused before this (`arch.unsupported`): the rule has nothing to price it by.
 """
@@ -25,8 +26,9 @@ def generic_hparams(m, traits: ArchTraits, shapes: dict[str, tuple[int, ...]], n
                     ) -> tuple[ArchTraits, HParams]:  # fmt: skip
     """`m`: the file's `{arch}.*` metadata (spec._Meta); `shapes`: its tensors' numpy shapes.
     The traits come back routed when the file holds expert stacks."""
-    n_embd, n_head, n_layer = (m.need("embedding_length"), m.need("attention.head_count"),
-                               m.need("block_count"))  # fmt: skip
+    m.require("attention.head_count")
+    n_embd, n_layer = m.need("embedding_length"), m.need("block_count")
+    n_head = _most(m, "attention.head_count", 0)
     head_dim = m.get("attention.key_length", n_embd // n_head if n_head > 0 else 0)
     routed = tuple(f"blk.{il}.ffn_down_exps.weight" in shapes for il in range(n_layer))
     n_expert = n_used = n_ff_exp = 0
@@ -46,9 +48,9 @@ def generic_hparams(m, traits: ArchTraits, shapes: dict[str, tuple[int, ...]], n
         n_ctx_train=m.need("context_length"),
         n_embd=n_embd,
         n_layer=n_layer,
-        n_ff=_rows(shapes, ("ffn_up", "ffn_gate")) or m.get("feed_forward_length", 0),
+        n_ff=_rows(shapes, ("ffn_up", "ffn_gate")) or _most(m, "feed_forward_length", 0),
         n_head=n_head,
-        n_head_kv=m.get("attention.head_count_kv", n_head),
+        n_head_kv=_most(m, "attention.head_count_kv", n_head),
         head_dim=head_dim,
         head_dim_v=m.get("attention.value_length", head_dim),
         n_rot=m.get("rope.dimension_count", head_dim),
@@ -66,6 +68,15 @@ def generic_hparams(m, traits: ArchTraits, shapes: dict[str, tuple[int, ...]], n
         routed_layers=routed if any(routed) else (),
     )
     return replace(traits, moe=any(routed)), hp
+
+
+def _most(m, key: str, default: int) -> int:
+    """A key's value, or where the file gives one per layer, the largest (a bound on every
+    layer's cache and products)."""
+    value = m.fields.get(f"{m.arch}.{key}")
+    if isinstance(value, np.ndarray) and value.size:
+        return int(value.max())
+    return m.get(key, default)
 
 
 def _rows(shapes: dict[str, tuple[int, ...]], products: tuple[str, ...]) -> int:

@@ -15,6 +15,7 @@ from solver.export import apply_llamacpp_args, llamacpp_args
 from solver.groups import EXPERTS, tensor_groups
 
 from .test_deepseek2 import DS
+from .test_generic import GRANITEMOE
 from .test_glm4moe import GLM
 from .test_gpt_oss import GPT_OSS
 from .test_llama4 import L4
@@ -23,7 +24,8 @@ from .test_routed_llama import ROUTED_LLAMA
 
 FAMILIES = {"gpt-oss": GPT_OSS, "glm4moe": GLM, "deepseek2": DS, "llama4": L4,
             "qwen35moe": Q35, "qwen3next": replace(Q35, arch="qwen3next"),
-            "mixtral-style llama": ROUTED_LLAMA}  # fmt: skip
+            "mixtral-style llama": ROUTED_LLAMA,
+            "granitemoe (the generic rule)": GRANITEMOE}  # fmt: skip
 
 
 @pytest.mark.parametrize("family", FAMILIES)

@@ -123,3 +123,14 @@ def test_verify_a_generic_plan_over_two_rpc_servers(tmp_path, llama_bin, rpc_ser
     path = write_synthetic(tmp_path / f"{cfg.arch}.gguf", cfg)
     out = verify_over_two_servers(path, tmp_path, llama_bin, rpc_servers, budget, ctx)
     assert "RPC1" in out
+
+
+def test_head_counts_given_per_layer_price_every_layer_with_the_most(tmp_path, monkeypatch):
+    from gguf import GGUFWriter
+
+    def per_layer(self, n):  # as deci's and openelm's files give them
+        self.add_array(f"{self.arch}.attention.head_count_kv", [n, n // 2, n, 1, n, n])
+
+    monkeypatch.setattr(GGUFWriter, "add_head_count_kv", per_layer)
+    spec = load_spec(write_synthetic(tmp_path / "olmo2.gguf", OLMO2))
+    assert spec.hparams.n_head_kv == 2 and spec.hparams.n_head == 8

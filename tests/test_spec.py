@@ -90,8 +90,8 @@ def test_spec_only_presets_have_plausible_sizes():
     assert 230e9 < moe.n_params < 240e9
     experts = sum(t.nbytes for t in moe.tensors if t.role == EXPERT)
     assert experts > 0.9 * moe.weights_nbytes
-    big = spec_from_hparams(preset("qwen3moe-122b-a10b"))
-    assert 115e9 < big.n_params < 125e9
+    big = spec_from_hparams(preset("qwen3.5-122b-a10b"))
+    assert 121.5e9 < big.n_params < 122.5e9  # Qwen: 122B
 
 
 def test_missing_required_metadata_is_a_user_error(tmp_path):

@@ -65,6 +65,27 @@ def test_flags_moved_onto_rpc_servers():
     ]  # fmt: skip
 
 
+def test_a_run_that_reports_no_buffer_is_run_once_more_then_refused(monkeypatch, tmp_path):
+    """llama.cpp has exited 0 printing nothing under load: verify must not read that as a
+    device that allocated nothing."""
+    import subprocess
+
+    from refengine.errors import UserError
+    from solver import llamacpp_check
+
+    runs = []
+
+    def silent(cmd, **kw):
+        runs.append(cmd)
+        return subprocess.CompletedProcess(cmd, 0, "", "")
+
+    monkeypatch.setattr(llamacpp_check.subprocess, "run", silent)
+    monkeypatch.setattr(llamacpp_check, "llama_binary", lambda d, name: tmp_path / name)
+    with pytest.raises(UserError, match="without reporting a buffer it allocated"):
+        run_llamacpp(tmp_path, "m.gguf", ["-ngl", "1"])
+    assert len(runs) == 2
+
+
 def test_compare_names_misplaced_tensors_and_budgets():
     d = {
         "fingerprint": {"budget_bytes": [100 * MIB]},
