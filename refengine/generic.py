@@ -43,6 +43,8 @@ def generic_hparams(m, traits: ArchTraits, shapes: dict[str, tuple[int, ...]], n
         swa = swa_layers(traits, n_layer, m.get("attention.sliding_window_pattern", 0))
     else:
         swa = ()
+    swa = swa if any(swa) else ()
+    rope_base = m.get("rope.freq_base", 10000.0, float)
     hp = HParams(
         n_vocab=n_vocab,
         n_ctx_train=m.need("context_length"),
@@ -54,13 +56,13 @@ def generic_hparams(m, traits: ArchTraits, shapes: dict[str, tuple[int, ...]], n
         head_dim=head_dim,
         head_dim_v=m.get("attention.value_length", head_dim),
         n_rot=m.get("rope.dimension_count", head_dim),
-        rope_base=m.get("rope.freq_base", 10000.0, float),
-        rope_base_swa=m.get("rope.freq_base", 10000.0, float),
+        rope_base=rope_base,
+        rope_base_swa=rope_base,
         rope_scale=1.0,
         rms_eps=1e-5,  # not priced
         attn_scale=head_dim ** -0.5 if head_dim > 0 else 1.0,
-        n_swa=n_swa if swa and any(swa) else 0,
-        swa_layers=swa if swa and any(swa) else (),
+        n_swa=n_swa if swa else 0,
+        swa_layers=swa,
         n_expert=n_expert,
         n_expert_used=n_used,
         n_ff_exp=n_ff_exp,

@@ -50,9 +50,14 @@ def layer_of(name: str) -> int | None:
     return int(m.group(1)) if m else None
 
 
+def _base(name: str) -> str:
+    """A tensor's name without its layer prefix and its suffix (blk.3.attn_q.weight -> attn_q)."""
+    return _BLK.sub(r"\2", name).rsplit(".", 1)[0]
+
+
 def tensor_role(name: str) -> str:
     """The role of a GGUF tensor from its name (llama.cpp's naming)."""
-    base = _BLK.sub(r"\2", name).rsplit(".", 1)[0]
+    base = _base(name)
     if base == "token_embd":
         return EMBEDDING
     if base == "output":
@@ -90,7 +95,7 @@ def generic_role(name: str) -> str:
         if name.startswith("rope_"):
             return ATTENTION
         return NORM if "norm" in name else OUTPUT
-    base = _BLK.sub(r"\2", name).rsplit(".", 1)[0]
+    base = _base(name)
     if base.endswith("_exps"):
         return EXPERT
     if base.startswith(("ffn_gate_inp", "exp_probs_b")):

@@ -26,7 +26,7 @@ from .arch import arch_traits
 from .errors import UserError
 from .hparams import (HParams, attention_scale, check_hparams, expert_rows, recurrent_layers,
                       shared_expert_rows, swa_base, swa_layers)
-from .layout import F32, QUANTIZED, ROPE_FREQS, TensorSlot, tensor_layout
+from .layout import F32, QUANTIZED, ROPE_FREQS, TensorSlot, layer_stem, tensor_layout
 from .qmix import MIXES, fit_rows, mixed_type
 from .quants import Q, dequantize, qtype, quantize, tensor_nbytes
 from .spec import ModelSpec, TensorInfo, generic_role, layer_of, tensor_role
@@ -80,7 +80,7 @@ def synthetic_layout(cfg: "SyntheticConfig", hp: HParams) -> list:
     out = []
     for slot in slots:
         il = layer_of(slot.name)
-        if il is not None and slot.name.split(".", 2)[2] in sample.drop:
+        if il is not None and layer_stem(slot.name) in sample.drop:
             continue
         out.append(slot)
         if slot.name == f"blk.{il}.attn_output.weight":  # the layer's vectors after attention
