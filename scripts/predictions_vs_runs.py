@@ -182,9 +182,9 @@ def main() -> int:
     profile = load_profile(a.profile)
     lines = [f"predictions vs runs, {date.today()}, {a.threads} threads, profile {profile.name} "
              f"({a.profile}); medians of {a.rounds} alternated rounds; ratio = measured / "
-             "predicted t/s; * held out of any fit"]  # fmt: skip
+             "predicted t/s; * held out of any fit; spread = slowest to fastest round"]  # fmt: skip
     lines.append(f"{'model':14s} {'system':9s} {'test':10s} {'measured':>9s} {'predicted':>9s} "
-                 f"{'ratio':>6s}")  # fmt: skip
+                 f"{'ratio':>6s} {'spread':>13s}")  # fmt: skip
     # under drift, a round's runs beside its own profile's prediction: the median of those ratios
     by_round = {r: load_profile(str(p)) for r, p in enumerate(rounds)
                 if a.profile_each_round and p.exists()}  # fmt: skip
@@ -211,7 +211,8 @@ def main() -> int:
                 own = [g[cell] / pred_r[k][system][cell] for m, s, k, g in runs
                        if m == name and s == system and cell in g and k in pred_r]  # fmt: skip
                 lines.append(f"{name + ('*' if held else ''):14s} {system:9s} {cell:10s} "
-                             f"{measured:9.1f} {want:9.1f} {ratio:6.2f}"
+                             f"{measured:9.1f} {want:9.1f} {ratio:6.2f} "
+                             f"{f'{min(got):.0f}-{max(got):.0f}':>13s}"
                              + (f" {statistics.median(own):8.2f}" if own else ""))  # fmt: skip
             if ratios:
                 geo = math.exp(statistics.mean(math.log(x) for x in ratios))
