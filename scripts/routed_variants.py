@@ -9,9 +9,7 @@ the host's drift, which moves every variant of one sitting alike.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
-import subprocess
 import sys
 from dataclasses import replace
 from pathlib import Path
@@ -20,6 +18,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "scripts"))
 
+from cudarun.measure_llamacpp import bench_runs  # noqa: E402
 from predictions_vs_runs import SYNTHETIC, llama_bin  # noqa: E402
 from refengine.models import load_model  # noqa: E402
 from refengine.synthetic import write_synthetic  # noqa: E402
@@ -27,7 +26,8 @@ from solver.cpu_tests import cpu_cost_model, prompt_seconds  # noqa: E402
 from solver.solve import load_profile  # noqa: E402
 
 BASE = SYNTHETIC["qwen3moe-2b"][0]
-VARIANTS = {  # name -> (experts, chosen, type)
+# name -> (experts, chosen, type); E has the narrow expert twin's counts and widths (a control)
+VARIANTS = {
     "A": (32, 4, "Q4_K_M"), "B": (32, 4, "Q4_K"), "C": (8, 1, "Q4_K"), "D": (16, 2, "Q4_K"),
     "E": (8, 2, "Q4_K"),
 }  # fmt: skip
@@ -51,10 +51,8 @@ def main() -> int:
                                           qtype=qtype))  # fmt: skip
         cm = cpu_cost_model(load_model(str(path)), profile, "llamacpp", a.threads, 1024)
         predicted = 512 / prompt_seconds(cm, 512, 0)
-        runs = [json.loads(subprocess.run(
-            [str(bench), "-m", str(path), "-t", str(a.threads), "-p", "512", "-n", "0", "-r", "3",
-             "-o", "json"], capture_output=True, text=True, check=True).stdout)[0]["avg_ts"]
-            for _ in range(2)]  # fmt: skip
+        runs = [bench_runs(bench, path, a.threads, 3, prompts=(512,), gen=0)["pp512"]["avg_ts"]
+                for _ in range(2)]  # fmt: skip
         measured = statistics.median(runs)
         print(f"{name} {experts}/{chosen} {qtype:10s} {predicted:9.1f} {measured:9.1f} "
               f"{min(runs):5.0f}-{max(runs):<5.0f} {measured / predicted:6.2f}", flush=True)
