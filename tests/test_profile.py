@@ -163,6 +163,9 @@ def test_profile_measures_the_cpu_and_llama_cpps_rates_which_price_the_llamacpp_
     # two cores measured each other's load)
     assert prof.gpus == HardwareProfile.load(PROFILES / "h100.json").gpus
     assert cpu.memory_gbps.value > 0.5
+    # a rate fitted beside a per-row cost that CI's two busy cores can clamp at 0 (one read 0.48
+    # GB/s beside 8.4 GB/s of memory): a bound that catches a unit slip, not the host's load
+    memory_bound = 10 * cpu.memory_gbps.value
     assert "q8 path" in cpu.matvec_gbps.rows["Q4_K"][cpu.threads].source
     assert cpu.matmul_gflops.at("Q8_0", 512) > 1.0
     # our host prefill's attention and gated activation, beyond the matrices; our decode's
@@ -179,7 +182,7 @@ def test_profile_measures_the_cpu_and_llama_cpps_rates_which_price_the_llamacpp_
     assert 0 <= cpu.expert_seconds.value < 1e-3 and "per expert" in cpu.expert_seconds.source
     assert cpu.expert_type_seconds.at("Q8_0", cpu.threads) == cpu.expert_seconds.value  # twins
     assert 0 <= cpu.routed_handoff_seconds.value < 0.05  # a product's toll after Numba's kernel
-    assert 0 <= cpu.head_row_seconds.value < 1e-6 and cpu.head_gbps.value > 0.5
+    assert 0 <= cpu.head_row_seconds.value < 1e-6 and 0.1 < cpu.head_gbps.value < memory_bound
     assert cpu.q8_matmul_gflops.at("Q4_K", 8) > 1 and "q8 path" in (
         cpu.q8_matmul_gflops.rows["Q4_K"][64].source)
     # llama.cpp's own rows
@@ -194,7 +197,8 @@ def test_profile_measures_the_cpu_and_llama_cpps_rates_which_price_the_llamacpp_
         assert "per layer, query head, token and key" in scores.rows["512"][64].source
     assert "qwen3moe" in cpu.llamacpp_routed_layer_seconds.source
     assert 0 <= cpu.llamacpp_expert_seconds.value < 1e-3
-    assert 0 <= cpu.llamacpp_head_row_seconds.value < 1e-6 and cpu.llamacpp_head_gbps.value > 0.5
+    assert 0 <= cpu.llamacpp_head_row_seconds.value < 1e-6
+    assert 0.1 < cpu.llamacpp_head_gbps.value < memory_bound
     # its routed experts on a prompt, by the tokens an expert drew (8 experts, 2 used: 16 of 64)
     experts = cpu.llamacpp_expert_gflops.rows[ANY_TYPE] if cpu.llamacpp_expert_gflops else {}
     assert set(experts) <= {16, 128} and all(x.value > 0.5 for x in experts.values())
