@@ -481,12 +481,16 @@ def token_nbytes(spec: ModelSpec) -> int:
 
 def row_seconds_and_gbps(seconds: tuple[float, float], specs) -> tuple[float, float]:
     """(seconds per row, GB/s) that price both twins' decode times as bytes / rate + rows x
-    seconds per row (two equations, two unknowns)."""
+    seconds per row (two equations, two unknowns). Where noise leaves either negative (on two
+    busy cores a quick profile's twins read a negative cost per byte: 1e6 GB/s), the rows go
+    free and the bytes take both times (least squares)."""
     (b1, b2), (r1, r2) = ([token_nbytes(s) for s in specs], [decode_rows(s) for s in specs])
     (t1, t2), det = seconds, b1 * r2 - b2 * r1
     per_byte = (t1 * r2 - t2 * r1) / det
     per_row = (b1 * t2 - b2 * t1) / det
-    return max(per_row, 0.0), 1.0 / max(per_byte, 1e-15) / 1e9
+    if per_byte <= 0 or per_row < 0:
+        per_row, per_byte = 0.0, (b1 * t1 + b2 * t2) / (b1 * b1 + b2 * b2)
+    return per_row, 1.0 / per_byte / 1e9
 
 
 def our_head_rates(threads: int, quick: bool) -> tuple[float, float]:

@@ -607,6 +607,12 @@ def test_twins_of_equal_bytes_and_unequal_rows_give_the_cost_per_byte_and_per_ro
     gbps, per_row = 40.0, 2e-8
     seconds = tuple(token_nbytes(s) / (gbps * 1e9) + decode_rows(s) * per_row for s in specs)
     assert row_seconds_and_gbps(seconds, specs) == pytest.approx((per_row, gbps))
+    # times that no positive rate and row cost give (a negative cost per byte, then per row):
+    # the bytes take both times, the rows go free
+    nbytes = [token_nbytes(s) for s in specs]
+    for noisy in ((seconds[0] * 3, seconds[1]), (seconds[0], seconds[1] * 3)):
+        fitted = sum(b * t for b, t in zip(nbytes, noisy)) / sum(b * b for b in nbytes)
+        assert row_seconds_and_gbps(noisy, specs) == pytest.approx((0.0, 1 / fitted / 1e9))
     # the head's rows and the layer's: 16384 + 128 x 4 + 256 x 2 + 128 for the narrow twin
     assert decode_rows(specs[0]) == 16384 + 4 * 128 + 2 * 256 + 128
 
