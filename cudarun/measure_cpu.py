@@ -108,7 +108,8 @@ def measure_cpu(
     slot = routed_slot_seconds(threads, quick, q8_gflops.value, glu)
     handoff = handoff_seconds(quick, runs)
     layers = " and ".join(map(str, layer_counts(quick)))
-    width = TINY["n_embd"] if quick else LAYER["n_embd"]
+    twin = TINY if quick else LAYER
+    width, twin_ff = twin["n_embd"], twin["n_ff"]
     twins = ("the cpu engine decoding synthetic llamas of one layer whose Q8_0 heads hold the "
              f"same bytes in {' and '.join(str(v) for _, v in row_twins(quick))} rows")
     matvec[ANY_TYPE] = matvec[types[0]]
@@ -135,6 +136,8 @@ def measure_cpu(
         rope_element_seconds=Figure(rope, f"{src}; {rope_twins}, the slope per element"),
         head_row_seconds=Figure(head_row, f"{src}; {twins}, per row"),
         head_gbps=Figure(head_gbps, f"{src}; {twins}, per byte"),
+        layer_activation_seconds=Figure(twin_ff * glu, f"{src}; the layer twins' SiLU gate over "
+                                                       f"{twin_ff} elements at the gate's rate"),
         layer_seconds=Figure(per_layer, f"{src}; the cpu engine decoding synthetic Q8_0 llamas "
                                         f"{width} wide of {layers} layers, the slope per layer "
                                         "less its bytes at the Q8_0 matvec rate"),  # fmt: skip

@@ -343,11 +343,17 @@ class CostModel:
             if each:  # each expert the ubatch's tokens chose starts its own products
                 per_expert = each.value * expected_distinct_experts(hp.n_expert,
                                                                     hp.n_expert_used, tokens)
-        if fixed and g.kind == ATTN_SIDE and not llama and not hp.routed(g.layer):
+        dense_ours = not llama and not hp.routed(g.layer)
+        if fixed and g.kind == ATTN_SIDE and dense_ours:
             fixed = self.our_layer_fixed(g.layer) or fixed
         fixed = fixed.value + per_expert if fixed and g.kind == ATTN_SIDE else 0.0
+        twins_act = cpu.layer_activation_seconds
+        if twins_act and dense_ours and g.kind == ATTN_SIDE:
+            fixed = max(fixed - twins_act.value, 0.0)  # the layer's own is priced with ffn_up
         if tokens == 1:  # the matvec's measured rate covers its arithmetic; the matmul rate,
             # measured from 64 tokens on and held below them, priced a decode token 3-6x slow
+            if twins_act and dense_ours and g.name.endswith(".ffn_up"):
+                read += self.decode_activation_seconds()
             return read + fixed
         if g.kind == EXPERTS:  # each expert multiplies the tokens it drew
             touched = expected_distinct_experts(hp.n_expert, hp.n_expert_used, tokens)
@@ -413,6 +419,14 @@ class CostModel:
                 sum(g.nbytes * table.at(g.qtype, self.threads) for g in mats) / total,
                 f"the layer's types' {field}, by their bytes") if table and total else None
         return self._layer_fixed[il, field]
+
+    def decode_activation_seconds(self) -> float:
+        """A dense layer's gated activation in our fused decode: serial, between its parallel
+        products."""
+        cpu = self.profile.cpu
+        act = cpu.gelu_element_seconds if self.spec.arch.ffn_act == "gelu" else (
+            cpu.glu_element_seconds)  # fmt: skip
+        return self.spec.hparams.n_ff * act.value if act else 0.0
 
     def host_elementwise_seconds(self, g: Group, tokens: int) -> float:
         """A token's element-wise work on our host that rides with group g: act(gate) * up with

@@ -194,6 +194,10 @@ class CPUProfile:
     # ours by type, on twins whose every matrix is of the type: a narrow layer's rows cost beyond
     # their bytes by type (Q8_0's ~40 us, Q5_0's ~110 on 512-wide twins); by threads
     layer_type_seconds: RateTable | None = None
+    # the gated activation those twins' decode ran inside both (their FFN width x SiLU's cost per
+    # element, serial in the fused layer): the cost model takes it out and prices each layer's
+    # own, GELU at 4-5x SiLU's cost an element and FFNs up to 6x the twins' width
+    layer_activation_seconds: Figure | None = None
     # the output head in a decode (ours, llama.cpp's): its rows' own cost (each dot product's
     # start and final sum), what a head of 262144 short rows feels, and its bytes' rate (Q8_0)
     head_row_seconds: Figure | None = None

@@ -282,6 +282,34 @@ def test_our_decode_layer_pays_its_types_fixed_costs_by_their_bytes():
     assert llama.cpu_seconds(attn, 1) == CostModel(mixed, plain, W, "llamacpp").cpu_seconds(attn, 1)
 
 
+def test_our_decode_prices_each_layers_own_gated_activation_in_place_of_the_twins():
+    """Where the profile says what gated activation its layer twins ran inside their fixed cost,
+    our dense decode layer's fixed cost goes without it and its ffn_up carries the layer's own:
+    n_ff elements, serial, at GELU's rate for a GELU model; llama.cpp's target, a routed layer
+    and a profile that does not say keep their prices."""
+    base = toy_profile()
+    plain = replace(base, cpu=replace(base.cpu, layer_seconds=Figure(3e-5, "toy"),
+                                      glu_element_seconds=Figure(3e-9, "toy"),
+                                      gelu_element_seconds=Figure(9e-9, "toy")))  # fmt: skip
+    measured = replace(plain, cpu=replace(plain.cpu, layer_activation_seconds=Figure(
+        1536 * 3e-9, "toy")))  # fmt: skip
+    gelu = spec_from_hparams(SyntheticConfig("gemma3", n_layer=2, n_embd=256, n_ff=2048,
+                                             n_head=4, n_head_kv=1, n_vocab=512))  # fmt: skip
+    for spec, act in ((DENSE, 3e-9), (gelu, 9e-9)):
+        cm, before = CostModel(spec, measured, W), CostModel(spec, plain, W)
+        attn, up = (next(g for g in cm.by_layer[1] if g.name.endswith(n))
+                    for n in (".attn", ".ffn_up"))  # fmt: skip
+        assert cm.cpu_seconds(attn, 1) - before.cpu_seconds(attn, 1) == pytest.approx(-1536 * 3e-9)
+        assert cm.cpu_seconds(up, 1) - before.cpu_seconds(up, 1) == pytest.approx(
+            spec.hparams.n_ff * act)
+        llama = CostModel(spec, measured, W, "llamacpp")
+        assert [llama.cpu_seconds(g, 1) for g in (attn, up)] == [
+            CostModel(spec, plain, W, "llamacpp").cpu_seconds(g, 1) for g in (attn, up)]
+    routed, before = CostModel(MOE, measured, W), CostModel(MOE, plain, W)
+    assert [routed.cpu_seconds(g, 1) for g in routed.groups] == [
+        before.cpu_seconds(g, 1) for g in before.groups]
+
+
 # a small Qwen3-MoE of the Q4_K_M mix: Q4_K stacks and attention, a Q6_K down stack in some layers
 ROUTED_MIX = spec_from_hparams(SyntheticConfig("qwen3moe", n_layer=2, n_embd=1024, n_ff=3072,
                                                n_head=16, n_head_kv=4, head_dim=64, n_vocab=32000,

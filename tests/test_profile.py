@@ -150,6 +150,7 @@ def test_profile_measures_the_cpu_and_llama_cpps_rates_which_price_the_llamacpp_
     kernels' rates."""
     from dataclasses import replace
 
+    from cudarun.measure_cpu import TINY
     from refengine.synthetic import SyntheticConfig, spec_from_hparams
     from solver.cpu_tests import cpu_cost_model, generation_seconds, prompt_seconds
 
@@ -175,6 +176,9 @@ def test_profile_measures_the_cpu_and_llama_cpps_rates_which_price_the_llamacpp_
     assert 0 < cpu.rope_angle_seconds.value < 1e-6 and 0 < cpu.rope_element_seconds.value < 1e-6
     assert 0 <= cpu.layer_seconds.value < 1e-3 and "slope per layer" in cpu.layer_seconds.source
     assert cpu.layer_type_seconds.at("Q8_0", cpu.threads) == cpu.layer_seconds.value  # its twins
+    # the twins' own gated activation inside those figures: their FFN's SiLU
+    assert cpu.layer_activation_seconds.value == pytest.approx(
+        TINY["n_ff"] * cpu.glu_element_seconds.value)
     assert 0 < cpu.decode_score_seconds.at(ANY_TYPE, 128) < 1e-6
     assert cpu.routed_layer_seconds.value >= 0 and "qwen3moe" in cpu.routed_layer_seconds.source
     slot = cpu.routed_slot_seconds
