@@ -49,8 +49,9 @@ def measure_cpu(
         host_read_gbps(threads, nbytes, runs),
         f"{src}; Numba parallel read of {nbytes >> 20} MiB on {threads} threads, median of {runs}",
     )
-    progress("the output head")
-    head_row, head_gbps = our_head_rates(threads, quick)
+    progress("a decoded token's own cost and the output head")
+    token = token_seconds(threads, quick)
+    head_row, head_gbps = our_head_rates(threads, quick, token)
     matvec, matmul, q8 = {}, {}, {}
     for name in types:
         progress(f"matvec {name}")
@@ -134,6 +135,8 @@ def measure_cpu(
         gelu_element_seconds=Figure(gelu, f"{src}; cpu_ops.gated (GELU) over 512 x 8192, serial"),
         rope_angle_seconds=Figure(rope_angle, f"{src}; {rope_twins}, the intercept per angle"),
         rope_element_seconds=Figure(rope, f"{src}; {rope_twins}, the slope per element"),
+        token_seconds=Figure(token, f"{src}; the cpu engine decoding synthetic Q8_0 llamas of "
+                                    f"{layers} layers, the intercept at none"),
         head_row_seconds=Figure(head_row, f"{src}; {twins}, per row"),
         head_gbps=Figure(head_gbps, f"{src}; {twins}, per byte"),
         layer_activation_seconds=Figure(twin_ff * glu, f"{src}; the layer twins' SiLU gate over "
@@ -482,13 +485,14 @@ def token_nbytes(spec: ModelSpec) -> int:
     return sum(t.nbytes for t in matrices(spec))
 
 
-def row_seconds_and_gbps(seconds: tuple[float, float], specs) -> tuple[float, float]:
-    """(seconds per row, GB/s) that price both twins' decode times as bytes / rate + rows x
-    seconds per row (two equations, two unknowns). Where noise leaves either negative (on two
+def row_seconds_and_gbps(seconds: tuple[float, float], specs,
+                         token: float = 0.0) -> tuple[float, float]:  # fmt: skip
+    """(seconds per row, GB/s) that price both twins' decode times, less `token` (a decoded
+    token's own cost), as bytes / rate + rows x seconds per row (two equations, two unknowns). Where noise leaves either negative (on two
     busy cores a quick profile's twins read a negative cost per byte: 1e6 GB/s), the rows go
     free and the bytes take both times (least squares)."""
     (b1, b2), (r1, r2) = ([token_nbytes(s) for s in specs], [decode_rows(s) for s in specs])
-    (t1, t2), det = seconds, b1 * r2 - b2 * r1
+    (t1, t2), det = (t - token for t in seconds), b1 * r2 - b2 * r1
     per_byte = (t1 * r2 - t2 * r1) / det
     per_row = (b1 * t2 - b2 * t1) / det
     if per_byte <= 0 or per_row < 0:
@@ -496,9 +500,10 @@ def row_seconds_and_gbps(seconds: tuple[float, float], specs) -> tuple[float, fl
     return per_row, 1.0 / per_byte / 1e9
 
 
-def our_head_rates(threads: int, quick: bool) -> tuple[float, float]:
+def our_head_rates(threads: int, quick: bool, token: float = 0.0) -> tuple[float, float]:
     """(seconds per row, GB/s) of our cpu engine's output head in a decode
-    (`row_seconds_and_gbps` on ROW_TWINS)."""
+    (`row_seconds_and_gbps` on ROW_TWINS, less `token`, the decoded token's own cost: left in,
+    a head's bytes carried it, a 30 MB head 0.2 of it and a 178 MB one 1.3)."""
     import tempfile
 
     import numpy as np
@@ -511,23 +516,44 @@ def our_head_rates(threads: int, quick: bool) -> tuple[float, float]:
             engines[-1].prefill(np.arange(4))
         seconds = _median_seconds([lambda e=e: e.decode(7) for e in engines],
                                   8 if quick else 64)  # fmt: skip
-    return row_seconds_and_gbps(tuple(seconds), [e.spec for e in engines])
+    return row_seconds_and_gbps(tuple(seconds), [e.spec for e in engines], token)
 
 
 def layer_seconds(threads: int, quick: bool, gbps: float, kinds: tuple = (None,),
                   qtype: str | None = None) -> list[float]:  # fmt: skip
     """Our cpu engine's fixed cost of a layer per decoded token (`fixed_layer_seconds`) for each
     of `kinds`: None, a dense llama's; ROUTED or MORE_USED, a routed layer's; `gbps`: the
-    profile's matvec rate of LAYER's type (of `qtype`, the twins' type, when given). Every
-    kind's twins are timed in turn, token by token."""
+    profile's matvec rate of LAYER's type (of `qtype`, the twins' type, when given)."""
+    per_token, specs = twin_decode_seconds(threads, quick, kinds, qtype)
+    return fixed_layer_seconds(per_token, layer_counts(quick), specs, gbps)
+
+
+def token_seconds(threads: int, quick: bool) -> float:
+    """Our cpu engine's cost of a decoded token beyond its layers and its head (the embedding
+    row, the final norm, the step's Python): the dense layer twins' intercept
+    (`decode_intercept`)."""
+    return decode_intercept(twin_decode_seconds(threads, quick)[0], layer_counts(quick))
+
+
+def decode_intercept(per_token: list[float], counts: tuple[int, int]) -> float:
+    """A decode's time at no layers, from two twins' (at `counts` layers): their line's
+    intercept."""
+    slope = (per_token[1] - per_token[0]) / (counts[1] - counts[0])
+    return max(per_token[0] - counts[0] * slope, 0.0)
+
+
+def twin_decode_seconds(threads: int, quick: bool, kinds: tuple = (None,),
+                        qtype: str | None = None) -> tuple[list[float], list]:  # fmt: skip
+    """(a decoded token's seconds, the specs) of each kind's layer twins (`layer_config` at
+    `layer_counts`' depths, kind after kind), every twin timed in turn, token by token."""
     import tempfile
 
     import numpy as np
 
-    tokens, engines, counts = (8 if quick else 96), [], layer_counts(quick)
+    tokens, engines = (8 if quick else 96), []
     with tempfile.TemporaryDirectory(prefix="refengine-layers-") as tmp:
         for i, kind in enumerate(kinds):
-            for n_layer in counts:
+            for n_layer in layer_counts(quick):
                 engines.append(twin_engine(Path(tmp) / f"{i}-{n_layer}.gguf",
                                            layer_config(n_layer, kind, quick, qtype), threads,
                                            4 * tokens))  # fmt: skip
@@ -537,7 +563,7 @@ def layer_seconds(threads: int, quick: bool, gbps: float, kinds: tuple = (None,)
         # profile, measured beside the suite's other worker, takes the least disturbed one
         per_token = _median_seconds([lambda e=e: e.decode(7) for e in engines], tokens,
                                     fastest=quick)  # fmt: skip
-    return fixed_layer_seconds(per_token, counts, [e.spec for e in engines], gbps)
+    return per_token, [e.spec for e in engines]
 
 
 def _median_seconds(run, runs: int, fastest: bool = False):

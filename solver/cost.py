@@ -350,6 +350,8 @@ class CostModel:
         twins_act = cpu.layer_activation_seconds
         if twins_act and dense_ours and g.kind == ATTN_SIDE:
             fixed = max(fixed - twins_act.value, 0.0)  # the layer's own is priced with ffn_up
+        if g.kind == HEAD and not llama and cpu.token_seconds:  # the step's own cost, once a
+            fixed += cpu.token_seconds.value  # call, with the head the step ends at
         if tokens == 1:  # the matvec's measured rate covers its arithmetic; the matmul rate,
             # measured from 64 tokens on and held below them, priced a decode token 3-6x slow
             if twins_act and dense_ours and g.name.endswith(".ffn_up"):

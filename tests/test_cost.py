@@ -310,6 +310,26 @@ def test_our_decode_prices_each_layers_own_gated_activation_in_place_of_the_twin
         before.cpu_seconds(g, 1) for g in before.groups]
 
 
+def test_our_decode_pays_the_tokens_own_cost_once_with_its_head():
+    """Where the profile measured our decoded token's cost beyond its layers and head, our head
+    carries it once a call, whatever the tokens; llama.cpp's target and the layers do not. The
+    figure is the layer twins' intercept at no layers."""
+    from cudarun.measure_cpu import decode_intercept
+
+    base = toy_profile()
+    measured = replace(base, cpu=replace(base.cpu, token_seconds=Figure(2e-4, "toy")))
+    for target, extra in (("refengine", 2e-4), ("llamacpp", 0.0)):
+        cm, before = CostModel(DENSE, measured, W, target), CostModel(DENSE, base, W, target)
+        for tokens in (1, 512):
+            assert [cm.cpu_seconds(g, tokens) - before.cpu_seconds(g, tokens)
+                    for g in cm.groups] == pytest.approx(
+                [extra if g.kind == "output" else 0.0 for g in cm.groups])  # fmt: skip
+    # twins of 12 and 36 layers at 2 ms and 5 ms: 0.125 ms a layer, 0.5 ms at none; a noisy pair
+    # whose line crosses below zero reads no cost, not a negative one
+    assert decode_intercept([2e-3, 5e-3], (12, 36)) == pytest.approx(5e-4)
+    assert decode_intercept([1e-3, 5e-3], (12, 36)) == 0.0
+
+
 # a small Qwen3-MoE of the Q4_K_M mix: Q4_K stacks and attention, a Q6_K down stack in some layers
 ROUTED_MIX = spec_from_hparams(SyntheticConfig("qwen3moe", n_layer=2, n_embd=1024, n_ff=3072,
                                                n_head=16, n_head_kv=4, head_dim=64, n_vocab=32000,
@@ -635,6 +655,9 @@ def test_twins_of_equal_bytes_and_unequal_rows_give_the_cost_per_byte_and_per_ro
     gbps, per_row = 40.0, 2e-8
     seconds = tuple(token_nbytes(s) / (gbps * 1e9) + decode_rows(s) * per_row for s in specs)
     assert row_seconds_and_gbps(seconds, specs) == pytest.approx((per_row, gbps))
+    # with a decoded token's own cost in both times, given apart
+    assert row_seconds_and_gbps(tuple(t + 3e-4 for t in seconds), specs, 3e-4) == pytest.approx(
+        (per_row, gbps))
     # times that no positive rate and row cost give (a negative cost per byte, then per row):
     # the bytes take both times, the rows go free
     nbytes = [token_nbytes(s) for s in specs]
