@@ -488,9 +488,9 @@ def token_nbytes(spec: ModelSpec) -> int:
 def row_seconds_and_gbps(seconds: tuple[float, float], specs,
                          token: float = 0.0) -> tuple[float, float]:  # fmt: skip
     """(seconds per row, GB/s) that price both twins' decode times, less `token` (a decoded
-    token's own cost), as bytes / rate + rows x seconds per row (two equations, two unknowns). Where noise leaves either negative (on two
-    busy cores a quick profile's twins read a negative cost per byte: 1e6 GB/s), the rows go
-    free and the bytes take both times (least squares)."""
+    token's own cost), as bytes / rate + rows x seconds per row (two equations, two unknowns).
+    Where noise leaves either negative (on two busy cores a quick profile's twins read a negative
+    cost per byte: 1e6 GB/s), the rows go free and the bytes take both times (least squares)."""
     (b1, b2), (r1, r2) = ([token_nbytes(s) for s in specs], [decode_rows(s) for s in specs])
     (t1, t2), det = (t - token for t in seconds), b1 * r2 - b2 * r1
     per_byte = (t1 * r2 - t2 * r1) / det

@@ -202,12 +202,12 @@ class CPUProfile:
     # start and final sum), what a head of 262144 short rows feels, and its bytes' rate (Q8_0)
     head_row_seconds: Figure | None = None
     head_gbps: Figure | None = None
-    # ours: a decoded token's cost beyond its layers and head (the embedding row, the final norm,
-    # the step's Python; 0.2-0.3 ms here, a twentieth of SmolLM2's token), which the head's
-    # twins then go without
-    token_seconds: Figure | None = None
     llamacpp_head_row_seconds: Figure | None = None
     llamacpp_head_gbps: Figure | None = None
+    # ours: a decoded token's cost beyond its layers and head (the embedding row, the final norm,
+    # the step's Python; 0.14-0.27 ms here, a twentieth of SmolLM2's token), which the head's
+    # twins go without and our head carries once a call
+    token_seconds: Figure | None = None
     # ours: a routed layer's fixed cost per decoded token (its two fused calls and the router in
     # Python between them), and the q8 row kernels' rate on several tokens (a routed stack's
     # experts at prefill, each on the tokens it drew), by type and token count
