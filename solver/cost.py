@@ -422,12 +422,16 @@ class CostModel:
                 f"the layer's types' {field}, by their bytes") if table and total else None
         return self._layer_fixed[il, field]
 
+    def gate_element_seconds(self) -> Figure | None:
+        """Our host's act(gate) * up per element, for the architecture's activation."""
+        cpu = self.profile.cpu
+        return cpu.gelu_element_seconds if self.spec.arch.ffn_act == "gelu" else (
+            cpu.glu_element_seconds)  # fmt: skip
+
     def decode_activation_seconds(self) -> float:
         """A dense layer's gated activation in our fused decode: serial, between its parallel
         products."""
-        cpu = self.profile.cpu
-        act = cpu.gelu_element_seconds if self.spec.arch.ffn_act == "gelu" else (
-            cpu.glu_element_seconds)  # fmt: skip
+        act = self.gate_element_seconds()
         return self.spec.hparams.n_ff * act.value if act else 0.0
 
     def host_elementwise_seconds(self, g: Group, tokens: int) -> float:
@@ -438,8 +442,7 @@ class CostModel:
         products are Numba's own, its thread team shares them."""
         cpu, hp = self.profile.cpu, self.spec.hparams
         share = 1 if tokens >= HOST_PANEL_TOKENS else max(1, self.threads)
-        act = cpu.gelu_element_seconds if self.spec.arch.ffn_act == "gelu" else (
-            cpu.glu_element_seconds)  # fmt: skip
+        act = self.gate_element_seconds()
         if act and g.name.endswith(".ffn_up"):
             return hp.n_ff * act.value / share
         if act and g.name.endswith(".ffn_up_exps"):  # each slot's act; from the BLAS tier on,
