@@ -83,6 +83,8 @@ def simulator_intrinsics() -> None:
         m, v, lambda lane: lane - delta
     )
     FakeCUDAModule.shfl_sync = lambda m, mask, v, src: exchange(m, v, lambda lane: src)
+    # a barrier of the warp's lanes (the shuffles' barrier: a block's first 32 threads)
+    FakeCUDAModule.syncwarp = lambda m, mask=FULL_MASK: exchange(m, None, lambda lane: lane)
     FakeCUDAModule.fma = fma
     _shared_arrays_made_once()
 

@@ -41,10 +41,24 @@ def arr(dtype, ndim):
     return t.Array(dtype, ndim, "C")
 
 
+def vec_shapes():
+    """The vec decode kernels compiled here: head dims 64, 128 and 256 at 1 and 2 query rows
+    (llama.cpp's fattn-vec ncols), 16-byte loads, 8 lanes a key; and a head dim of 80 (4 lanes a
+    key, 8-byte loads)."""
+    from .kernels.attention_vec import Shape
+
+    return [*(Shape(d, d, 4, 4, 8, rows, 8, 2, 2) for d in (64, 128, 256) for rows in (1, 2)),
+            Shape(80, 80, 4, 4, 4, 1, 8, 1, 1)]  # fmt: skip
+
+
+def vec_name(shape) -> str:
+    return f"decode_vec[D{shape.d}x{shape.rows}]"
+
+
 def kernels():
     """(name, python function, argument types) for every kernel."""
     from .blocks import DECODERS
-    from .kernels import attention, elementwise, glue, int8, matvec, moe, prefill
+    from .kernels import attention, attention_vec, elementwise, glue, int8, matvec, moe, prefill
 
     f32, f16, i64, i32 = t.float32, t.float16, t.int64, t.int32
     words = arr(t.uint16, 1)
@@ -83,7 +97,7 @@ def kernels():
         ),  # fmt: skip
     ]
     # attention reads the fp16 caches as 64-bit words (four values), or as 32-bit pairs where the
-    # head dim is not a multiple of 4 (attention._words); decode's partial is a slice of the
+    # head dim is not a multiple of 4 (attention_vec.cache_words); decode's partial is a slice of the
     # workspace's splits, C-contiguous for one token only
     positions = (arr(i64, 1), arr(i64, 1))
     for word, bits in ((t.uint64, 64), (t.uint32, 32)):
@@ -97,6 +111,16 @@ def kernels():
     for layout in "CA":
         merge_args = (t.Array(f32, 4, layout), arr(f32, 3))
         out.append((f"decode_merge[{layout}]", attention.decode_merge, merge_args))
+    # the vec decode kernels of the SASS gate's head dims (8 KV heads; every shape compiles the
+    # same code), and one of 32-bit words a lane at a time (a head dim of 80)
+    # (the partial: a slice of the workspace's splits; C-contiguous for one token, as D128x1_C)
+    for shape in vec_shapes():
+        word = t.uint64 if shape.k_per == 4 else t.uint32
+        for layout in "AC" if (shape.d, shape.rows) == (128, 1) else "A":
+            vec_args = (arr(f32, 3), arr(word, 1), arr(word, 1), *positions, f32, i64, t.uint32,
+                        t.uint32, t.Array(f32, 4, layout))  # fmt: skip
+            name = vec_name(shape) + ("_C" if layout == "C" else "")
+            out.append((name, attention_vec.decode_kernel(shape), vec_args))
     u64, u32 = arr(t.uint64, 1), arr(t.uint32, 1)
     out.append(("quantize_q8_1", int8.quantize, (arr(f32, 2), arr(i32, 1), arr(f32, 1), i64)))
     for qtype in sorted(int8.UNITS, key=lambda q: q.name):

@@ -68,6 +68,7 @@ def attend(tokens, heads, kv_heads, dim, cells, end, window, splits=None, seed=0
         (3, 6, 2, 18, 16, 40, 9, 4),  # a wrapped sliding-window ring, group 3, fp16 pairs
         (16, 4, 2, 16, 37, 34, 0, 2),  # the most decode tokens: several row tiles a KV head
         (16, 4, 2, 16, 28, 50, 12, 3),  # the same through a wrapped window
+        (2, 2, 1, 34, 21, 21, 0, 2),  # a lane's share past its registers: the tiled kernel
     ],
     ids=[
         "1-token",
@@ -76,13 +77,35 @@ def attend(tokens, heads, kv_heads, dim, cells, end, window, splits=None, seed=0
         "3-tokens-window-ring",
         "16-tokens",
         "16-tokens-window",
+        "tiled-fallback",
     ],
 )
 def test_decode_attention_split_over_the_kv_length(
     tokens, heads, kv_heads, dim, cells, end, window, splits
 ):
+    """The vec kernel (queries and outputs in registers) but where a lane's share of the head
+    dim would not fit, which the tiled kernel attends."""
+    from cudarun.kernels.attention_vec import kernel_shape
+
+    shape = kernel_shape(np.zeros((tokens, heads, dim), np.float32),
+                         *[np.zeros((cells, kv_heads, dim), np.float16)] * 2)  # fmt: skip
+    assert (shape is None) == (dim == 34)
     got, want = attend(tokens, heads, kv_heads, dim, cells, end, window, splits, seed=tokens)
     assert normwise(got, want) < 1e-3
+
+
+def test_vec_kernel_shapes():
+    """llama.cpp's layout where the head dim allows it: 8 lanes a key, 16-byte loads; rows of a
+    KV head's group in one block within the registers' budget; pairs of 32-bit words, or fewer
+    lanes, where the dims do not split."""
+    from cudarun.kernels.attention_vec import key_lanes, load_width, row_tile
+
+    assert key_lanes(32, 32, 8) == 8 and load_width(32, 8, True) == 2  # D = 128 in uint64
+    assert key_lanes(20, 20, 8) == 4 and load_width(20, 4, True) == 1  # D = 80
+    assert load_width(32, 8, False) == 1  # a cache not on a 16-byte boundary
+    assert key_lanes(9, 9, 8) == 1  # D = 18 in uint32 pairs: a lane per key
+    rows = [row_tile(n, d, d, 512) for n, d in ((4, 128), (3, 128), (64, 256), (1, 64), (64, 64))]
+    assert rows == [4, 4, 2, 1, 8]
 
 
 @pytest.mark.parametrize(

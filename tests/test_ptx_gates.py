@@ -187,8 +187,12 @@ def test_ptx_check_compiles_the_signatures_the_cuda_engine_launches(tmp_path, mo
     entries = {}
     for name, kernel, argtypes in ptx_check.kernels():
         entries.setdefault(id(kernel), (name, set()))[1].add(tuple(argtypes))
+        if kernel.py_func.__name__ == "decode_vec":  # generated per shape: the simulator's differ
+            entries.setdefault("decode_vec", ("decode_vec", set()))[1].add(tuple(argtypes))
     missing = []
     for (kid, argtypes), kernel in sorted(launched.items(), key=lambda kv: kv[1].__name__):
+        if kernel.py_func.__name__ == "decode_vec":
+            kid = "decode_vec"
         name, compiled = entries.get(kid, (kernel.py_func.__qualname__, set()))
         if argtypes not in compiled:
             missing.append(

@@ -6,7 +6,7 @@ import dataclasses
 
 import pytest
 
-from cudarun import sass_check
+from cudarun import sass_attention, sass_check
 
 SASS = """
         //--------------------- .text.kern --------------------------
@@ -68,6 +68,21 @@ def test_the_gate_fails_a_kernel_above_the_ratio_loop_or_whole():
 
 
 
+def test_the_gate_fails_an_attention_kernel_above_the_ratio():
+    c = sass_check.count(*sass_check.sass_functions(SASS)["kern"], stepped=False)
+    keys = sass_attention.SPLIT_KEYS
+    row = sass_attention.AttentionRow(128, 1, c, c, 49.0, 45.0, dict.fromkeys(keys, 50.0),
+                                      dict.fromkeys(keys, 50.0))  # fmt: skip
+    assert sass_attention.failures([row], 1.1) == []
+    worse = dataclasses.replace(row, ours_loop_per_kib=50.0)
+    assert sass_attention.failures([worse], 1.1) == [
+        "attention D=128 x1: loop 50.0 > 1.1 x 45.0 instructions per KiB of KV"]
+    split = dataclasses.replace(row, ours_whole_per_kib={keys[0]: 56.0, keys[1]: 50.0})
+    assert "whole kernel at 512 keys" in sass_attention.failures([split], 1.1)[0]
+    # a loop whose step is a launch's geometry: counted, its step left to the caller
+    assert (c.step, c.loop_max) == (0, 6)
+
+
 def test_every_int8_decode_kernel_within_the_gate_of_llamacpps(llama_bin, tmp_path):
     """python -m cudarun.sass_check: each type and tokens per pass, and the expert matvec (beside
     llama.cpp's 1-token kernel, which takes expert ids), loop and whole kernel at
@@ -83,11 +98,19 @@ def test_every_int8_decode_kernel_within_the_gate_of_llamacpps(llama_bin, tmp_pa
     r = subprocess.run([sys.executable, "-m", "cudarun.sass_check", "--json", str(out)],
                        capture_output=True, text=True, env=env)  # fmt: skip
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    rows = json.loads(out.read_text())
+    found = json.loads(out.read_text())
+    rows = found["matvec"]
     kernels = {(q.name, t) for q in sass_check.GATED for t in sass_check.TIERS}
     kernels |= {(q.name + " experts", 1) for q in sass_check.GATED}
     assert {(r["kernel"], r["tier"]) for r in rows} == kernels
     for row in rows:  # both of the dp4a class, and the ratios the exit code stood for
         assert row["ours"]["dp4a"] > 0 and row["peer"]["dp4a"] > 0, row
         assert row["ours_loop_per_kib"] <= 1.1 * row["peer_loop_per_kib"], row
-    assert "32 of 32 kernels within 1.1x of llama.cpp" in r.stdout
+    # decode attention beside fattn-vec: every head dim at 1 and 2 query rows, loop and splits
+    attention = found["attention"]
+    assert {(a["head_dim"], a["rows"]) for a in attention} == {
+        (d, n) for d in sass_attention.HEAD_DIMS for n in sass_attention.ROWS}
+    for a in attention:
+        assert a["ours_loop_per_kib"] <= 1.1 * a["peer_loop_per_kib"], a
+        assert a["ours"]["widest_load_bits"] == a["peer"]["widest_load_bits"] == 128, a
+    assert "38 of 38 kernels within 1.1x of llama.cpp" in r.stdout

@@ -41,11 +41,11 @@ from .. import compat  # noqa: F401  (before numba.cuda)
 # module level: the simulator swaps this global for its fake module
 from numba import config, cuda, float32, uint64  # noqa: E402
 
-from . import THREADS  # noqa: E402
+from . import THREADS, attention_vec  # noqa: E402
+from .attention_vec import MAX_HEAD_DIM, NEG, cache_words  # noqa: E402
 from .bits import half_to_float  # noqa: E402
 from .elementwise import warp_max, warp_sum  # noqa: E402
 
-MAX_HEAD_DIM = 256
 TILE = THREADS  # keys per tile: one per lane when scoring
 WARPS = 2 if config.ENABLE_CUDASIM else 4  # per block; the simulator runs every thread in Python
 BLOCK_THREADS = WARPS * THREADS
@@ -53,7 +53,6 @@ MAX_ROWS = 16  # query rows per block
 ROW_FLOATS = 1024  # rows x head dim a block keeps in shared memory (queries, and the output)
 KV_FLOATS = TILE * (MAX_HEAD_DIM + 1)  # a tile of K or V rows in fp32, each padded by one
 PS_FLOATS = MAX_ROWS * TILE  # the tile's softmax weights per row
-NEG = float32(-3.0e38)  # the max of a row that has seen no key yet, the score of a masked key
 # unsigned index arithmetic in the inner loops: a signed index costs Numba's negative-index
 # wraparound (three instructions an access) and its range loops a few more, five times the loads
 # and FMAs they carry
@@ -331,33 +330,31 @@ def decode_splits(n_keys: int, n_kv_heads: int, n_tokens: int, sms: int = 132) -
     return max(1, min(want, -(-n_keys // TILE)))
 
 
-def _words(cache):
-    """An fp16 cache [S, Hkv, D] as the words the kernels load: uint64 [S, Hkv, D / 4] (four
-    values a load) where D and the address allow, else uint32 pairs."""
-    dim = cache.shape[2]
-    if dim % 2 or dim > MAX_HEAD_DIM:
-        raise ValueError(f"attention kernels take even head dims up to {MAX_HEAD_DIM}, not {dim}")
-    address = getattr(cache, "__cuda_array_interface__", {"data": (0,)})["data"][0]
-    wide = dim % 4 == 0 and address % 8 == 0
-    return cache.view(np.uint64 if wide else np.uint32)
-
-
 def _rows(q, k, v) -> int:
     return rows_per_block(q.shape[0], q.shape[1] // k.shape[1], q.shape[2], v.shape[2])
 
 
 def attention_decode(q, k, v, q_pos, k_pos, out, scale, window, splits, partial, stream=0):
-    """Decode attention (any few query tokens) split over the KV length: `partial` is scratch
-    [T, splits, H, Dv + 2] fp32 (from the memory map). k, v: fp16 [S, Hkv, D]."""
+    """Decode attention (any few query tokens) split over the KV length, in at most `splits`
+    splits: `partial` is scratch [T, splits, H, Dv + 2] fp32 (from the memory map). k, v: fp16
+    [S, Hkv, D]. The vec kernel (`attention_vec`) where a lane's share of a row fits its
+    registers, else the tiled one."""
     n_tokens, n_heads, _ = q.shape
     n_keys, n_kv = k.shape[0], k.shape[1]
-    rows = _rows(q, k, v)
-    chunk = -(-n_keys // splits)
-    tiles = -(-n_tokens * (n_heads // n_kv) // rows)
-    decode_partial[(n_kv, splits, tiles), BLOCK_THREADS, stream](
-        q, _words(k), _words(v), q_pos, k_pos, np.float32(scale), np.int64(window),
-        np.int64(chunk), np.int64(rows), partial,
-    )  # fmt: skip
+    shape = attention_vec.kernel_shape(q, k, v)
+    if shape is not None:
+        tiles = -(-n_tokens * (n_heads // n_kv) // shape.rows)
+        splits = min(splits, attention_vec.decode_splits(n_keys, n_kv, tiles))
+        partial = partial[:, :splits]
+        attention_vec.attend(q, k, v, q_pos, k_pos, scale, window, partial, shape, stream)
+    else:
+        rows = _rows(q, k, v)
+        chunk = -(-n_keys // splits)
+        tiles = -(-n_tokens * (n_heads // n_kv) // rows)
+        decode_partial[(n_kv, splits, tiles), BLOCK_THREADS, stream](
+            q, cache_words(k), cache_words(v), q_pos, k_pos, np.float32(scale), np.int64(window),
+            np.int64(chunk), np.int64(rows), partial,
+        )  # fmt: skip
     decode_merge[(n_tokens, n_heads), THREADS, stream](partial, out)
 
 
@@ -369,6 +366,6 @@ def attention_prefill(q, k, v, q_pos, k_pos, out, scale, window, stream=0):
     rows = _rows(q, k, v)
     tiles = -(-n_tokens * (n_heads // n_kv) // rows)
     attention[(tiles, n_kv), BLOCK_THREADS, stream](
-        q, _words(k), _words(v), q_pos, k_pos, out, np.float32(scale), np.int64(window),
+        q, cache_words(k), cache_words(v), q_pos, k_pos, out, np.float32(scale), np.int64(window),
         np.int64(rows),
     )  # fmt: skip

@@ -21,6 +21,15 @@ if config.ENABLE_CUDASIM:
         """The fp16 in the low 16 bits of an integer, as a float32 (subnormals, inf, NaN kept)."""
         return np.float32(np.uint16(int(bits) & 0xFFFF).view(np.float16))
 
+    def half_pair(bits):
+        """The two fp16 in the low 32 bits of an integer, low half first, as float32."""
+        pair = np.array([int(bits) & 0xFFFFFFFF], np.uint32).view(np.float16).astype(np.float32)
+        return pair[0], pair[1]
+
+    def load_pair(words, i):
+        """words[i] and words[i + 1] of a 1-d array, i even (one 16-byte load on the GPU)."""
+        return words[i], words[i + 1]
+
     def float_from_bits(bits):
         """The float32 whose bits are the low 32 bits of an integer."""
         return np.uint32(int(bits) & 0xFFFFFFFF).view(np.float32)
@@ -66,6 +75,42 @@ else:
             return builder.fpext(h, ir.FloatType())
 
         return types.float32(bits), codegen
+
+    @intrinsic
+    def half_pair(typingctx, bits):
+        """Both fp16 of a 32-bit word converted where they sit (ptxas: two HADD2.F32 reading
+        the register's halves), not shifted out first."""
+        if not isinstance(bits, types.Integer):
+            return None
+
+        def codegen(context, builder, signature, args):
+            pair = builder.bitcast(_int_to(builder, args[0], 32), ir.VectorType(ir.HalfType(), 2))
+            lo, hi = (builder.fpext(builder.extract_element(pair, ir.Constant(ir.IntType(32), i)),
+                                    ir.FloatType()) for i in (0, 1))  # fmt: skip
+            return context.make_tuple(builder, signature.return_type, (lo, hi))
+
+        return types.UniTuple(types.float32, 2)(bits), codegen
+
+    @intrinsic
+    def load_pair(typingctx, words, i):
+        """words[i] and words[i + 1] of a 1-d C array of 64- or 32-bit integers in one vector
+        load (LDG.E.128 or .64), i even and the array's start aligned to the pair: no bounds or
+        wraparound checks."""
+        if not (isinstance(words, types.Array) and words.ndim == 1 and words.layout == "C"
+                and isinstance(words.dtype, types.Integer) and words.dtype.bitwidth in (32, 64)
+                and isinstance(i, types.Integer)):  # fmt: skip
+            return None
+        item = words.dtype
+
+        def codegen(context, builder, signature, args):
+            ary = context.make_array(signature.args[0])(context, builder, args[0])
+            at = builder.gep(ary.data, [_int_to(builder, args[1], 64)], inbounds=True)
+            lanes = ir.VectorType(ir.IntType(item.bitwidth), 2)
+            vec = builder.load(builder.bitcast(at, lanes.as_pointer()), align=2 * item.bitwidth // 8)
+            pair = [builder.extract_element(vec, ir.Constant(ir.IntType(32), j)) for j in (0, 1)]
+            return context.make_tuple(builder, signature.return_type, pair)
+
+        return types.UniTuple(item, 2)(words, i), codegen
 
     @intrinsic
     def float_from_bits(typingctx, bits):
