@@ -1,7 +1,8 @@
 """The decode kernels' static peer gate: the warp-instructions our int8 matvec issues per KiB of
 weights, beside llama.cpp's `mul_mat_vec_q` for the same type and tokens, both compiled for sm_90
 by the same CUDA release and read from their SASS, without a GPU (docs/sass_gate.md); and our
-decode attention beside llama.cpp's `flash_attn_ext_vec` per KiB of KV (`sass_attention`).
+decode attention beside llama.cpp's `flash_attn_ext_vec` per KiB of KV (`sass_attention`); and,
+reported but not gated, the prefill's dequantization beside convert.cu's (`sass_dequant`).
 
     NUMBA_ENABLE_CUDASIM=0 python -m cudarun.sass_check [--max-ratio 1.1] [--json FILE] [-t TYPE]
 
@@ -30,7 +31,7 @@ from pathlib import Path
 
 from gguf import GGMLQuantizationType as Q
 
-from . import sass_attention
+from . import sass_attention, sass_dequant
 from .ptx_check import ARCH
 from .sass_read import (ISSUE_BUDGET_PER_KIB, CannotAnalyse, Counts, count, our_sass, peer_sass,
                         sass_functions, toolchain)  # fmt: skip
@@ -241,15 +242,19 @@ def main(argv: list[str] | None = None) -> int:
     try:
         rows = measure(qtypes)
         attention = [] if args.types else sass_attention.measure(toolchain())
+        dequant = [] if args.types else sass_dequant.measure(toolchain())
     except CannotAnalyse as e:
         print(f"sass_check: cannot analyse: {e}")
         return 2
     print_table(rows, args.max_ratio)
     if attention:
         console().print(sass_attention.table(attention, args.max_ratio, ISSUE_BUDGET_PER_KIB))
+    if dequant:
+        console().print(sass_dequant.table(dequant))
     if args.json:
         args.json.write_text(json.dumps({"matvec": [asdict(r) for r in rows],
-                                         "attention": [asdict(r) for r in attention]}, indent=1))
+                                         "attention": [asdict(r) for r in attention],
+                                         "dequantize": [asdict(r) for r in dequant]}, indent=1))
     failed = failures(rows, args.max_ratio) + sass_attention.failures(attention, args.max_ratio)
     for f in failed:
         print(f"FAILED {f}")

@@ -6,7 +6,7 @@ import dataclasses
 
 import pytest
 
-from cudarun import sass_attention, sass_check
+from cudarun import sass_attention, sass_check, sass_dequant
 
 SASS = """
         //--------------------- .text.kern --------------------------
@@ -68,6 +68,12 @@ def test_the_gate_fails_a_kernel_above_the_ratio_loop_or_whole():
 
 
 
+def test_a_kernels_longest_path_leaves_its_back_edges_out():
+    """The dequantize report's count: entry, the loop body once (the dp4a taken), out, EXIT: 11;
+    the branch around the loop is shorter (5)."""
+    assert sass_dequant.longest_path(*sass_check.sass_functions(SASS)["kern"]) == 11
+
+
 def test_the_gate_fails_an_attention_kernel_above_the_ratio():
     c = sass_check.count(*sass_check.sass_functions(SASS)["kern"], stepped=False)
     keys = sass_attention.SPLIT_KEYS
@@ -114,3 +120,7 @@ def test_every_int8_decode_kernel_within_the_gate_of_llamacpps(llama_bin, tmp_pa
         assert a["ours_loop_per_kib"] <= 1.1 * a["peer_loop_per_kib"], a
         assert a["ours"]["widest_load_bits"] == a["peer"]["widest_load_bits"] == 128, a
     assert "38 of 38 kernels within 1.1x of llama.cpp" in r.stdout
+    # the prefill's dequantization, reported beside convert.cu's for every gated type
+    dequant = found["dequantize"]
+    assert {d["kernel"] for d in dequant} == {q.name for q in sass_dequant.PEER_KERNELS}
+    assert all(d["ours_per_kib"] > 0 and d["peer_per_kib"] > 0 for d in dequant)
