@@ -451,24 +451,28 @@ def measure_llamacpp_cpu(
             for dim, x in cells.items()} for (depth, kv), cells in table.items()})
             for test, table in (("a prompt", prompt_scores), ("a decode", decode_scores))}
     return dict(llamacpp_matmul_gflops=RateTable("GFLOP/s", with_any(matmul, qtype)),
-                llamacpp_prompt_layer_seconds=RateTable("s", with_any(beyond, qtype)),
+                llamacpp_prompt_layer_seconds=table_or_none("s", beyond, qtype),
                 llamacpp_matvec_gbps=RateTable("GB/s", matvec),
                 llamacpp_head_row_seconds=Figure(head_row, f"{twins_head}, per row"),
                 llamacpp_head_gbps=Figure(head_gbps, f"{twins_head}, per byte"),
                 llamacpp_layer_seconds=per_layer, llamacpp_routed_layer_seconds=per_routed_layer,
                 llamacpp_expert_seconds=per_expert,
-                llamacpp_expert_gflops=(RateTable("GFLOP/s", with_any(experts, qtype))
-                                        if any(experts.values()) else None),  # fmt: skip
-                llamacpp_expert_slot_seconds=(RateTable("s", with_any(slots, qtype))
-                                              if any(slots.values()) else None),  # fmt: skip
-                llamacpp_routed_token_seconds=(RateTable("s", with_any(owns, qtype))
-                                               if any(owns.values()) else None),  # fmt: skip
+                llamacpp_expert_gflops=table_or_none("GFLOP/s", experts, qtype),
+                llamacpp_expert_slot_seconds=table_or_none("s", slots, qtype),
+                llamacpp_routed_token_seconds=table_or_none("s", owns, qtype),
                 llamacpp_expert_gbps=decode and Figure(
                     decode, f"{twins.replace('of the type', f'of {qtype}')}, tg{GEN_TOKENS}: the "
                             "difference of the expert bytes a token reads over the difference of "
                             f"the times{noise}"),
                 llamacpp_prompt_score_seconds=scores["a prompt"],
                 llamacpp_decode_score_seconds=scores["a decode"])
+
+
+def table_or_none(unit: str, rows: dict[str, dict], qtype: str) -> RateTable | None:
+    """The rows as a table (`with_any`), or None where every type's row was left out (each a
+    difference of two runs lost in the noise): the cost model then prices nothing beyond the
+    products' FLOPs, where an empty table would have no row to price a type by."""
+    return RateTable(unit, with_any(rows, qtype)) if any(rows.values()) else None
 
 
 def with_any(rows: dict[str, dict], qtype: str) -> dict[str, dict]:

@@ -112,8 +112,8 @@ def kernels():
         merge_args = (t.Array(f32, 4, layout), arr(f32, 3))
         out.append((f"decode_merge[{layout}]", attention.decode_merge, merge_args))
     # the vec decode kernels of the SASS gate's head dims (8 KV heads; every shape compiles the
-    # same code), and one of 32-bit words a lane at a time (a head dim of 80)
-    # (the partial: a slice of the workspace's splits; C-contiguous for one token, as D128x1_C)
+    # same code) and one of single 8-byte loads (a head dim of 80); the partial C-contiguous for
+    # one token too (D128x1_C)
     for shape in vec_shapes():
         word = t.uint64 if shape.k_per == 4 else t.uint32
         for layout in "AC" if (shape.d, shape.rows) == (128, 1) else "A":

@@ -10,8 +10,8 @@ cache=${REFENGINE_CACHE:-$HOME/.cache/refengine}/llama.cpp/$version
 bin=$cache/bin
 ggml=$cache/ggml
 targets="llama-completion llama-bench ggml-rpc-server llama-batched-bench llama-fit-params llama-quantize"
-# The CPU backend without AMX: on an x86 host whose CPU reports AMX (an Intel Xeon of this
-# workplace's VMs), llama.cpp 0.3.36's AMX matmul faults at its first `ldtilecfg` (a general
+# The CPU backend without AMX: on an x86 host whose CPU reports AMX (an Intel Xeon among this
+# project's CI machines), llama.cpp 0.3.36's AMX matmul faults at its first `ldtilecfg` (a general
 # protection fault, every prompt: llama-bench and llama-completion exit 139). -mno-amx-* keeps
 # -march=native's other extensions (AVX-512, VNNI) and leaves ggml's AMX code out. The flags
 # stamp the build: a build made with other flags is made again.

@@ -57,6 +57,32 @@ def test_a_rate_over_a_difference_of_twins_needs_the_difference_above_its_noise(
     assert measured_differences(noisy, 3) == {"tg": None} and calls == [3, 6]
 
 
+def test_a_table_of_differences_all_lost_in_the_noise_is_no_table_and_prices_nothing_beyond():
+    """CI's busy cores once lost every type's difference of llama.cpp's layer twins: the empty
+    table had no row to price a type by, and a llamacpp-target prompt raised. Now no table: the
+    products' FLOPs alone, as for a profile that never measured it."""
+    from dataclasses import replace
+
+    from cudarun.measure_llamacpp import table_or_none
+    from refengine.synthetic import SyntheticConfig, spec_from_hparams
+    from solver.cpu_tests import cpu_cost_model, prompt_seconds
+    from solver.solve import load_profile
+
+    assert table_or_none("s", {"Q8_0": {}, "Q4_K": {}}, "Q8_0") is None
+    table = table_or_none("s", {"Q8_0": {}, "Q4_K": {512: Figure(1e-5, "test")}}, "Q8_0")
+    assert set(table.rows) == {"Q4_K", ANY_TYPE} and table.at("Q8_0", 512) == 1e-5
+    # a profile that measured llama.cpp's CPU (sitting u's, on the EPYC)
+    prof = load_profile(str(Path(__file__).parents[1] / "docs" / "measured"
+                            / "2026-11-29-epyc-2core-profile-u.json"))  # fmt: skip
+    spec = spec_from_hparams(SyntheticConfig("llama", n_layer=2, n_embd=256, n_ff=512, n_head=4,
+                                             n_head_kv=4, n_vocab=512, qtype="Q8_0"))  # fmt: skip
+    none = replace(prof, cpu=replace(prof.cpu, llamacpp_prompt_layer_seconds=None))
+    some = replace(prof, cpu=replace(prof.cpu, llamacpp_prompt_layer_seconds=table))
+    seconds = [prompt_seconds(cpu_cost_model(spec, p, "llamacpp", 2, 2048), 512, 0)
+               for p in (none, some)]  # fmt: skip
+    assert 0 < seconds[0] < seconds[1]
+
+
 @pytest.mark.parametrize("path", SHIPPED, ids=lambda p: p.stem)
 def test_shipped_profiles_load_round_trip_and_cite_every_figure(path):
     prof = HardwareProfile.load(path)

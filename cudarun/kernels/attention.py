@@ -22,8 +22,9 @@ A staged row keeps the fp16 values of a word apart, in planes: value c of word w
 (`_slot`), so the lanes' stores fall in distinct banks. A dot product does not care about the
 order; the queries are laid out the same way, and the output is read back through it.
 
-Decode (1..MAX_DECODE_TOKENS tokens) splits the keys over `splits` blocks per row tile, each
-writing its running max, sum and unnormalized output to `partial` [T, splits, H, Dv + 2], and a
+Decode (1..MAX_DECODE_TOKENS tokens) runs `attention_vec`'s kernel (llama.cpp's fattn-vec design)
+where a lane's share of a row fits its registers, else this one over `splits` blocks per row tile;
+each writes its running max, sum and unnormalized output to `partial` [T, splits, H, Dv + 2], and a
 second kernel merges them per head. Prefill gives each block all the keys and writes the output.
 
 No f64 (float32 scalars; NEG below any score stands in for -inf, whose literal is an f64), no

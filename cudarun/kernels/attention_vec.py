@@ -7,8 +7,9 @@ A block (WARPS warps) attends `rows` query rows of one KV head (consecutive (tok
 its group, as in `attention`: every K and V word it loads serves all of them) to one split of the
 keys. Each warp walks its own keys, THREADS at a time, with its own running max and sum:
 
-1. K: `key_lanes` consecutive lanes share a key, each holding a slice of the row's words (lane
-   part takes words part, part + key_lanes, ...), so a warp dots THREADS / key_lanes keys at once.
+1. K: `key_lanes` consecutive lanes share a key, each holding a slice of the row (lane part loads
+   `k_load` words from word k_load * part, and again key_lanes * k_load words on: 16-byte loads
+   at D = 128), so a warp dots THREADS / key_lanes keys at once.
    A lane's partial dots are reduced over its key's lanes by shuffles; after key_lanes such steps
    every lane holds one key's score per row;
 2. the score of a key a row cannot see (the future, past the window, a never-written cell whose
@@ -17,7 +18,7 @@ keys. Each warp walks its own keys, THREADS at a time, with its own running max 
    rescale of the accumulators (online softmax, fp32); the weights go to shared memory, a warp's
    own slice;
 3. V: the same lanes take the same slices of each key's V row and add weight * value into their
-   accumulators; a key whose weights are all 0 (masked, or underflowed) is not read at all.
+   accumulators; a key whose weights are all 0 (masked, or underflowed) is not read.
 
 At the end the warps' accumulators are reduced over the lanes that shared dims (shuffles) and
 over the warps (shared memory), and the block writes what `attention.decode_partial` writes:
@@ -26,7 +27,9 @@ for `attention.decode_merge`.
 
 The head dims, the rows and the words are compile-time constants of each kernel (generated
 source, as `int8`'s row loops), so the per-lane queries and accumulators are named registers: no
-local arrays, no stack frame. Index arithmetic is uint32 (no wraparound checks)."""
+local arrays, no stack frame; the KV heads are too, so a key's row stride is a constant and an
+iteration's loads sit at immediate offsets from one address. Indices are unsigned (no wraparound
+checks)."""
 
 from __future__ import annotations
 

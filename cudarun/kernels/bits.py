@@ -1,7 +1,9 @@
 """Floats from and to their bit patterns inside CUDA kernels: an fp16 or an fp32 read as an integer
 (a GGUF block's scale, two fp16 KV values in one 32-bit word) becomes a float32 by a bitcast and the
 hardware's conversion (`cvt.f32.f16`), and four float32 go out as four fp16 packed in one 64-bit
-word (`cvt.rn.f16.f32`, round to nearest even) for one wide store; `dp4a` is the integer dot
+word (`cvt.rn.f16.f32`, round to nearest even) for one wide store, and both fp16 of a 32-bit word
+convert where they sit (`half_pair`); `load_pair` is one vector load of two words (16 bytes of
+fp16 KV in one LDG.128, as llama.cpp's attention reads it); `dp4a` is the integer dot
 product of four signed bytes (`dp4a.s32.s32`, one IDP instruction) that the int8 products use,
 and `shr32` a 32-bit shift by a variable amount (Numba widens integer arithmetic to 64 bits, and
 LLVM cannot narrow a variable shift back: a 64-bit shift is several instructions).
