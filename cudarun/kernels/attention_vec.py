@@ -223,6 +223,8 @@ def _pass(s: Shape, tail: bool) -> list[str]:
 
 
 def _source(s: Shape) -> str:
+    """The kernel of Shape s as Python source: the rows' queries into registers, the loop of full
+    passes and the tail pass (`_pass`), the warps' reductions, the block's merge of its warps."""
     kl, kps = s.key_lanes, THREADS // s.key_lanes
     rows = range(s.rows)
     k_vals = _values(s.k_loads, s.k_load, s.k_per)
