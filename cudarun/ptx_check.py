@@ -97,8 +97,8 @@ def kernels():
         ),  # fmt: skip
     ]
     # attention reads the fp16 caches as 64-bit words (four values), or as 32-bit pairs where the
-    # head dim is not a multiple of 4 (attention_vec.cache_words); decode's partial is a slice of the
-    # workspace's splits, C-contiguous for one token only
+    # head dim is not a multiple of 4 (attention_vec.cache_words); decode's partial is a slice of
+    # the workspace's splits, C-contiguous for one token only
     positions = (arr(i64, 1), arr(i64, 1))
     for word, bits in ((t.uint64, 64), (t.uint32, 32)):
         q_k_v = (arr(f32, 3), arr(word, 3), arr(word, 3))

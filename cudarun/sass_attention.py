@@ -96,7 +96,7 @@ def failures(rows: list[AttentionRow], max_ratio: float) -> list[str]:
         for k in SPLIT_KEYS:
             if r.ours_whole_per_kib[k] > max_ratio * r.peer_whole_per_kib[k]:
                 out.append(f"{what}: whole kernel at {k} keys {r.ours_whole_per_kib[k]:.1f} > "
-                           f"{max_ratio} x {r.peer_whole_per_kib[k]:.1f} per KiB of KV")  # fmt: skip
+                           f"{max_ratio} x {r.peer_whole_per_kib[k]:.1f} per KiB of KV")
     return out
 
 
@@ -109,15 +109,18 @@ def table(rows: list[AttentionRow], max_ratio: float, budget_per_kib: float):
                     f"llama.cpp flash_attn_ext_vec (f16 K, V); gate {max_ratio}x")  # fmt: skip
     for h in ("head dim", "query rows", "loop ours", "llama.cpp", "ratio",
               *(f"{k} keys ours / llama.cpp" for k in SPLIT_KEYS),
-              "H100 HBM on issue ours / llama.cpp", "widest load bits ours / llama.cpp"):  # fmt: skip
+              "H100 HBM on issue ours / llama.cpp",
+              "widest load bits ours / llama.cpp"):  # fmt: skip
         t.add_column(h, justify="right")
     for r in rows:
         k = SPLIT_KEYS[0]
-        hbm = [min(1.0, budget_per_kib / w[k]) for w in (r.ours_whole_per_kib, r.peer_whole_per_kib)]
+        hbm = [min(1.0, budget_per_kib / w[k])
+               for w in (r.ours_whole_per_kib, r.peer_whole_per_kib)]  # fmt: skip
         t.add_row(
-            str(r.head_dim), str(r.rows), f"{r.ours_loop_per_kib:.1f}", f"{r.peer_loop_per_kib:.1f}",
-            f"{r.ours_loop_per_kib / r.peer_loop_per_kib:.2f}",
+            str(r.head_dim), str(r.rows), f"{r.ours_loop_per_kib:.1f}",
+            f"{r.peer_loop_per_kib:.1f}", f"{r.ours_loop_per_kib / r.peer_loop_per_kib:.2f}",
             *(f"{r.ours_whole_per_kib[k]:.1f} / {r.peer_whole_per_kib[k]:.1f}" for k in SPLIT_KEYS),
-            f"{hbm[0]:.0%} / {hbm[1]:.0%}", f"{r.ours.widest_load_bits} / {r.peer.widest_load_bits}",
+            f"{hbm[0]:.0%} / {hbm[1]:.0%}",
+            f"{r.ours.widest_load_bits} / {r.peer.widest_load_bits}",
         )  # fmt: skip
     return t

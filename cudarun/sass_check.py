@@ -149,8 +149,7 @@ def peer_kernels(text: str) -> dict[tuple, tuple]:
 # -- the table -------------------------------------------------------------------------------------
 
 
-def measure(qtypes=GATED, tiers=TIERS) -> list[Row]:
-    tools = toolchain()
+def measure(tools, qtypes=GATED, tiers=TIERS) -> list[Row]:
     peers = peer_kernels(peer_sass(tools))
     rows = []
     for qtype in qtypes:
@@ -240,9 +239,10 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     qtypes = [Q[t] for t in args.types] if args.types else GATED
     try:
-        rows = measure(qtypes)
-        attention = [] if args.types else sass_attention.measure(toolchain())
-        dequant = [] if args.types else sass_dequant.measure(toolchain())
+        tools = toolchain()
+        rows = measure(tools, qtypes)
+        attention = [] if args.types else sass_attention.measure(tools)
+        dequant = [] if args.types else sass_dequant.measure(tools)
     except CannotAnalyse as e:
         print(f"sass_check: cannot analyse: {e}")
         return 2
@@ -265,8 +265,8 @@ def main(argv: list[str] | None = None) -> int:
           f"{worst.ours_loop_per_kib / worst.peer_loop_per_kib:.2f} ({worst.kernel} x{worst.tier})")
     if attention:
         a = max(attention, key=lambda r: r.ours_loop_per_kib / r.peer_loop_per_kib)
-        print(f"sass_check: worst attention loop ratio {a.ours_loop_per_kib / a.peer_loop_per_kib:.2f}"
-              f" (D={a.head_dim} x{a.rows})")
+        print(f"sass_check: worst attention loop ratio "
+              f"{a.ours_loop_per_kib / a.peer_loop_per_kib:.2f} (D={a.head_dim} x{a.rows})")
     return 1 if failed else 0
 
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from gguf import GGMLQuantizationType as Q
 
-from .sass_read import sass_functions, successors
+from .sass_read import CannotAnalyse, our_sass, peer_sass, sass_functions, successors
 
 PEER_SOURCE = "convert.cu"
 # llama.cpp's fp16 kernel per type: a piece of its mangled name, warps per thread block, and the
@@ -61,7 +61,6 @@ def longest_path(ins, labels) -> int:
 
 def measure(tools) -> list[DequantRow]:
     from .blocks import layout
-    from .sass_read import CannotAnalyse, our_sass, peer_sass
 
     peers = sass_functions(peer_sass(tools, PEER_SOURCE))
     rows = []

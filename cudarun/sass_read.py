@@ -17,7 +17,6 @@ from pathlib import Path
 from . import compat  # noqa: F401  (before numba.cuda)
 from .ptx_check import ARCH, CC
 
-WARP = 32
 # an H100 SXM: the warp-instructions its schedulers can issue per KiB that HBM delivers
 H100_SMS, H100_SCHEDULERS, H100_CLOCK_HZ, H100_HBM_BYTES_PER_S = 132, 4, 1.755e9, 3.35e12
 ISSUE_BUDGET_PER_KIB = H100_SMS * H100_SCHEDULERS * H100_CLOCK_HZ / H100_HBM_BYTES_PER_S * 1024
@@ -27,8 +26,7 @@ class CannotAnalyse(Exception):
     pass
 
 
-
-# -- the toolchain ----------------------------------------------------------------------------------
+# -- the toolchain ---------------------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
@@ -298,7 +296,7 @@ def peer_sass(tools: Toolchain, source: str = "mmvq.cu") -> str:
     for f in sorted(cuda.glob("*.cu*")) + [ggml / "src" / "ggml-common.h"]:
         digest.update(f.read_bytes())
     digest.update(" ".join((ARCH, tools.release) + PEER_FLAGS).encode())
-    digest.update(source.encode())
+    digest.update(source.encode() + (cuda / source).read_bytes())  # template-instances/ too
     stem = Path(source).stem
     cached = ggml.parent / f"{stem}-{ARCH}-{tools.release}-{digest.hexdigest()[:12]}.sass"
     if cached.exists():
@@ -318,8 +316,6 @@ def peer_sass(tools: Toolchain, source: str = "mmvq.cu") -> str:
                               check=True).stdout  # fmt: skip
     cached.write_text(text)
     return text
-
-
 
 
 def our_sass(tools: Toolchain, name: str) -> str:

@@ -326,9 +326,8 @@ def decode_merge(partial, out):
 
 
 def decode_splits(n_keys: int, n_kv_heads: int, n_tokens: int, sms: int = 132) -> int:
-    """Enough splits to give every SM a few blocks, none shorter than one tile."""
-    want = max(1, -(-4 * sms // (n_kv_heads * n_tokens)))
-    return max(1, min(want, -(-n_keys // TILE)))
+    """The tiled kernel's splits, its blocks counted a token a KV head: none shorter than a tile."""
+    return attention_vec.decode_splits(n_keys, n_kv_heads, n_tokens, sms, split_keys=TILE)
 
 
 def _rows(q, k, v) -> int:

@@ -49,11 +49,11 @@ from .bits import half_pair, load_pair  # noqa: E402
 from .elementwise import FULL_MASK, warp_max, warp_sum  # noqa: E402
 
 MAX_HEAD_DIM = 256
-NEG = float32(-3.0e38)  # the max of a row that has seen no key yet (the tiled kernels' masked score)
+NEG = float32(-3.0e38)  # a row's max before it has seen a key (the tiled kernels' masked score)
 NEG_INF = np.float32(-np.inf)  # a float32 global: a constant of the kernel, not an f64
 WARPS = 2 if config.ENABLE_CUDASIM else 4  # per block
 BLOCK_THREADS = WARPS * THREADS
-KEYS_PER_BLOCK = WARPS * THREADS  # keys one pass of the block's warps attends
+KEYS_PER_BLOCK = BLOCK_THREADS  # keys one pass of the block's warps attends: THREADS a warp
 MAX_KEY_LANES = 8 if THREADS == 32 else 2  # llama.cpp's 8 (16-byte loads over a 128-dim row)
 MAX_ROWS = 8
 # rows x head dim a kernel keeps in registers (queries, and as many outputs); the simulator's
@@ -353,7 +353,8 @@ def kernel_shape(q, k, v) -> Shape | None:
     pair = [_address(c) % (2 * w.itemsize) == 0 for c, w in ((k, kw), (v, vw))]
     shape = Shape(d, dv, d // kw.shape[2], dv // vw.shape[2], lanes,
                   row_tile(q.shape[0] * (q.shape[1] // n_kv), d, dv), n_kv,
-                  load_width(kw.shape[2], lanes, pair[0]), load_width(vw.shape[2], lanes, pair[1]))  # fmt: skip
+                  load_width(kw.shape[2], lanes, pair[0]),
+                  load_width(vw.shape[2], lanes, pair[1]))  # fmt: skip
     return shape if fits(shape) else None
 
 
@@ -361,11 +362,13 @@ def _address(array) -> int:
     return getattr(array, "__cuda_array_interface__", {"data": (0,)})["data"][0]
 
 
-def decode_splits(n_keys: int, n_kv_heads: int, n_tiles: int, sms: int = 132) -> int:
-    """Enough splits to give every SM a few blocks, none shorter than one pass of the block's
-    warps."""
+def decode_splits(n_keys: int, n_kv_heads: int, n_tiles: int, sms: int = 132,
+                  split_keys: int = KEYS_PER_BLOCK) -> int:
+    """Enough splits of the keys to give every SM a few blocks (n_kv_heads x n_tiles blocks a
+    split), none shorter than `split_keys` (one pass of this kernel's warps; the tiled kernel's
+    tile)."""
     want = max(1, -(-4 * sms // (n_kv_heads * n_tiles)))
-    return max(1, min(want, -(-n_keys // KEYS_PER_BLOCK)))
+    return max(1, min(want, -(-n_keys // split_keys)))
 
 
 def attend(q, k, v, q_pos, k_pos, scale, window, partial, shape: Shape, stream=0):

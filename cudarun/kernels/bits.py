@@ -108,7 +108,8 @@ else:
             ary = context.make_array(signature.args[0])(context, builder, args[0])
             at = builder.gep(ary.data, [_int_to(builder, args[1], 64)], inbounds=True)
             lanes = ir.VectorType(ir.IntType(item.bitwidth), 2)
-            vec = builder.load(builder.bitcast(at, lanes.as_pointer()), align=2 * item.bitwidth // 8)
+            vec = builder.load(builder.bitcast(at, lanes.as_pointer()),
+                               align=2 * item.bitwidth // 8)  # fmt: skip
             pair = [builder.extract_element(vec, ir.Constant(ir.IntType(32), j)) for j in (0, 1)]
             return context.make_tuple(builder, signature.return_type, pair)
 
