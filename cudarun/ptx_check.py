@@ -58,10 +58,12 @@ def vec_name(shape) -> str:
 def kernels():
     """(name, python function, argument types) for every kernel."""
     from .blocks import DECODERS
-    from .kernels import attention, attention_vec, elementwise, glue, int8, matvec, moe, prefill
+    from .kernels import (attention, attention_vec, elementwise, glue, int8, matvec, moe, panel,
+                          prefill)  # fmt: skip
 
     f32, f16, i64, i32 = t.float32, t.float16, t.int64, t.int32
     words = arr(t.uint16, 1)
+    panel_words = {2: t.uint16, 4: t.uint32, 8: t.int64}
     out = [
         (
             "rms_norm",
@@ -178,7 +180,9 @@ def kernels():
             (
                 f"dequantize[{name}]",
                 prefill.dequantize_kernel(qtype),
-                (words, arr(i64, 1), i64),  # bytes as uint16, the panel as int64 words
+                # the weight's words and bytes, the panel as int64 words, first block, units
+                (arr(panel_words[panel.UNITS[qtype].word_bytes], 1), arr(t.int8, 1), arr(i64, 1),
+                 t.uint32, t.uint32),
             ),
         ]
     return out

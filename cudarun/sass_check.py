@@ -1,8 +1,8 @@
 """The decode kernels' static peer gate: the warp-instructions our int8 matvec issues per KiB of
 weights, beside llama.cpp's `mul_mat_vec_q` for the same type and tokens, both compiled for sm_90
 by the same CUDA release and read from their SASS, without a GPU (docs/sass_gate.md); and our
-decode attention beside llama.cpp's `flash_attn_ext_vec` per KiB of KV (`sass_attention`); and,
-reported but not gated, the prefill's dequantization beside convert.cu's (`sass_dequant`).
+decode attention beside llama.cpp's `flash_attn_ext_vec` per KiB of KV (`sass_attention`); and
+the prefill's dequantization beside convert.cu's per KiB of weights (`sass_dequant`).
 
     NUMBA_ENABLE_CUDASIM=0 python -m cudarun.sass_check [--max-ratio 1.1] [--json FILE] [-t TYPE]
 
@@ -250,16 +250,17 @@ def main(argv: list[str] | None = None) -> int:
     if attention:
         console().print(sass_attention.table(attention, args.max_ratio, ISSUE_BUDGET_PER_KIB))
     if dequant:
-        console().print(sass_dequant.table(dequant))
+        console().print(sass_dequant.table(dequant, args.max_ratio))
     if args.json:
         args.json.write_text(json.dumps({"matvec": [asdict(r) for r in rows],
                                          "attention": [asdict(r) for r in attention],
                                          "dequantize": [asdict(r) for r in dequant]}, indent=1))
-    failed = failures(rows, args.max_ratio) + sass_attention.failures(attention, args.max_ratio)
+    failed = (failures(rows, args.max_ratio) + sass_attention.failures(attention, args.max_ratio)
+              + sass_dequant.failures(dequant, args.max_ratio))
     for f in failed:
         print(f"FAILED {f}")
     worst = max(rows, key=lambda r: r.ours_loop_per_kib / r.peer_loop_per_kib)
-    n = len(rows) + len(attention)
+    n = len(rows) + len(attention) + len(dequant)
     print(f"sass_check: {n - len({f.split(':')[0] for f in failed})} of {n} kernels within "
           f"{args.max_ratio}x of llama.cpp; worst matvec loop ratio "
           f"{worst.ours_loop_per_kib / worst.peer_loop_per_kib:.2f} ({worst.kernel} x{worst.tier})")
@@ -267,6 +268,10 @@ def main(argv: list[str] | None = None) -> int:
         a = max(attention, key=lambda r: r.ours_loop_per_kib / r.peer_loop_per_kib)
         print(f"sass_check: worst attention loop ratio "
               f"{a.ours_loop_per_kib / a.peer_loop_per_kib:.2f} (D={a.head_dim} x{a.rows})")
+    if dequant:
+        d = max(dequant, key=lambda r: r.ours_per_kib / r.peer_per_kib)
+        print(f"sass_check: worst dequantize ratio {d.ours_per_kib / d.peer_per_kib:.2f} "
+              f"({d.kernel})")
     return 1 if failed else 0
 
 

@@ -6,8 +6,8 @@ CUDA release and read from their SASS (docs/sass_gate.md).
 Neither has a loop over the weight (a thread decodes a few values and exits; llama.cpp's generic
 `dequantize_block` loops over rows and planes, once each for a contiguous weight), so a warp's
 work is its longest path from the entry to an exit, back edges left out: the path of a warp whose
-values are all inside the tensor. Per KiB of weights: that count over the bytes a warp decodes.
-Reported beside llama.cpp's, not yet gated: the gate on it comes with a kernel of its class."""
+values are all inside the tensor. Per KiB of weights: that count over the bytes a warp decodes;
+gated at the ratio the decode kernels are, with the widest store of each beside it."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from gguf import GGMLQuantizationType as Q
 
-from .sass_read import CannotAnalyse, our_sass, peer_sass, sass_functions, successors
+from .sass_read import CannotAnalyse, load_bits, our_sass, peer_sass, sass_functions, successors
 
 PEER_SOURCE = "convert.cu"
 # llama.cpp's fp16 kernel per type: a piece of its mangled name, warps per thread block, and the
@@ -30,7 +30,6 @@ PEER_KERNELS = {
     Q.Q5_K: ("dequantize_block_q5_KI6__half", 2, 256),
     Q.Q6_K: ("dequantize_block_q6_KI6__half", 2, 256),
 }
-OUR_VALUES_PER_WARP = 128  # a thread decodes four (kernels.prefill)
 
 
 @dataclass(frozen=True)
@@ -40,6 +39,8 @@ class DequantRow:
     peer_instructions: int
     ours_per_kib: float
     peer_per_kib: float
+    ours_store_bits: int  # the widest global store
+    peer_store_bits: int
 
 
 def longest_path(ins, labels) -> int:
@@ -59,8 +60,13 @@ def longest_path(ins, labels) -> int:
     return most
 
 
+def widest_store_bits(ins) -> int:
+    return max((load_bits(i.op) for i in ins if i.op.startswith("STG.")), default=0)
+
+
 def measure(tools) -> list[DequantRow]:
     from .blocks import layout
+    from .kernels.panel import UNITS
 
     peers = sass_functions(peer_sass(tools, PEER_SOURCE))
     rows = []
@@ -71,24 +77,33 @@ def measure(tools) -> list[DequantRow]:
         per_block, block_nbytes = layout(qtype)[1:3]
         (_, ours_fn), = sass_functions(our_sass(tools, f"dequantize[{qtype.name}]")).items()
         ours, peer = longest_path(*ours_fn), longest_path(*found[0])
-        ours_nbytes = OUR_VALUES_PER_WARP / per_block * block_nbytes
+        ours_nbytes = 32 / UNITS[qtype].units * block_nbytes  # a thread a unit
         peer_nbytes = values // per_block * block_nbytes / warps
         rows.append(DequantRow(qtype.name, ours, peer, ours / ours_nbytes * 1024,
-                               peer / peer_nbytes * 1024))  # fmt: skip
+                               peer / peer_nbytes * 1024, widest_store_bits(ours_fn[0]),
+                               widest_store_bits(found[0][0])))  # fmt: skip
     return rows
 
 
-def table(rows: list[DequantRow]):
+def failures(rows: list[DequantRow], max_ratio: float) -> list[str]:
+    return [f"dequantize {r.kernel}: {r.ours_per_kib:.0f} > {max_ratio} x {r.peer_per_kib:.0f} "
+            "instructions per KiB of weights"
+            for r in rows if r.ours_per_kib > max_ratio * r.peer_per_kib]  # fmt: skip
+
+
+def table(rows: list[DequantRow], max_ratio: float):
     from rich.table import Table
 
     from .ptx_check import ARCH
 
     t = Table(title=f"prefill dequantize to fp16, warp-instructions per KiB of weights ({ARCH} "
-                    "SASS); ours / llama.cpp convert.cu; reported, not gated")  # fmt: skip
-    for h in ("type", "a warp's ours", "llama.cpp", "per KiB ours", "llama.cpp", "ratio"):
+                    f"SASS); ours / llama.cpp convert.cu; gate {max_ratio}x")  # fmt: skip
+    for h in ("type", "a warp's ours", "llama.cpp", "per KiB ours", "llama.cpp", "ratio",
+              "widest store bits"):  # fmt: skip
         t.add_column(h, justify="right")
     for r in rows:
         t.add_row(r.kernel, str(r.ours_instructions), str(r.peer_instructions),
                   f"{r.ours_per_kib:.0f}", f"{r.peer_per_kib:.0f}",
-                  f"{r.ours_per_kib / r.peer_per_kib:.2f}")  # fmt: skip
+                  f"{r.ours_per_kib / r.peer_per_kib:.2f}",
+                  f"{r.ours_store_bits} / {r.peer_store_bits}")  # fmt: skip
     return t

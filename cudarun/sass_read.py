@@ -217,7 +217,8 @@ def _is_load(op: str) -> bool:
     return op.startswith(("LDG.", "LD."))
 
 
-def _load_bits(op: str) -> int:
+def load_bits(op: str) -> int:
+    """The width of a load's or store's operand, from its modifiers."""
     for part, bits in (("U8", 8), ("S8", 8), ("U16", 16), ("S16", 16), ("64", 64), ("128", 128)):
         if part in op.split("."):
             return bits
@@ -231,9 +232,9 @@ def count(ins: list[Ins], labels: dict[str, int], stepped: bool = True) -> Count
     paths = iteration_paths(ins, labels, head, latch)
     sizes = [len(p) for p in paths]
     dp4a = sum(sum(ins[k].op.startswith("IDP") for k in p) for p in paths) / len(paths)
-    narrow = sum(sum(_is_load(ins[k].op) and _load_bits(ins[k].op) <= 16 for k in p)
+    narrow = sum(sum(_is_load(ins[k].op) and load_bits(ins[k].op) <= 16 for k in p)
                  for p in paths) / len(paths)  # fmt: skip
-    widest = max((_load_bits(ins[k].op) for k in range(head, latch + 1)
+    widest = max((load_bits(ins[k].op) for k in range(head, latch + 1)
                   if _is_load(ins[k].op)), default=0)  # fmt: skip
     loop = range(head, latch + 1)
     exits = sorted({j for k in loop for j in successors(ins, labels, k) if j not in loop})

@@ -167,13 +167,13 @@ def test_prefill_dequantizes_a_panel_to_fp16(qtype):
     assert normwise(got, want) < 1e-3
 
 
-def test_prefill_dequantize_refuses_rows_it_cannot_write_in_fours():
+def test_prefill_dequantize_refuses_rows_it_cannot_write_in_eights():
     from numba import cuda
 
     from cudarun.kernels.prefill import dequantize
 
     raw = cuda.to_device(np.zeros(12, np.uint8))
-    with pytest.raises(ValueError, match="four fp16 at a time"):
+    with pytest.raises(ValueError, match="eight fp16 at a time"):
         dequantize(raw, cuda.to_device(np.zeros((1, 6), np.float16)), Q.F16)
 
 

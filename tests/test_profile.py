@@ -220,7 +220,11 @@ def test_profile_measures_the_cpu_and_llama_cpps_rates_which_price_the_llamacpp_
     # llama.cpp's own rows
     assert set(cpu.llamacpp_matmul_gflops.rows) >= {"Q4_K", "Q6_K", "Q8_0", "F16"}
     assert "llama-bench" in cpu.llamacpp_matmul_gflops.rows["Q4_K"][512].source
-    assert cpu.llamacpp_matvec_gbps.at("Q4_K", cpu.threads) > 0.5
+    # its decode read on the quick profile's small wide twin, which CI's busy cores put at 0.39
+    # GB/s beside 15.2 of memory: bound by this host's own memory rate, which a slip of units
+    # (x1e-3) falls under and the host's load does not
+    matvec = cpu.llamacpp_matvec_gbps.at("Q4_K", cpu.threads)
+    assert cpu.memory_gbps.value / 100 < matvec < cache_bound
     assert 0 <= cpu.llamacpp_layer_seconds.value < 1e-3
     # (a difference of two quick runs: on CI's two busy cores it can clamp at 0)
     for scores in (cpu.llamacpp_prompt_score_seconds, cpu.llamacpp_decode_score_seconds):

@@ -2,8 +2,9 @@
 (a GGUF block's scale, two fp16 KV values in one 32-bit word) becomes a float32 by a bitcast and the
 hardware's conversion (`cvt.f32.f16`), and four float32 go out as four fp16 packed in one 64-bit
 word (`cvt.rn.f16.f32`, round to nearest even) for one wide store, and both fp16 of a 32-bit word
-convert where they sit (`half_pair`); `load_pair` is one vector load of two words (16 bytes of
-fp16 KV in one LDG.128, as llama.cpp's attention reads it); `dp4a` is the integer dot
+convert where they sit (`half_pair`), a byte of a word becomes a float32 in one or two instructions
+(`byte_float`); `load_pair` is one vector load of two words (16 bytes of fp16 KV in one LDG.128,
+as llama.cpp's attention reads it) and `store_pair` one vector store; `dp4a` is the integer dot
 product of four signed bytes (`dp4a.s32.s32`, one IDP instruction) that the int8 products use,
 and `shr32` a 32-bit shift by a variable amount (Numba widens integer arithmetic to 64 bits, and
 LLVM cannot narrow a variable shift back: a 64-bit shift is several instructions).
@@ -32,6 +33,10 @@ if config.ENABLE_CUDASIM:
         """words[i] and words[i + 1] of a 1-d array, i even (one 16-byte load on the GPU)."""
         return words[i], words[i + 1]
 
+    def store_pair(words, i, a, b):
+        """words[i], words[i + 1] = a, b, i even (one 16-byte store on the GPU)."""
+        words[i], words[i + 1] = a, b
+
     def float_from_bits(bits):
         """The float32 whose bits are the low 32 bits of an integer."""
         return np.uint32(int(bits) & 0xFFFFFFFF).view(np.float32)
@@ -52,6 +57,10 @@ if config.ENABLE_CUDASIM:
     def shr32(a, s):
         """The low 32 bits of a, shifted right by s (0..31) as an unsigned 32-bit word."""
         return np.uint32((int(a) & 0xFFFFFFFF) >> int(s))
+
+    def byte_float(x, k):
+        """Byte k (a constant 0..3) of the integer x as a float32."""
+        return np.float32((int(x) >> (8 * int(k))) & 255)
 
 else:
     from llvmlite import ir
@@ -116,6 +125,30 @@ else:
         return types.UniTuple(item, 2)(words, i), codegen
 
     @intrinsic
+    def store_pair(typingctx, words, i, a, b):
+        """words[i], words[i + 1] = a, b in one vector store (STG.E.128 or .64), as load_pair
+        reads: i even, the array's start aligned to the pair, no bounds or wraparound checks."""
+        if not (isinstance(words, types.Array) and words.ndim == 1 and words.layout == "C"
+                and isinstance(words.dtype, types.Integer) and words.dtype.bitwidth in (32, 64)
+                and all(isinstance(x, types.Integer) for x in (i, a, b))):  # fmt: skip
+            return None
+        item = words.dtype
+
+        def codegen(context, builder, signature, args):
+            ary = context.make_array(signature.args[0])(context, builder, args[0])
+            at = builder.gep(ary.data, [_int_to(builder, args[1], 64)], inbounds=True)
+            lanes = ir.VectorType(ir.IntType(item.bitwidth), 2)
+            vec = ir.Constant(lanes, None)
+            for j, x in enumerate(args[2:]):
+                vec = builder.insert_element(vec, _int_to(builder, x, item.bitwidth),
+                                             ir.Constant(ir.IntType(32), j))  # fmt: skip
+            builder.store(vec, builder.bitcast(at, lanes.as_pointer()),
+                          align=2 * item.bitwidth // 8)  # fmt: skip
+            return context.get_dummy_value()
+
+        return types.none(words, i, a, b), codegen
+
+    @intrinsic
     def float_from_bits(typingctx, bits):
         if not isinstance(bits, types.Integer):
             return None
@@ -152,6 +185,27 @@ else:
             return builder.call(asm, [_int_to(builder, x, 32) for x in args])
 
         return types.int32(a, b, c), codegen
+
+    @intrinsic
+    def byte_float(typingctx, x, k):
+        """Byte k of a 32-bit word as a float32 in at most two instructions: the outer bytes
+        converted where they sit (I2F.U8 reads a register's byte 0 or 3), the inner ones moved
+        to byte 0 by one byte permutation (PRMT) first; Numba's shift and mask take three."""
+        if not (isinstance(x, types.Integer) and isinstance(k, types.IntegerLiteral)):
+            return None
+        at = k.literal_value
+        if at == 0:
+            text = "cvt.rn.f32.u8 $0, $1;"
+        elif at == 3:
+            text = "{ .reg .b32 t; shr.u32 t, $1, 24; cvt.rn.f32.u32 $0, t; }"
+        else:
+            text = f"{{ .reg .b32 t; prmt.b32 t, $1, 0, {0x4440 + at}; cvt.rn.f32.u32 $0, t; }}"
+
+        def codegen(context, builder, signature, args):
+            asm = ir.InlineAsm(ir.FunctionType(ir.FloatType(), [ir.IntType(32)]), text, "=f,r")
+            return builder.call(asm, [_int_to(builder, args[0], 32)])
+
+        return types.float32(x, k), codegen  # the literal in the signature: one body per byte
 
     @intrinsic
     def shr32(typingctx, a, s):

@@ -9,9 +9,8 @@ the hardware's rate. The weight stays quantized in VRAM and on the bus; the pane
 the runtime's memory map reserves.
 
 The dequantization is a streaming copy, and its writes are 3.6 times its reads (Q4_K: 2 bytes out
-per 0.56 in): each thread decodes four consecutive values (`dequant.QUADS`) and stores them as one
-64-bit word of fp16, so a warp writes 256 contiguous bytes per store and reads its 128 values' quant
-bytes in one contiguous sweep (a warp per four 32-value blocks, or per half a 256-value block).
+per 0.56 in): each thread decodes a unit of a block (16 or 32 values, `panel.UNITS`) and stores it
+as 16-byte runs of eight fp16.
 """
 
 from __future__ import annotations
@@ -23,30 +22,31 @@ import numpy as np
 from .. import compat  # noqa: F401  (before numba.cuda)
 
 # module level: the simulator swaps this global for its fake module
-from numba import cuda  # noqa: E402
+from numba import cuda, uint32  # noqa: E402
 
 from . import THREADS  # noqa: E402
-from .bits import pack_halves  # noqa: E402
-from .dequant import quad_layout  # noqa: E402
+from .panel import UNITS  # noqa: E402
+
+WORDS = {2: np.uint16, 4: np.uint32, 8: np.int64}  # int64: the fp16 copy stores what it loads
 
 BLOCK_THREADS = 8 * THREADS  # 256 on a GPU: eight warps, 1024 values per block
 
 
 @lru_cache(maxsize=None)
 def dequantize_kernel(qtype):
-    quad, per_block, block_nbytes = quad_layout(qtype)
+    unit = UNITS[qtype]
+    decode, log_units, mask = unit.decode, unit.units.bit_length() - 1, unit.units - 1
+    block_words, values = unit.block_words, unit.values
 
     @cuda.jit
-    def dequantize(raw, out, first_value):
-        """out [n // 4] int64 = four fp16 values a word, values first_value.. of the tensor whose
-        bytes `raw` holds (viewed as uint16); one thread per word."""
-        i = cuda.grid(1)
-        if i >= out.shape[0]:
-            return
-        v = first_value + 4 * i
-        block = v // per_block  # a power of two: a shift
-        a, b, c, d = quad(raw, block * block_nbytes, v - block * per_block)
-        out[i] = pack_halves(a, b, c, d)
+    def dequantize(w, wb, out, first_block, n_units):
+        """out = the panel's fp16 as int64 words, from block first_block of the tensor whose
+        words w (and bytes wb) are; one thread per unit (`panel.UNITS`)."""
+        i = uint32(cuda.blockIdx.x * cuda.blockDim.x + cuda.threadIdx.x)
+        if i < n_units:
+            blk = uint32(i >> log_units)
+            decode(w, wb, uint32((first_block + blk) * block_words), uint32(i & mask), out,
+                   uint32(blk * values))  # fmt: skip
 
     return dequantize
 
@@ -61,15 +61,19 @@ def to_half(x, out):
 
 def dequantize(raw, out, qtype, first_row: int = 0, stream=0) -> None:
     """Rows first_row.. of the weight in `raw` (device bytes) into `out` [rows, n_cols] fp16
-    (C-contiguous; n_cols a multiple of 4)."""
+    (C-contiguous; n_cols a multiple of 8)."""
     rows, n_cols = out.shape
-    if n_cols % 4:
-        raise ValueError(f"dequantize writes four fp16 at a time; rows of {n_cols} values")
-    words = out.reshape(rows * n_cols).view(np.int64)
-    grid = -(-words.shape[0] // BLOCK_THREADS)
+    if n_cols % 8:
+        raise ValueError(f"dequantize writes eight fp16 at a time; rows of {n_cols} values")
+    unit = UNITS[qtype]
+    first_block, n_blocks = first_row * n_cols // unit.values, rows * n_cols // unit.values
+    if (first_block + n_blocks) * unit.block_words >= 1 << 32:
+        raise ValueError(f"a {qtype.name} tensor past 2^32 words; the panel indexes in 32 bits")
+    n_units = n_blocks * unit.units
+    grid = -(-n_units // BLOCK_THREADS)
     dequantize_kernel(qtype)[grid, BLOCK_THREADS, stream](
-        raw.view(np.uint16), words, np.int64(first_row * n_cols)
-    )
+        raw.view(WORDS[unit.word_bytes]), raw.view(np.int8),
+        out.reshape(rows * n_cols).view(np.int64), np.uint32(first_block), np.uint32(n_units))
 
 
 def gemm_fp16(x16, w16, out, blas, out_columns: tuple[int, int] | None = None) -> None:
