@@ -20,6 +20,7 @@ the error on Gaussian inputs. Weight offsets are bytes of the GGUF tensor.
 
 from __future__ import annotations
 
+import os
 from functools import lru_cache
 
 from gguf import GGMLQuantizationType as Q
@@ -60,6 +61,17 @@ class Arrays:
         ptr = b.gep(self.data[arg], [offset])
         ty = elem if count == 0 else vec(elem, count)
         return b.load(b.bitcast(ptr, ty.as_pointer()), align=1)
+
+    def prefetch(self, arg, offset):
+        """A hint to bring the cache line at element `offset` of array argument `arg` into L1
+        (`prefetcht0`): no fault if it lies past the array."""
+        b = self.builder
+        i8p = I8.as_pointer()
+        ptr = b.bitcast(b.gep(self.data[arg], [offset]), i8p)
+        name = "llvm.prefetch.p0i8"
+        fn = b.module.globals.get(name) or ir.Function(
+            b.module, ir.FunctionType(ir.VoidType(), [i8p, I32, I32, I32]), name)
+        b.call(fn, [ptr, ir.Constant(I32, 0), ir.Constant(I32, 3), ir.Constant(I32, 1)])
 
 
 def _shuffle(b, v, idx):
@@ -223,13 +235,22 @@ def _at(b, base, value):
     return b.add(base, _const(value, base))
 
 
+# How far ahead of the block it decodes a row loop asks for the weight's cache lines: a decode
+# reads each weight once, from DRAM, and two cores' hardware prefetchers alone fed a Q4_K matvec
+# 6.7 GB/s where a 1 GiB parallel read gets 31; a prefetch 1 KiB ahead fed it 15.7, Q6_K 10.4 ->
+# 19.0 (docs/measured/2026-12-01-cpu-prefetch.txt; scripts/cpu_prefetch.py sweeps the distance
+# through the variable, 0 for none). Rows follow one another in the tensor, so the lines ahead of
+# a row's end are the next row's.
+PREFETCH_BYTES = int(os.environ.get("REFENGINE_PREFETCH_BYTES", "1024"))
+
+
 def _row_intrinsic(name, block, nbytes, per_block, tokens=1):
     """An intrinsic `name(w, w_offset, x8, xd, xs, n_blocks)` -> a tuple of `tokens` float32: the
     dot products of one row, n_blocks blocks of w from byte w_offset, with the q8 activations of
     tokens 0.. tokens - 1 (x8 [T, n], xd and xs [T, n / 32]). `block(b, arr, base, x_at, g_at)`
     returns one block's contribution for one token, its activations from x8 element x_at and
-    xd/xs element g_at: (<8 x float> partial sums, float offset or None). The tokens' calls share one block base, so
-    LLVM computes the weight's loads and unpacking once for all of them."""
+    xd/xs element g_at: (<8 x float> partial sums, float offset or None). The tokens' calls share
+    one block base, so LLVM computes the weight's loads and unpacking once for all of them."""
 
     def impl(typingctx, w, w_offset, x8, xd, xs, n_blocks):
         sig = types.UniTuple(types.float32, tokens)(w, w_offset, x8, xd, xs, n_blocks)
@@ -247,6 +268,8 @@ def _row_intrinsic(name, block, nbytes, per_block, tokens=1):
             with cgutils.for_range(b, nb) as loop:
                 blk = loop.index
                 base = b.add(w_off, b.mul(blk, _const(nbytes, blk)))
+                for line in range(0, nbytes if PREFETCH_BYTES else 0, 64):  # the block's lines
+                    arr.prefetch(0, _at(b, base, PREFETCH_BYTES + line))
                 groups = b.mul(blk, _const(per_block // 32, blk))
                 for row, (acc, offs) in enumerate(zip(accs, offsets)):
                     x_at = b.add(
