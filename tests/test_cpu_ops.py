@@ -42,6 +42,10 @@ def test_attention_grouped_heads_f16_cache(tokens, window):
 def test_gated(act):
     g, u = (RNG.standard_normal((3, 70)).astype(np.float32) * 4 for _ in range(2))
     assert normwise(cpu_ops.gated(g, u, act == "gelu"), ref.gated(act, g, u)) < 1e-5
+    # past exp32's clamps: the activation's limits, 0 and g itself
+    far = np.array([[-200.0, -90.0, -60.0, 60.0, 90.0, 200.0]], np.float32)
+    np.testing.assert_allclose(cpu_ops.gated(far, np.ones_like(far), act == "gelu"),
+                               np.maximum(far, 0), rtol=1e-6, atol=1e-20)  # fmt: skip
 
 
 def test_softmax():

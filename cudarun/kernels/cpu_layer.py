@@ -11,7 +11,7 @@ a second call, after the router (whose rule differs by architecture) has run in 
 matmuls are the named int8 path (`simd.q8_row`: activations quantized to int8 per 32 as
 `cpu.quantize_activations` does), the rest the `cpu_ops` semantics: RMSNorm with an fp64 sum,
 RoPE in fp64 (pairs or NeoX), attention over the fp16 KV cache (scores, one softmax, then V), SiLU
-or GELU gating. K and V are written into the cache (fp16, round to nearest even) before the
+or GELU gating in fp32. K and V are written into the cache (fp16, round to nearest even) before the
 attention reads it. The tokens may be of several sequences (a decode step of many): each writes
 its own cell and attends over its own cells (`kvstore.CellMap`).
 
@@ -32,6 +32,7 @@ from numba.extending import intrinsic, register_jitable
 
 from ..blocks import layout
 from .cpu import quantize_activations, row_dots
+from .cpu_ops import activation32
 from .simd import half_bits
 
 # the integer parameters, in order, of a layer call (`ints`)
@@ -200,15 +201,10 @@ def _attention(q, kc, vc, pos, lo, hi, seq, cell_pos, cell_seq, n_head, n_kv, wi
 
 @register_jitable
 def _gate_rows(gate, up, gelu):
-    """gate = act(gate) * up, the activation in fp64 (cpu_ops.gated)."""
+    """gate = act(gate) * up (cpu_ops.gated's activation)."""
     for t in range(gate.shape[0]):
         for i in range(gate.shape[1]):
-            gv = np.float64(gate[t, i])
-            if gelu:
-                act = 0.5 * gv * (1.0 + math.tanh(0.7978845608028654 * (gv + 0.044715 * gv**3)))
-            else:
-                act = gv / (1.0 + math.exp(-gv))
-            gate[t, i] = act * up[t, i]
+            gate[t, i] = activation32(gate[t, i], gelu) * up[t, i]
 
 
 @register_jitable

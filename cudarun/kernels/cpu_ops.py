@@ -19,7 +19,7 @@ import numpy as np
 from numba import njit, prange
 from numba.extending import register_jitable
 
-from .simd import half_bits
+from .simd import float_of_bits, half_bits
 
 
 # values touched (times a rough cost per value) below which a kernel runs serially
@@ -143,16 +143,36 @@ def attention(q, k, v, q_pos, k_pos, scale: float, window: int = 0):
     return _attention_kernel(f16, work >= PARALLEL_WORK)(q, k, v, q_pos, k_pos, scale, window)
 
 
+@register_jitable
+def exp32(x):
+    """e^x in fp32 within ~2 ulp, in arithmetic a loop vectorizes (libm's expf is a call per
+    value: a prompt's GELU over 128 x 2048 values took 4.3 ms of Gemma-3's 17 ms layer): 2^n
+    from the exponent field, a degree-6 polynomial on the remainder (|r| <= ln 2 / 2); x is
+    clamped to [-87.3, 88.3] (SiLU's and tanh's limits are the same there)."""
+    x = min(max(x, np.float32(-87.3)), np.float32(88.3))
+    n = np.floor(x * np.float32(1.4426950408889634) + np.float32(0.5))  # math.floor: an int64
+    r = x - n * np.float32(0.693145751953125) - n * np.float32(1.4286067653e-06)
+    p = np.float32(1.0) + r * (np.float32(1.0) + r * (np.float32(0.5) + r * (
+        np.float32(1.0 / 6) + r * (np.float32(1.0 / 24) + r * (
+            np.float32(1.0 / 120) + r * np.float32(1.0 / 720))))))
+    return p * float_of_bits(np.int32((np.int32(n) + 127) << 23))
+
+
+@register_jitable
+def activation32(g, use_gelu):
+    """SiLU, or GELU in ggml's tanh form (tanh z = 1 - 2 / (e^2z + 1)), in fp32."""
+    if use_gelu:
+        z = np.float32(0.7978845608028654) * (g + np.float32(0.044715) * g * g * g)
+        return np.float32(0.5) * g * (np.float32(2.0) - np.float32(2.0) / (exp32(z + z)
+                                                                             + np.float32(1.0)))
+    return g / (np.float32(1.0) + exp32(-g))
+
+
 def _gated(gate, up, use_gelu):
     out = np.empty_like(gate)
     for t in prange(gate.shape[0]):
         for i in range(gate.shape[1]):
-            g = np.float64(gate[t, i])
-            if use_gelu:
-                a = 0.5 * g * (1.0 + math.tanh(0.7978845608028654 * (g + 0.044715 * g * g * g)))
-            else:
-                a = g / (1.0 + math.exp(-g))
-            out[t, i] = a * up[t, i]
+            out[t, i] = activation32(gate[t, i], use_gelu) * up[t, i]
     return out
 
 

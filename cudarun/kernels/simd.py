@@ -214,6 +214,16 @@ def half_bits(typingctx, bits):
     return types.float32(bits), codegen
 
 
+@intrinsic
+def float_of_bits(typingctx, bits):
+    """The float32 whose 32 bits are these (an int32): 2^n built in its exponent field."""
+
+    def codegen(context, builder, sig, args):
+        return builder.bitcast(args[0], F32)
+
+    return types.float32(types.int32), codegen
+
+
 # positions of the activation arrays among a row intrinsic's arguments
 X8, XD, XS = 2, 3, 4
 
