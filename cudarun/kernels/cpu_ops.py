@@ -64,9 +64,13 @@ def _rope(x, positions, n_rot, base, scale, neox):
     n_tokens, n_heads, dim = x.shape
     half = n_rot // 2
     out = x.copy()
+    # the frequencies once a call, not once a token: a pow per angle was half its cost
+    inv_freq = np.empty(half)
+    for i in range(half):
+        inv_freq[i] = base ** (-2.0 * i / n_rot)
     for t in prange(n_tokens):
         for i in range(half):
-            theta = positions[t] * scale * base ** (-2.0 * i / n_rot)
+            theta = positions[t] * scale * inv_freq[i]
             c, s = math.cos(theta), math.sin(theta)
             a_i, b_i = (i, i + half) if neox else (2 * i, 2 * i + 1)
             for h in range(n_heads):
