@@ -102,48 +102,49 @@ else:
 
         return types.UniTuple(types.float32, 2)(bits), codegen
 
+    def _pair_array(words, *ints) -> bool:
+        """A 1-d C array of 64- or 32-bit integers, and integer operands."""
+        return (isinstance(words, types.Array) and words.ndim == 1 and words.layout == "C"
+                and isinstance(words.dtype, types.Integer) and words.dtype.bitwidth in (32, 64)
+                and all(isinstance(x, types.Integer) for x in ints))  # fmt: skip
+
+    def _pair_at(context, builder, signature, args):
+        """The pointer to words[i] as one <2 x word> vector, and that vector type."""
+        ary = context.make_array(signature.args[0])(context, builder, args[0])
+        at = builder.gep(ary.data, [_int_to(builder, args[1], 64)], inbounds=True)
+        lanes = ir.VectorType(ir.IntType(signature.args[0].dtype.bitwidth), 2)
+        return builder.bitcast(at, lanes.as_pointer()), lanes
+
     @intrinsic
     def load_pair(typingctx, words, i):
         """words[i] and words[i + 1] of a 1-d C array of 64- or 32-bit integers in one vector
         load (LDG.E.128 or .64), i even and the array's start aligned to the pair: no bounds or
         wraparound checks."""
-        if not (isinstance(words, types.Array) and words.ndim == 1 and words.layout == "C"
-                and isinstance(words.dtype, types.Integer) and words.dtype.bitwidth in (32, 64)
-                and isinstance(i, types.Integer)):  # fmt: skip
+        if not _pair_array(words, i):
             return None
-        item = words.dtype
 
         def codegen(context, builder, signature, args):
-            ary = context.make_array(signature.args[0])(context, builder, args[0])
-            at = builder.gep(ary.data, [_int_to(builder, args[1], 64)], inbounds=True)
-            lanes = ir.VectorType(ir.IntType(item.bitwidth), 2)
-            vec = builder.load(builder.bitcast(at, lanes.as_pointer()),
-                               align=2 * item.bitwidth // 8)  # fmt: skip
+            at, lanes = _pair_at(context, builder, signature, args)
+            vec = builder.load(at, align=2 * words.dtype.bitwidth // 8)
             pair = [builder.extract_element(vec, ir.Constant(ir.IntType(32), j)) for j in (0, 1)]
             return context.make_tuple(builder, signature.return_type, pair)
 
-        return types.UniTuple(item, 2)(words, i), codegen
+        return types.UniTuple(words.dtype, 2)(words, i), codegen
 
     @intrinsic
     def store_pair(typingctx, words, i, a, b):
         """words[i], words[i + 1] = a, b in one vector store (STG.E.128 or .64), as load_pair
         reads: i even, the array's start aligned to the pair, no bounds or wraparound checks."""
-        if not (isinstance(words, types.Array) and words.ndim == 1 and words.layout == "C"
-                and isinstance(words.dtype, types.Integer) and words.dtype.bitwidth in (32, 64)
-                and all(isinstance(x, types.Integer) for x in (i, a, b))):  # fmt: skip
+        if not _pair_array(words, i, a, b):
             return None
-        item = words.dtype
 
         def codegen(context, builder, signature, args):
-            ary = context.make_array(signature.args[0])(context, builder, args[0])
-            at = builder.gep(ary.data, [_int_to(builder, args[1], 64)], inbounds=True)
-            lanes = ir.VectorType(ir.IntType(item.bitwidth), 2)
+            at, lanes = _pair_at(context, builder, signature, args)
             vec = ir.Constant(lanes, None)
             for j, x in enumerate(args[2:]):
-                vec = builder.insert_element(vec, _int_to(builder, x, item.bitwidth),
+                vec = builder.insert_element(vec, _int_to(builder, x, words.dtype.bitwidth),
                                              ir.Constant(ir.IntType(32), j))  # fmt: skip
-            builder.store(vec, builder.bitcast(at, lanes.as_pointer()),
-                          align=2 * item.bitwidth // 8)  # fmt: skip
+            builder.store(vec, at, align=2 * words.dtype.bitwidth // 8)
             return context.get_dummy_value()
 
         return types.none(words, i, a, b), codegen

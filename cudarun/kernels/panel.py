@@ -236,10 +236,6 @@ class PanelUnit:
     def block_words(self) -> int:
         return self.block_nbytes // self.word_bytes
 
-    @property
-    def unit_values(self) -> int:
-        return self.values // self.units
-
 
 UNITS = {
     Q.F32: PanelUnit(f32_unit, 1, 8, 32, 8),
