@@ -240,23 +240,29 @@ def decode_attention_costs(threads: int, quick: bool) -> dict[int, float]:
     """{head size: seconds per query head and key} of our decode's attention as the cpu engine
     runs it (the fused layer's, cell by cell): tiny synthetic llamas, 8 query heads over 2 KV
     heads of the size, decoding at a depth and at 0; the difference per layer, query head and
-    key. (The kernel timed on its own ran ~25% faster than inside a model's decode.)"""
+    key. (The kernel timed on its own ran ~25% faster than inside a model's decode.) The two
+    depths are two engines decoding in turn, each side's least disturbed token taken: timed one
+    depth after the other, a busy host's burst during one read 5e-6 s a score where a quiet
+    sitting reads 2-8e-8."""
     import tempfile
 
     import numpy as np
+
+    from .cpu_engine import CpuEngine
 
     depth, tokens, n_layer = (512, 8, 2) if quick else (4096, 48, 4)
     per_score = {}
     with tempfile.TemporaryDirectory(prefix="refengine-attention-") as tmp:
         for dim in ATTENTION_DIMS:
-            engine = twin_engine(Path(tmp) / f"{dim}.gguf",
-                                 score_twin_config(n_layer, dim, 2 * depth), threads,
-                                 depth + 2 * tokens)  # fmt: skip
-            seconds = []
-            for fill in (4, depth):
-                engine.reset()
+            n_ctx = depth + 4 * tokens
+            shallow = twin_engine(Path(tmp) / f"{dim}.gguf",
+                                  score_twin_config(n_layer, dim, 2 * depth), threads, n_ctx)
+            deep = CpuEngine(shallow.spec, threads=threads, n_ctx=n_ctx)
+            deep.warm_up()
+            for engine, fill in ((shallow, 4), (deep, depth)):
                 engine.prefill(np.arange(fill) % 512)
-                seconds.append(_median_seconds(lambda: engine.decode(7), tokens))
+            seconds = _median_seconds([lambda: shallow.decode(7), lambda: deep.decode(7)],
+                                      tokens, fastest=True)  # fmt: skip
             per_score[dim] = max((seconds[1] - seconds[0]) / (n_layer * SCORE_HEADS * depth), 0.0)
     return per_score
 
