@@ -195,6 +195,10 @@ def test_profile_measures_the_cpu_and_llama_cpps_rates_which_price_the_llamacpp_
     # busy cores read anywhere from 0.48 to 1030 GB/s beside 8.4 GB/s of memory: a bound no two
     # threads' cache reach: a slip of units (x1e3) crosses it, the host's load does not
     cache_bound = 1e4
+    # a fixed cost per layer or expert: tens of microseconds on a quiet host, but a difference of
+    # two quick runs, which CI's busy cores put at 1.97 ms for llama.cpp's layer: 10 ms still
+    # catches a slip of units (s for ms is x1e3)
+    fixed_bound = 1e-2
     assert "q8 path" in cpu.matvec_gbps.rows["Q4_K"][cpu.threads].source
     assert cpu.matmul_gflops.at("Q8_0", 512) > 1.0
     # our host prefill's attention and gated activation, beyond the matrices; our decode's
@@ -202,7 +206,8 @@ def test_profile_measures_the_cpu_and_llama_cpps_rates_which_price_the_llamacpp_
     assert 0 < cpu.attention_score_seconds.at(ANY_TYPE, 64) < 1e-6
     assert 0 < cpu.glu_element_seconds.value < 1e-6 and "serial" in cpu.glu_element_seconds.source
     assert 0 < cpu.rope_angle_seconds.value < 1e-6 and 0 < cpu.rope_element_seconds.value < 1e-6
-    assert 0 <= cpu.layer_seconds.value < 1e-3 and "slope per layer" in cpu.layer_seconds.source
+    assert 0 <= cpu.layer_seconds.value < fixed_bound
+    assert "slope per layer" in cpu.layer_seconds.source
     assert cpu.layer_type_seconds.at("Q8_0", cpu.threads) == cpu.layer_seconds.value  # its twins
     # the twins' own gated activation inside those figures: their FFN's SiLU
     assert cpu.layer_activation_seconds.value == pytest.approx(
@@ -211,7 +216,7 @@ def test_profile_measures_the_cpu_and_llama_cpps_rates_which_price_the_llamacpp_
     assert cpu.routed_layer_seconds.value >= 0 and "qwen3moe" in cpu.routed_layer_seconds.source
     slot = cpu.routed_slot_seconds
     assert 0 <= slot.value < 1e-6 and "per slot" in slot.source
-    assert 0 <= cpu.expert_seconds.value < 1e-3 and "per expert" in cpu.expert_seconds.source
+    assert 0 <= cpu.expert_seconds.value < fixed_bound and "per expert" in cpu.expert_seconds.source
     assert cpu.expert_type_seconds.at("Q8_0", cpu.threads) == cpu.expert_seconds.value  # twins
     assert 0 <= cpu.routed_handoff_seconds.value < 0.05  # a product's toll after Numba's kernel
     assert 0 <= cpu.head_row_seconds.value < 1e-6 and 0.1 < cpu.head_gbps.value < cache_bound
@@ -226,14 +231,14 @@ def test_profile_measures_the_cpu_and_llama_cpps_rates_which_price_the_llamacpp_
     # (x1e-3) falls under and the host's load does not
     matvec = cpu.llamacpp_matvec_gbps.at("Q4_K", cpu.threads)
     assert cpu.memory_gbps.value / 100 < matvec < cache_bound
-    assert 0 <= cpu.llamacpp_layer_seconds.value < 1e-3
+    assert 0 <= cpu.llamacpp_layer_seconds.value < fixed_bound
     # (a difference of two quick runs: on CI's two busy cores it can clamp at 0)
     for scores in (cpu.llamacpp_prompt_score_seconds, cpu.llamacpp_decode_score_seconds):
         assert set(scores.rows) == {"256", "512", "256@8", "512@8"}
         assert all(0 <= scores.at_depth(d, 300) < 1e-6 for d in (64, 256))
         assert "per layer, query head, token and key" in scores.rows["512"][64].source
     assert "qwen3moe" in cpu.llamacpp_routed_layer_seconds.source
-    assert 0 <= cpu.llamacpp_expert_seconds.value < 1e-3
+    assert 0 <= cpu.llamacpp_expert_seconds.value < fixed_bound
     assert 0 <= cpu.llamacpp_head_row_seconds.value < 1e-6
     assert 0.1 < cpu.llamacpp_head_gbps.value < cache_bound
     # its routed experts on a prompt, by the tokens an expert drew (8 experts, 2 used: 16 of 64)
@@ -248,7 +253,7 @@ def test_profile_measures_the_cpu_and_llama_cpps_rates_which_price_the_llamacpp_
                   cpu.llamacpp_routed_token_seconds):
         rows = table.rows if table else {}
         assert set(rows) <= {*cpu.llamacpp_matmul_gflops.rows, ANY_TYPE}
-        assert all(0 <= x.value < 1e-3 for row in rows.values() for x in row.values())
+        assert all(0 <= x.value < fixed_bound for row in rows.values() for x in row.values())
     # Q8_0 matrices wide enough that they, not the prompt's attention, take a prompt's time
     spec = spec_from_hparams(SyntheticConfig("llama", n_layer=2, n_embd=1024, n_ff=4096,
                                              n_head=8, n_head_kv=8, n_vocab=512, qtype="Q8_0"))
