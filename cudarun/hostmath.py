@@ -30,7 +30,7 @@ from refengine.weights import GGUFWeights
 
 from .hostweights import dense
 from .kvstore import CellMap, DeviceCells
-from .kernels import cpu, cpu_ops
+from .kernels import cpu, cpu_ops, q8_gemm, q8_panel
 
 
 @dataclass
@@ -66,8 +66,9 @@ class Act:
 
 
 def panel_cache_nbytes() -> int:
-    """Host memory the fp32 panels of the BLAS path may keep (a third of physical memory): a
-    prompt's ubatches then dequantize each weight once per process, not once per ubatch."""
+    """Host memory the repacked weights of a prompt's products (int8 tiles, fp32 panels) may keep
+    (a third of physical memory): a prompt's ubatches then repack each weight once per process,
+    not once per ubatch."""
     try:
         return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") // 3
     except (ValueError, OSError):
@@ -121,7 +122,8 @@ class HostMath:
         # the q8 activations of the last matmul input: q, k, v (and gate, up, the router) read the
         # same normed activations, quantized once; inputs are never changed in place
         self._q8_of: tuple[np.ndarray | None, tuple] = (None, ())
-        self.panels: dict[str, np.ndarray] = {}
+        self._rope_pos, self._rope_tables = None, {}  # (base, scale) -> cos, sin of those positions
+        self.panels: dict = {}  # tensor -> its int8 tiles (q8_panel.Panel) or fp32 panel
         self.panel_room_nbytes = panel_cache_nbytes()
 
     # -- primitives ----------------------------------------------------------------------------
@@ -141,19 +143,27 @@ class HostMath:
         return y
 
     def _mm_int8(self, x: np.ndarray, raw: np.ndarray, t) -> np.ndarray:
-        """The named int8 path: q8 rows below BLAS_TOKENS tokens, else fp32 panels (cached while
-        there is room) and BLAS."""
-        kind = cpu.path(t.qtype, x.shape[0])
+        """The named int8 path: q8 rows below BLAS_TOKENS tokens, else int8 tiles or fp32 panels
+        (each cached while there is room) and their products."""
+        kind = cpu.path(t.qtype, x.shape[0], t.shape)
         if kind == "q8" and not self.threads:
             out = np.empty((x.shape[0], t.shape[0]), np.float32)
             cpu.q8_matvec(raw, self._quantized(x), t.qtype, t.shape, out)
             return out
-        if kind == "blas":
+        if kind in ("q8gemm", "blas"):
             panel = self.panels.get(t.name)
-            if panel is None and 4 * t.shape[0] * t.shape[1] <= self.panel_room_nbytes:
+            tiles = kind == "q8gemm"  # ~1.4 bytes a weight, an fp32 panel's 4
+            if panel is None and (2 if tiles else 4) * math.prod(t.shape) <= self.panel_room_nbytes:
                 with cpu.threads_set(self.threads):
-                    panel = self.panels[t.name] = cpu.dense_panel(raw, t.qtype, t.shape)
+                    panel = (q8_panel.repack(raw, t.qtype, t.shape) if tiles
+                             else cpu.dense_panel(raw, t.qtype, t.shape))  # fmt: skip
+                self.panels[t.name] = panel
                 self.panel_room_nbytes -= panel.nbytes
+            if panel is not None and tiles:
+                out = np.empty((x.shape[0], t.shape[0]), np.float32)
+                with cpu.threads_set(self.threads):
+                    q8_gemm.product(panel, self._quantized(x), out)
+                return out
             if panel is not None:
                 return np.matmul(np.ascontiguousarray(x, np.float32), panel.T)
         return cpu.matmul(raw, x, t.qtype, t.shape, self.threads)
@@ -194,8 +204,14 @@ class HostMath:
         base, scale = (hp.rope_base_swa, 1.0) if swa else (hp.rope_base, hp.rope_scale)
         if self.exact:
             return ref.rope(x, pos, hp.n_rot, base, self.tr.rope_style, scale)
+        if self._rope_pos is not pos:  # q and k of every layer share the ubatch's angles
+            self._rope_pos, self._rope_tables = pos, {}
+        table = self._rope_tables.get((base, scale))
+        if table is None:
+            table = self._rope_tables[base, scale] = cpu_ops.rope_table(
+                pos, hp.n_rot, base, scale, _numba_owns(x))  # fmt: skip
         return cpu_ops.rope(np.ascontiguousarray(x), pos, hp.n_rot, base, scale,
-                            self.tr.rope_style == "neox", _numba_owns(x))  # fmt: skip
+                            self.tr.rope_style == "neox", _numba_owns(x), table)  # fmt: skip
 
     def gated(self, gate: np.ndarray, up: np.ndarray) -> np.ndarray:
         if self.exact:

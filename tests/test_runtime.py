@@ -78,8 +78,10 @@ def test_real_models_agree_with_numpy_under_each_plan(name, plan_name):
 
 @pytest.mark.parametrize("strategy", [None, "ffncpu-attnstream", "layerpin-layerstream", "fit"])
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3moe", "gemma3"])
-def test_tiny_models_switch_tiers_and_agree_at_every_step(small_models, arch, strategy):
-    spec = load_spec(str(small_models[arch]))
+def test_tiny_models_switch_tiers_and_agree_at_every_step(small_models, int8_gemma3, arch,
+                                                          strategy):  # fmt: skip
+    # the plans' CPU parts run the int8 path (gemma3: conftest.int8_gemma3)
+    spec = load_spec(str(int8_gemma3 if arch == "gemma3" else small_models[arch]))
     plan = plan_for(spec, 0.6, strategy, tiers=(1, 4, 16), n_ctx=64)
     engine = StandInEngine(spec, plan, seed=3)
     reference = NumpyEngine(spec, n_ctx=64)

@@ -8,8 +8,11 @@ The paths, named by what they compute (docs/contracts.md tolerances):
 - `f16` (F16 below the BLAS token count): fp16 rows widened in registers, fp32 accumulation.
 - `f32` (any quantized type on request): the block decoders of `blocks.DECODERS` dequantize each
   block into fp32 and accumulate in fp32; <= 1e-3.
-- `blas`: large token counts (prefill of a CPU-placed tensor), and F32/F16/BF16 at any count,
-  widen a panel of rows to fp32 and hand it to the BLAS matrix product.
+- `q8gemm`: large token counts (a prompt's ubatch) of the q8 types, in rows of whole 16-row
+  tiles: the weight repacked into int8 tiles (`q8_panel`), products of 16 rows x 8 tokens in
+  512-bit integer dot products (`q8_gemm`); the q8 path's activations and tolerance.
+- `blas`: large token counts of the other types, and F32/F16/BF16 at any count, widen a panel
+  of rows to fp32 and hand it to the BLAS matrix product.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ from numba import njit, prange
 from numba.extending import register_jitable
 
 from ..blocks import layout
-from . import simd
+from . import q8_gemm, q8_panel, simd
 
 Q8_ROWS = tuple(Q[name] for name in simd.Q8_BLOCKS)
 # from this many tokens on, a dequantized panel and BLAS; below it, one row intrinsic per token
@@ -36,9 +39,12 @@ MAX_DECODE_ROWS = 64
 FLOAT_TYPES = (Q.F32, Q.F16, Q.BF16)  # widened to fp32 panels by NumPy for BLAS
 
 
-def path(qtype, tokens: int = 1) -> str:
-    """Which path `matmul` takes: "q8", "f16" (fp16 rows, fp32 accumulation), "f32" (block
-    decoders, fp32) or "blas" (fp32 panels)."""
+def path(qtype, tokens: int = 1, shape: tuple[int, int] | None = None) -> str:
+    """Which path `matmul` takes: "q8", "q8gemm" (int8 tiles, `q8_gemm`; for a shape whose
+    rows fill them), "f16" (fp16 rows, fp32 accumulation), "f32" (block decoders, fp32) or
+    "blas" (fp32 panels)."""
+    if tokens >= BLAS_TOKENS and shape is not None and q8_panel.fits(qtype, shape):
+        return "q8gemm"
     if tokens >= BLAS_TOKENS or qtype in (Q.F32, Q.BF16):
         return "blas"
     if qtype == Q.F16:
@@ -355,9 +361,11 @@ def matmul(
     qtype = Q(qtype)
     x = np.ascontiguousarray(x, np.float32)
     out = np.empty((x.shape[0], n_rows), np.float32)
-    kind = path(qtype, x.shape[0])
+    kind = path(qtype, x.shape[0], shape)
     if kind == "q8" and exact:
         kind = "f32"
+    if kind == "q8gemm" and exact:
+        kind = "blas"
     if kind == "f16" and n_cols % 8:  # the fp16 rows go 8 values at a time
         kind = "blas"
     dequantize_rows = (
@@ -369,6 +377,8 @@ def matmul(
         if kind == "q8":
             x8, xd, xs = quantize_activations(x)
             _q8_kernel(qtype, token_key(x.shape[0]))(raw, x8, xd, xs, out, n_rows, n_cols)
+        elif kind == "q8gemm":
+            q8_gemm.product(q8_panel.repack(raw, qtype, shape), quantize_activations(x), out)
         elif kind == "f32":
             _f32_kernel(qtype)(raw, x, out, n_rows, n_cols)
         elif kind == "f16":

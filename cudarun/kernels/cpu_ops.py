@@ -30,11 +30,13 @@ def _twins(fastmath: bool = False):
     """(parallel, serial) compilations of one kernel body written with prange."""
 
     def compile_both(fn):
-        # a twin under its own name, so Numba's on-disk cache keeps the two apart
+        # a twin under its own name, so Numba's on-disk cache keeps the two apart; the error
+        # model is what parallel=True implies: Python's check of every division for a zero
+        # raises from inside the loop, which then does not vectorize
         twin = types.FunctionType(fn.__code__, fn.__globals__, fn.__name__ + "_serial")
         twin.__qualname__ = twin.__name__
         return (njit(parallel=True, fastmath=fastmath, cache=True)(fn),
-                njit(fastmath=fastmath, cache=True)(twin))  # fmt: skip
+                njit(fastmath=fastmath, cache=True, error_model="numpy")(twin))  # fmt: skip
 
     return compile_both
 
@@ -60,33 +62,59 @@ def rms_norm(x, weight, eps, parallel: bool = True):
     return _RMS_NORM[not parallel or x.size < PARALLEL_WORK](x, weight, eps)
 
 
-def _rope(x, positions, n_rot, base, scale, neox):
-    n_tokens, n_heads, dim = x.shape
+def _rope_table(positions, n_rot, base, scale):
     half = n_rot // 2
-    out = x.copy()
-    # the frequencies once a call, not once a token: a pow per angle was half its cost
     inv_freq = np.empty(half)
     for i in range(half):
         inv_freq[i] = base ** (-2.0 * i / n_rot)
-    for t in prange(n_tokens):
+    cos = np.empty((positions.size, half))
+    sin = np.empty((positions.size, half))
+    for t in prange(positions.size):
         for i in range(half):
             theta = positions[t] * scale * inv_freq[i]
-            c, s = math.cos(theta), math.sin(theta)
-            a_i, b_i = (i, i + half) if neox else (2 * i, 2 * i + 1)
-            for h in range(n_heads):
-                a, b = np.float64(x[t, h, a_i]), np.float64(x[t, h, b_i])
-                out[t, h, a_i] = a * c - b * s
-                out[t, h, b_i] = a * s + b * c
+            cos[t, i], sin[t, i] = math.cos(theta), math.sin(theta)
+    return cos, sin
+
+
+_ROPE_TABLE = _twins()(_rope_table)
+
+
+def rope_table(positions, n_rot, base, scale, parallel: bool = True):
+    """(cos, sin) [T, n_rot / 2] fp64 of theta_i = pos * scale * base^(-2i / n_rot): the sines
+    and cosines were most of a prompt's RoPE, and q and k share them."""
+    return _ROPE_TABLE[not parallel or positions.size * n_rot * 8 < PARALLEL_WORK](
+        positions, n_rot, base, scale
+    )
+
+
+def _rope(x, cos, sin, neox):
+    n_tokens, n_heads, dim = x.shape
+    half = cos.shape[1]
+    out = x.copy()
+    for t in prange(n_tokens):
+        c, s = cos[t], sin[t]
+        for h in range(n_heads):
+            xr, o = x[t, h], out[t, h]
+            if neox:
+                for i in range(half):
+                    a, b = np.float64(xr[i]), np.float64(xr[i + half])
+                    o[i], o[i + half] = a * c[i] - b * s[i], a * s[i] + b * c[i]
+            else:
+                for i in range(half):
+                    a, b = np.float64(xr[2 * i]), np.float64(xr[2 * i + 1])
+                    o[2 * i], o[2 * i + 1] = a * c[i] - b * s[i], a * s[i] + b * c[i]
     return out
 
 
 _ROPE = _twins()(_rope)
 
 
-def rope(x, positions, n_rot, base, scale, neox, parallel: bool = True):
-    """x [T, H, D]: rotate the first n_rot dims of each head (pairs, or NeoX halves)."""
+def rope(x, positions, n_rot, base, scale, neox, parallel: bool = True, table=None):
+    """x [T, H, D]: rotate the first n_rot dims of each head (pairs, or NeoX halves); `table`:
+    `rope_table(positions, n_rot, base, scale)` if the caller has it."""
+    cos, sin = table or rope_table(positions, n_rot, base, scale, parallel)
     return _ROPE[not parallel or x.shape[0] * x.shape[1] * n_rot * 8 < PARALLEL_WORK](
-        x, positions, n_rot, base, scale, neox
+        x, cos, sin, neox
     )
 
 
@@ -104,7 +132,7 @@ def _f16(a):
 def _attention_kernel(f16: bool, parallel: bool):
     read = _f16 if f16 else _f32
 
-    @njit(parallel=parallel, fastmath=True)
+    @njit(parallel=parallel, fastmath=True, error_model="numpy")
     def attention(q, k, v, q_pos, k_pos, scale, window):
         n_tokens, n_heads, dim = q.shape
         n_keys, n_kv, dv = k.shape[0], k.shape[1], v.shape[2]
@@ -173,10 +201,17 @@ def activation32(g, use_gelu):
 
 
 def _gated(gate, up, use_gelu):
+    # the activation chosen outside the loop over a row's views: a branch in it, or 2-D indexing,
+    # kept LLVM from vectorizing (1.2 ms for a prompt's 128 x 2048 GELU, 0.2 ms vectorized)
     out = np.empty_like(gate)
     for t in prange(gate.shape[0]):
-        for i in range(gate.shape[1]):
-            out[t, i] = activation32(gate[t, i], use_gelu) * up[t, i]
+        g, u, o = gate[t], up[t], out[t]
+        if use_gelu:
+            for i in range(g.size):
+                o[i] = activation32(g[i], True) * u[i]
+        else:
+            for i in range(g.size):
+                o[i] = activation32(g[i], False) * u[i]
     return out
 
 
