@@ -223,6 +223,40 @@ def gated(gate, up, use_gelu, parallel: bool = True):
     return _GATED[not parallel or gate.size * 16 < PARALLEL_WORK](gate, up, use_gelu)
 
 
+def _masked_softmax(s, q_pos, k_pos, scale, window):
+    group, rows, n_keys = s.shape
+    for gr in prange(group * rows):
+        row, t = s[gr // rows, gr % rows], gr % rows
+        top = -np.inf
+        for j in range(n_keys):
+            hidden = k_pos[j] > q_pos[t] or (window > 0 and q_pos[t] - k_pos[j] >= window)
+            v = -np.inf if hidden else row[j] * scale
+            row[j] = v
+            top = max(top, v)
+        total = np.float32(0.0)
+        for j in range(n_keys):
+            # below e^-80 of the row's largest, 0: exp32's floor (e^-87) scaled by the sum would
+            # be subnormal, and the product with V then ran 50x slow
+            x = row[j] - top
+            e = exp32(x) if x > np.float32(-80.0) else np.float32(0.0)
+            row[j] = e
+            total += e
+        inv = np.float32(1.0) / total
+        for j in range(n_keys):
+            row[j] *= inv
+
+
+_MASKED_SOFTMAX = _twins(fastmath=True)(_masked_softmax)
+
+
+def masked_softmax(s, q_pos, k_pos, scale: float, window: int = 0, parallel: bool = True):
+    """In place over scores s [G, T, S] (fp32) of T queries at q_pos and S keys at k_pos: scaled,
+    the keys after a query (or `window` or more behind it) hidden, a softmax per row (every row
+    sees its own key, so none is empty)."""
+    _MASKED_SOFTMAX[not parallel or s.size * 8 < PARALLEL_WORK](
+        s, q_pos, k_pos, np.float32(scale), window)  # fmt: skip
+
+
 @njit(parallel=True, cache=True)
 def softmax(x):
     """Row-wise softmax of x [T, n], in fp64."""
