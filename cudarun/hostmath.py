@@ -322,15 +322,15 @@ class HostMath:
         counts = np.bincount(flat, minlength=self.hp.n_expert)
         used = np.flatnonzero(counts)
         first = np.concatenate([[0], np.cumsum(counts[used])])
-        if x.ndim == 2:  # each token quantized once, its rows repeated for its slots
-            q8 = tuple(a[order // k] for a in self._quantized(x))
-        else:
-            q8 = cpu.quantize_activations(np.ascontiguousarray(x.reshape(n_tokens * k, -1)[order]))
-        grouped = np.empty((order.size, n_out), np.float32)
-        with cpu.threads_set(self.threads):
-            cpu.q8_experts(stack, q8, used, first, info.qtype, info.shape[1:], grouped)
         out = np.empty((n_tokens * k, n_out), np.float32)
-        out[order] = grouped
+        with cpu.threads_set(self.threads):
+            if x.ndim == 2:  # each token quantized once, its rows repeated for its slots
+                q8 = tuple(cpu.take_rows(a, order // k) for a in self._quantized(x))
+            else:
+                q8 = cpu.quantize_activations(cpu.take_rows(x.reshape(n_tokens * k, -1), order))
+            grouped = np.empty((order.size, n_out), np.float32)
+            cpu.q8_experts(stack, q8, used, first, info.qtype, info.shape[1:], grouped)
+            cpu.put_rows(out, order, grouped)
         return out.reshape(n_tokens, k, n_out)
 
     def ffn_gate_exps(self, st: Act, w: dict, il: int) -> None:
@@ -346,11 +346,13 @@ class HostMath:
         """Each token's chosen experts' down products, weighted by their gates and summed."""
         act = self.gated(st.gate, st.up)
         down = self._experts(st, w, f"blk.{il}.ffn_down_exps.weight", act)
-        f = np.zeros((st.tokens.size, down.shape[2]), np.float32)
-        for e in np.unique(st.ids):  # the reference's order of summation
-            rows, slot = np.nonzero(st.ids == e)
-            f[rows] += st.gates[rows, slot][:, None] * down[rows, slot]
-        return f
+        if self.exact:
+            f = np.zeros((st.tokens.size, down.shape[2]), np.float32)
+            for e in np.unique(st.ids):  # the reference's order of summation
+                rows, slot = np.nonzero(st.ids == e)
+                f[rows] += st.gates[rows, slot][:, None] * down[rows, slot]
+            return f
+        return cpu_ops.gated_sum(down, st.gates, st.ids)
 
     def _residual(self, st: Act, w: dict, il: int, f: np.ndarray) -> None:
         if self.tr.post_norms:

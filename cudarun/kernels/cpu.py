@@ -290,6 +290,31 @@ def quantize_two_planes(x: np.ndarray):
     return tuple(np.concatenate([a, b]) for a, b in zip(first, second))
 
 
+@njit(parallel=True, cache=True)
+def _take_rows(src, rows, out):
+    for i in prange(rows.size):
+        out[i] = src[rows[i]]
+
+
+def take_rows(src: np.ndarray, rows: np.ndarray) -> np.ndarray:
+    """src[rows] for a 2-D src, copied on Numba's threads (NumPy's fancy indexing copies on one:
+    the gathers and scatters around a MoE prompt layer's experts were a tenth of their time)."""
+    out = np.empty((rows.size, src.shape[1]), src.dtype)
+    _take_rows(src, rows, out)
+    return out
+
+
+@njit(parallel=True, cache=True)
+def _put_rows(src, rows, out):
+    for i in prange(rows.size):
+        out[rows[i]] = src[i]
+
+
+def put_rows(out: np.ndarray, rows: np.ndarray, src: np.ndarray) -> None:
+    """out[rows] = src (2-D, rows distinct), on Numba's threads."""
+    _put_rows(src, rows, out)
+
+
 EXPERT_SPAN_ROWS = 32
 
 

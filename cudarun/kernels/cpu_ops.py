@@ -271,6 +271,30 @@ def softmax(x):
     return out
 
 
+@njit(parallel=True, cache=True)
+def _gated_sum(down, gates, ids, out):
+    n_tokens, k, n = down.shape
+    for t in prange(n_tokens):
+        order = np.argsort(ids[t])  # the reference's order: by expert id
+        o = out[t]
+        for i in range(n):
+            o[i] = np.float32(0.0)
+        for j in order:
+            g, d = gates[t, j], down[t, j]
+            for i in range(n):
+                o[i] += g * d[i]
+
+
+def gated_sum(down: np.ndarray, gates: np.ndarray, ids: np.ndarray) -> np.ndarray:
+    """Each token's chosen experts' outputs down [T, k, n] weighted by their gates [T, k] and
+    summed -> [T, n]: fp32 products added in increasing expert id, as the reference's loop over
+    the experts adds them (a NumPy pass per expert took 6 ms of a 128-token MoE layer)."""
+    out = np.empty((down.shape[0], down.shape[2]), np.float32)
+    _gated_sum(np.ascontiguousarray(down, np.float32), np.ascontiguousarray(gates, np.float32),
+               np.ascontiguousarray(ids), out)  # fmt: skip
+    return out
+
+
 @njit(cache=True)
 def _route(logits, n_used, normalize, ids, weights):
     n_expert = logits.shape[1]
