@@ -28,8 +28,8 @@ from ..blocks import layout
 from . import q8_gemm, q8_panel, simd
 
 Q8_ROWS = tuple(Q[name] for name in simd.Q8_BLOCKS)
-# from this many tokens on, a dequantized panel and BLAS; below it, one row intrinsic per token
-# count unpacks each block once for all tokens
+# from this many tokens on, int8 tiles (`q8gemm`) or a dequantized panel and BLAS; below it, one
+# row intrinsic per token count unpacks each block once for all tokens
 BLAS_TOKENS = 8
 PANEL_ROWS = 256
 # a decode step of up to this many sequences keeps the q8 rows (several tokens a row intrinsic,
