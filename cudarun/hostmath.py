@@ -83,11 +83,11 @@ def _numba_owns(x: np.ndarray) -> bool:
 
 
 def attention_blas(q, k, v, q_pos, k_pos, scale: float, window: int = 0,
-                   max_scores: int = 1 << 24, parallel: bool = False) -> np.ndarray:  # fmt: skip
+                   max_scores: int = 1 << 24) -> np.ndarray:  # fmt: skip
     """`cpu_ops.attention` for a prompt's ubatch: per KV head, the scores of its query heads as one
-    BLAS product, masked, a row softmax (`cpu_ops.masked_softmax`, on Numba's threads if
-    `parallel`), and the product with V, in fp32 (queries in chunks that keep the scores under
-    `max_scores` floats)."""
+    BLAS product, masked, a row softmax (`cpu_ops.masked_softmax`, serial beside BLAS's threads),
+    and the product with V, in fp32 (queries in chunks that keep the scores under `max_scores`
+    floats)."""
     n, n_head, dim = q.shape
     n_kv, dv = k.shape[1], v.shape[2]
     group = n_head // n_kv
@@ -100,7 +100,7 @@ def attention_blas(q, k, v, q_pos, k_pos, scale: float, window: int = 0,
         for g in range(n_kv):
             qg = q[t0 : t0 + rows, g * group : (g + 1) * group].transpose(1, 0, 2)
             s = (qg.reshape(group * rows, dim) @ k32[:, g].T).reshape(group, rows, -1)
-            cpu_ops.masked_softmax(s, qp, k_pos, scale, window, parallel)
+            cpu_ops.masked_softmax(s, qp, k_pos, scale, window, parallel=False)
             o = s.reshape(group * rows, -1) @ v32[:, g]
             out[t0 : t0 + rows, g * group : (g + 1) * group] = o.reshape(
                 group, rows, dv

@@ -32,7 +32,7 @@ from numba.extending import intrinsic, register_jitable
 
 from ..blocks import layout
 from .cpu import quantize_activations, row_dots
-from .cpu_ops import activation32
+from .cpu_ops import activation32, hidden
 from .simd import half_bits
 
 # the integer parameters, in order, of a layer call (`ints`)
@@ -151,7 +151,7 @@ def _attention(q, kc, vc, pos, lo, hi, seq, cell_pos, cell_seq, n_head, n_kv, wi
         scores = np.empty((n_head, last - first), np.float32)
         for j in range(first, last):
             at = cell_pos[j]
-            masked = cell_seq[j] != seq[t] or at > pos[t] or (window > 0 and pos[t] - at >= window)
+            masked = cell_seq[j] != seq[t] or hidden(at, pos[t], window)
             for hh in range(n_head):
                 k_row = kc[j, hh // group]
                 q_row = q[t, hh * hd : (hh + 1) * hd]

@@ -119,6 +119,13 @@ def rope(x, positions, n_rot, base, scale, neox, parallel: bool = True, table=No
 
 
 @register_jitable
+def hidden(k_pos, q_pos, window):
+    """Whether a query at q_pos cannot see a key at k_pos: a later key, or one `window` or more
+    behind it (window > 0)."""
+    return k_pos > q_pos or (window > 0 and q_pos - k_pos >= window)
+
+
+@register_jitable
 def _f32(a):
     return np.float32(a)
 
@@ -144,7 +151,7 @@ def _attention_kernel(f16: bool, parallel: bool):
             acc = np.zeros(dv, np.float32)
             m, total = -np.inf, np.float32(0.0)
             for j in range(n_keys):
-                if k_pos[j] > q_pos[t] or (window > 0 and q_pos[t] - k_pos[j] >= window):
+                if hidden(k_pos[j], q_pos[t], window):
                     continue
                 score = np.float32(0.0)
                 for i in range(dim):
@@ -229,8 +236,7 @@ def _masked_softmax(s, q_pos, k_pos, scale, window):
         row, t = s[gr // rows, gr % rows], gr % rows
         top = -np.inf
         for j in range(n_keys):
-            hidden = k_pos[j] > q_pos[t] or (window > 0 and q_pos[t] - k_pos[j] >= window)
-            v = -np.inf if hidden else row[j] * scale
+            v = -np.inf if hidden(k_pos[j], q_pos[t], window) else row[j] * scale
             row[j] = v
             top = max(top, v)
         total = np.float32(0.0)

@@ -30,7 +30,7 @@ from numba import njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from .simd import FAST, F32, I32, I8, Arrays, _host_has, _shuffle, _x86, vec
+from .simd import FAST, F32, I32, I8, Arrays, _host_has, _shuffle, _x86, broadcast, vec
 
 ROWS = 16  # a tile's rows: one 32-bit lane of a 512-bit vector each
 TOKENS = 8  # tokens of one micro-kernel call: each weight vector serves them all
@@ -50,11 +50,6 @@ def dot4_512(b, acc, u8, s8, native: bool = VNNI512):
     prod = b.mul(b.zext(b.bitcast(u8, vec(I8, 64)), wide), b.sext(b.bitcast(s8, vec(I8, 64)), wide))
     quads = [_shuffle(b, prod, range(k, 64, 4)) for k in range(4)]
     return b.add(acc, b.add(b.add(quads[0], quads[1]), b.add(quads[2], quads[3])))
-
-
-def _splat(b, scalar, n):
-    one = b.insert_element(ir.Constant(vec(scalar.type, n), None), scalar, ir.Constant(I32, 0))
-    return _shuffle(b, one, [0] * n)
 
 
 @lru_cache(maxsize=None)
@@ -98,13 +93,13 @@ def tile_kernel(group: int, has_min: bool, native: bool = VNNI512):
                     isum = cw
                     for i in range(quads):
                         xq = arr.load(XU, b.add(xrow, b.add(col, k(4 * i))), I32)
-                        isum = dot4_512(b, isum, _splat(b, xq, 16), w[i], native)
+                        isum = dot4_512(b, isum, broadcast(b, xq, 16), w[i], native)
                     gi = b.add(b.mul(tok, n_xgroups), xg)
-                    scale = b.fmul(dw, _splat(b, arr.load(XD, gi, F32), 16), flags=FAST)
+                    scale = b.fmul(dw, broadcast(b, arr.load(XD, gi, F32), 16), flags=FAST)
                     part = b.fmul(b.sitofp(isum, f32x16), scale, flags=FAST)
                     acc = b.fadd(b.load(accs[t]), part, flags=FAST)
                     if has_min:
-                        offs = b.fmul(mw, _splat(b, arr.load(XS, gi, F32), 16), flags=FAST)
+                        offs = b.fmul(mw, broadcast(b, arr.load(XS, gi, F32), 16), flags=FAST)
                         acc = b.fadd(acc, offs, flags=FAST)
                     b.store(acc, accs[t])
             for t in range(TOKENS):
