@@ -182,9 +182,10 @@ def test_profile_measures_the_cpu_and_llama_cpps_rates_which_price_the_llamacpp_
 
     out = tmp_path / "me.json"
     # the GPU side from a shipped profile's name (test_cli: a name that is none, one line)
-    # on one thread: CI's other worker holds the second core, and two OpenMP threads sharing
-    # one core wait a time slice at each barrier (a quick profile there put llama.cpp's attention
-    # at more than 1 us a query head, token and key, ~700x a quiet host's)
+    # on one thread: CI's other worker holds one of its two cores, and at llama.cpp's two threads
+    # the one sharing that core kept the other waiting a time slice at each barrier (a quick
+    # profile there put llama.cpp's attention at more than 1 us a query head, token and key,
+    # ~700x a quiet host's)
     r = refengine("profile", "-o", out, "--quick", "--threads", "1", "--gpu-from", "h100",
                   "--llama-bin", llama_bin)  # fmt: skip
     assert r.returncode == 0, r.stderr
