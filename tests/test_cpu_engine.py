@@ -145,11 +145,13 @@ def test_a_recorded_block_output_survives_the_next_fused_layer(small_models):
 
 
 @pytest.mark.parametrize("window", [0, 40])
-def test_decode_attention_over_chunks_equals_a_dense_softmax(window):
+@pytest.mark.parametrize("twin", ["_attention_parallel", "_attention_serial"])
+def test_decode_attention_over_chunks_equals_a_dense_softmax(window, twin):
     """The fused layer's attention splits each token's cells into chunks of KEYS_PER_CHUNK and
     merges their softmax partials: against one dense softmax per (token, head) over fresh random
     caches, across chunk boundaries, with grouped heads, cells of another sequence, later
-    positions, a sliding window, and NaN in every masked cell."""
+    positions, a sliding window, and NaN in every masked cell; both twins (a small step runs the
+    serial one)."""
     rng = np.random.default_rng(7)
     n_head, n_kv, hd, cells = 6, 2, 16, 300
     kc = rng.standard_normal((cells, n_kv, hd)).astype(np.float16)
@@ -170,8 +172,8 @@ def test_decode_attention_over_chunks_equals_a_dense_softmax(window):
     poisoned_k[cell_seq == 2], poisoned_v[cell_seq == 2] = np.nan, np.nan  # may hold anything
     q = rng.standard_normal((4, n_head * hd)).astype(np.float32)
     out = np.full((4, n_head * hd), np.nan, np.float32)
-    cpu_layer._attention(q, poisoned_k.view(np.uint16), poisoned_v.view(np.uint16), pos, lo, hi,
-                         seq, cell_pos, cell_seq, n_head, n_kv, window, np.float32(0.25), out)  # fmt: skip
+    getattr(cpu_layer, twin)(q, poisoned_k.view(np.uint16), poisoned_v.view(np.uint16), pos, lo, hi,
+                             seq, cell_pos, cell_seq, n_head, n_kv, window, np.float32(0.25), out)  # fmt: skip
     assert np.isfinite(out).all()
     for t in range(4):
         keep = ~masked[t]

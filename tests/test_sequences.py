@@ -123,14 +123,16 @@ def test_mistakes_are_one_line():
 def test_cpu_engine_sequences_equal_their_own_runs(small_models, arch, unified):
     """The fused decode layer takes a step's tokens together (`cpu.row_dots`) and each attends over
     its own cells only. The row intrinsics of different token counts round differently in the last
-    bit (~3e-7), which can flip an int8 activation a layer later (~4e-4 in the logits on gemma3),
-    so the bound is the int8 path's kernel bound, 1e-2 (docs/contracts.md), far below what a token
-    attending over another sequence's cells would cost."""
+    bit (~3e-7), which can flip an int8 activation a layer later: ~4e-4 in the logits on gemma3 on
+    an Intel host, 1.1e-2 at one step on a Zen 4 host (this 64-wide model moves a 64th of its
+    width at a flip). The bound, 2e-2, is twice the int8 path's kernel bound (docs/contracts.md)
+    and still far below a token attending over another sequence's cells (9.2e-2 in the unified
+    cache with the sequence mask removed)."""
     from cudarun.cpu_engine import CpuEngine
 
     spec = load_spec(str(small_models[arch]))
     engine = scenario(lambda: CpuEngine(spec, n_ctx=N_CTX, tiers=[1, 8], n_seq=4, unified=unified),
-                      spec.hparams.n_vocab, 1e-2)  # fmt: skip
+                      spec.hparams.n_vocab, 2e-2)  # fmt: skip
     assert engine.layers is not None
 
 

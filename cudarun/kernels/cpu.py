@@ -71,30 +71,36 @@ def _float_panel(raw: np.ndarray, qtype, first: int, out: np.ndarray) -> None:
         out.view(np.uint32)[:] = bits.astype(np.uint32) << 16
 
 
+@register_jitable
+def quantize_group(x, t, g, x8, xd, xs):
+    """Values 32 g .. 32 g + 31 of token t of x into x8, and their scale and quantized sum into
+    xd[t, g] and xs[t, g] (`quantize_activations`, a group at a time: a fused FFN quantizes its
+    gated activations group by group in the parallel region that computes them)."""
+    amax = np.float32(0.0)
+    for j in range(32 * g, 32 * g + 32):
+        amax = max(amax, abs(x[t, j]))
+    d = amax / np.float32(127.0)
+    inv = np.float32(1.0) / d if d > 0 else np.float32(0.0)
+    xd[t, g] = d
+    s = 0
+    for j in range(32 * g, 32 * g + 32):
+        q = np.int8(round(x[t, j] * inv))
+        x8[t, j] = q
+        s += np.int32(q)
+    xs[t, g] = np.float32(s) * d
+
+
 @njit(cache=True)
 def quantize_activations(x):
     """x [T, n] fp32 -> (x8 int8 [T, n], xd fp32 [T, n / 32] (scale: value = xd * x8),
     xs fp32 [T, n / 32] (the quantized values' sum per 32, times their scale))."""
-    group = 32
     n_tokens, n = x.shape
     x8 = np.empty((n_tokens, n), np.int8)
-    xd = np.empty((n_tokens, n // group), np.float32)
+    xd = np.empty((n_tokens, n // 32), np.float32)
     xs = np.empty((n_tokens, n // 32), np.float32)
     for t in range(n_tokens):
-        for g in range(n // group):
-            amax = np.float32(0.0)
-            for j in range(g * group, (g + 1) * group):
-                amax = max(amax, abs(x[t, j]))
-            d = amax / np.float32(127.0)
-            inv = np.float32(1.0) / d if d > 0 else np.float32(0.0)
-            xd[t, g] = d
-            for j in range(g * group, (g + 1) * group):
-                x8[t, j] = np.int8(round(x[t, j] * inv))
-        for b in range(n // 32):
-            s = 0
-            for j in range(32 * b, 32 * b + 32):
-                s += np.int32(x8[t, j])
-            xs[t, b] = np.float32(s) * xd[t, b]
+        for g in range(n // 32):
+            quantize_group(x, t, g, x8, xd, xs)
     return x8, xd, xs
 
 

@@ -4,8 +4,9 @@ the host's forward pass without a return to Python between its operations.
 A decode token's layer is ~1 MB of weights on a small model; run as a dozen calls from Python
 (norm, three matmuls, RoPE, attention, ...) it spent as much time in dispatch and in waking the
 thread team as in its kernels. The attention half (`attention_kernel`) has three parallel regions
-(the Q/K/V rows together, the attention heads, the output rows), a dense FFN (`ffn_kernel`) two
-(the gate and up rows together, the down rows), the small operations serial between them; a
+(the Q/K/V rows together, the attention heads — serial for a short context, the output rows), a
+dense FFN (`ffn_kernel`) two (the gate and up rows together, each group of 32 gated and quantized
+where it was computed; the down rows), the small operations serial between them; a
 dense layer (`layer_kernel`) is both in one call. A routed layer's experts (`moe_ffn_kernel`) are
 a second call, after the router (whose rule differs by architecture) has run in Python. The
 matmuls are the named int8 path (`simd.q8_row`: activations quantized to int8 per 32 as
@@ -31,8 +32,8 @@ from numba import njit, prange, types
 from numba.extending import intrinsic, register_jitable
 
 from ..blocks import layout
-from .cpu import quantize_activations, row_dots
-from .cpu_ops import activation32, hidden
+from .cpu import quantize_activations, quantize_group, row_dots
+from .cpu_ops import activation32, hidden, twins
 from .simd import half_bits
 
 # the integer parameters, in order, of a layer call (`ints`)
@@ -121,9 +122,8 @@ KEYS_PER_CHUNK = 64  # a thread's share of a token's cells: chunks keep every co
 MASKED = np.float32(-3.0e38)  # a masked score: finite, since fastmath assumes no infinities
 
 
-@njit(parallel=True, fastmath=True)
-def _attention(q, kc, vc, pos, lo, hi, seq, cell_pos, cell_seq, n_head, n_kv, window, attn_scale,
-               out):  # fmt: skip
+def _attention_chunks(q, kc, vc, pos, lo, hi, seq, cell_pos, cell_seq, n_head, n_kv, window,
+                      attn_scale, out):  # fmt: skip
     """Attention over the cache, in fp32, for the tokens of a decode step: per (token, chunk of
     KEYS_PER_CHUNK cells of [lo, hi)) the scores of every query head, cell by cell, so the cache
     streams through in order (a head at a time over a cell's strided rows was latency-bound:
@@ -199,12 +199,42 @@ def _attention(q, kc, vc, pos, lo, hi, seq, cell_pos, cell_seq, n_head, n_kv, wi
             row[i] /= total
 
 
+_attention_parallel, _attention_serial = twins(fastmath=True)(_attention_chunks)
+# (cell, query head) pairs of a decode step from which the chunks run in parallel: the parallel
+# twin paid ~20 us a call more than the serial (qwen2-1.5B's 12 heads: 21 against 0.8 us at depth
+# 0, 29 against 9 at 32, even at 256 cells, ahead from 1024); at depth 32 that was a thirtieth of
+# the layer
+ATTENTION_PARALLEL_PAIRS = 3072
+
+
+@register_jitable
+def _attention(q, kc, vc, pos, lo, hi, seq, cell_pos, cell_seq, n_head, n_kv, window, attn_scale,
+               out):  # fmt: skip
+    """`_attention_chunks`, serial below ATTENTION_PARALLEL_PAIRS."""
+    cells = 0
+    for t in range(q.shape[0]):
+        cells += hi[t] - lo[t]
+    if cells * n_head < ATTENTION_PARALLEL_PAIRS:
+        _attention_serial(q, kc, vc, pos, lo, hi, seq, cell_pos, cell_seq, n_head, n_kv, window,
+                          attn_scale, out)  # fmt: skip
+    else:
+        _attention_parallel(q, kc, vc, pos, lo, hi, seq, cell_pos, cell_seq, n_head, n_kv, window,
+                            attn_scale, out)  # fmt: skip
+
+
 @register_jitable
 def _gate_rows(gate, up, gelu):
     """gate = act(gate) * up (cpu_ops.gated's activation)."""
     for t in range(gate.shape[0]):
         for i in range(gate.shape[1]):
             gate[t, i] = activation32(gate[t, i], gelu) * up[t, i]
+
+
+@register_jitable
+def _gate_group(gate, up, t, g, gelu):
+    """`_gate_rows` for values 32 g .. 32 g + 31 of token t."""
+    for i in range(32 * g, 32 * g + 32):
+        gate[t, i] = activation32(gate[t, i], gelu) * up[t, i]
 
 
 @register_jitable
@@ -293,14 +323,20 @@ def ffn_kernel(qtypes: tuple, tokens: int | None):
         x8, xd, xs = quantize_activations(h)
         gate = np.empty((n_tok, n_ff), np.float32)
         up = np.empty((n_tok, n_ff), np.float32)
-        for r in prange(2 * n_ff):
-            if r < n_ff:
+        g8 = np.empty((n_tok, n_ff), np.int8)
+        gd = np.empty((n_tok, n_ff // 32), np.float32)
+        gs = np.empty((n_tok, n_ff // 32), np.float32)
+        # a group of 32 gate rows and the same 32 up rows a job, then their gating and the down
+        # matrix's int8 activations of the group: serial after the region, those two took 24 us
+        # of a qwen2-1.5B layer's ~1.1 ms
+        for g in prange(n_ff // 32):
+            for r in range(32 * g, 32 * g + 32):
                 rg(wg, r * (d // pg) * bg, x8, xd, xs, d // pg, gate, r)
-            else:
-                j = r - n_ff
-                ru(wu, j * (d // pu) * bu, x8, xd, xs, d // pu, up, j)
-        _gate_rows(gate, up, gelu)
-        g8, gd, gs = quantize_activations(gate)
+            for r in range(32 * g, 32 * g + 32):
+                ru(wu, r * (d // pu) * bu, x8, xd, xs, d // pu, up, r)
+            for t in range(n_tok):
+                _gate_group(gate, up, t, g, gelu)
+                quantize_group(gate, t, g, g8, gd, gs)
         f = np.empty((n_tok, d), np.float32)
         for r in prange(d):
             rd(wd, r * (n_ff // pd) * bd, g8, gd, gs, n_ff // pd, f, r)

@@ -26,7 +26,7 @@ from .simd import float_of_bits, half_bits
 PARALLEL_WORK = 1 << 15
 
 
-def _twins(fastmath: bool = False):
+def twins(fastmath: bool = False):
     """(parallel, serial) compilations of one kernel body written with prange."""
 
     def compile_both(fn):
@@ -54,7 +54,7 @@ def _rms_norm(x, weight, eps):
     return out
 
 
-_RMS_NORM = _twins(fastmath=True)(_rms_norm)
+_RMS_NORM = twins(fastmath=True)(_rms_norm)
 
 
 def rms_norm(x, weight, eps, parallel: bool = True):
@@ -76,7 +76,7 @@ def _rope_table(positions, n_rot, base, scale):
     return cos, sin
 
 
-_ROPE_TABLE = _twins()(_rope_table)
+_ROPE_TABLE = twins()(_rope_table)
 
 
 def rope_table(positions, n_rot, base, scale, parallel: bool = True):
@@ -106,7 +106,7 @@ def _rope(x, cos, sin, neox):
     return out
 
 
-_ROPE = _twins()(_rope)
+_ROPE = twins()(_rope)
 
 
 def rope(x, positions, n_rot, base, scale, neox, parallel: bool = True, table=None):
@@ -222,7 +222,7 @@ def _gated(gate, up, use_gelu):
     return out
 
 
-_GATED = _twins(fastmath=True)(_gated)
+_GATED = twins(fastmath=True)(_gated)
 
 
 def gated(gate, up, use_gelu, parallel: bool = True):
@@ -252,7 +252,7 @@ def _masked_softmax(s, q_pos, k_pos, scale, window):
             row[j] *= inv
 
 
-_MASKED_SOFTMAX = _twins(fastmath=True)(_masked_softmax)
+_MASKED_SOFTMAX = twins(fastmath=True)(_masked_softmax)
 
 
 def masked_softmax(s, q_pos, k_pos, scale: float, window: int = 0, parallel: bool = True):
