@@ -54,8 +54,8 @@ def theirs(bin_dir: Path, model: str, threads: int, n_prompt: int, n_gen: int) -
 
 
 def read_once(path: str) -> None:
-    """Every page of the file into the page cache before the first round: a 5 GiB file read cold
-    from disk cost whichever side ran first a third of its prompt rate in round 0."""
+    """Every page of the file into the page cache before the first round, so that neither side's
+    first run reads it from disk (a MoE's warm-up touches most experts' pages, not all)."""
     with open(path, "rb") as f:
         while f.read(64 << 20):
             pass
