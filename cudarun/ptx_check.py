@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import json
 import re
-import subprocess
 import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -307,43 +306,27 @@ def ptxas_path() -> Path:
     return Path(dist.locate_file(found[0]))
 
 
-def assemble(ptxas: Path, ptx_file: Path) -> Resources:
-    r = subprocess.run(
-        [str(ptxas), f"-arch={ARCH}", "-v", str(ptx_file), "-o", "/dev/null"],
-        capture_output=True,
-        text=True,
-    )
-    if r.returncode:
-        raise RuntimeError(f"ptxas failed: {(r.stderr or r.stdout).strip().splitlines()[-1]}")
-    return parse_ptxas(r.stdout + r.stderr)  # -v goes to stdout, older ptxas wrote stderr
-
-
 # -- the command -----------------------------------------------------------------------------------
 
 
 def check(out: Path | None, only: str | None) -> dict[str, dict]:
     """name -> its row: `error` when it did not compile, else (with `out`) its resources, PTX stats
     and gate failures."""
-    from numba import cuda
-    from numba.cuda import dispatcher
+    from . import kernel_build
 
-    # A kernel's device functions are compiled for "the current device", which needs a driver;
-    # here that device is the target architecture.
-    dispatcher.get_current_device = lambda: type("Target", (), {"compute_capability": CC})()
     ptxas = ptxas_path() if out else None
     rows: dict[str, dict] = {}
     for name, kernel, argtypes in kernels():
         if only and only not in name:
             continue
         try:
-            bounds = kernel.targetoptions.get("launch_bounds")  # as the kernel runs
-            ptx, _ = cuda.compile_ptx(kernel.py_func, argtypes, cc=CC, launch_bounds=bounds)
             if out is None:
+                kernel_build.ptx(file_stem(name), kernel, argtypes)
                 rows[name] = {}
                 continue
-            path = out / f"{file_stem(name)}.ptx"
-            path.write_text(ptx)
-            res, stats = assemble(ptxas, path), parse_ptx(ptx)
+            built = kernel_build.assemble(file_stem(name), kernel, argtypes, ptxas)
+            (out / f"{file_stem(name)}.ptx").write_text(built.ptx)
+            res, stats = parse_ptxas(built.report), parse_ptx(built.ptx)
             rows[name] = {**asdict(res), **asdict(stats), "gate": gate_failures(res, stats)}
         except Exception as e:  # report every kernel, not just the first
             rows[name] = {"error": f"{type(e).__name__}: {(str(e).splitlines() or [''])[0]}"}

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from . import compat  # noqa: F401  (before numba.cuda)
-from .ptx_check import ARCH, CC
+from .ptx_check import ARCH
 
 # an H100 SXM: the warp-instructions its schedulers can issue per KiB that HBM delivers
 H100_SMS, H100_SCHEDULERS, H100_CLOCK_HZ, H100_HBM_BYTES_PER_S = 132, 4, 1.755e9, 3.35e12
@@ -320,18 +320,10 @@ def peer_sass(tools: Toolchain, source: str = "mmvq.cu") -> str:
 
 
 def our_sass(tools: Toolchain, name: str) -> str:
-    """nvdisasm of our kernel `name` of `ptx_check.kernels()`, compiled for ARCH."""
-    from numba import cuda
-    from numba.cuda import dispatcher
+    """nvdisasm of our kernel `name` of `ptx_check.kernels()` as it runs (its launch bounds),
+    assembled for ARCH: the build ptx_check's gate reads (`kernel_build`)."""
+    from . import kernel_build
+    from .ptx_check import file_stem, kernels
 
-    from .ptx_check import kernels
-
-    dispatcher.get_current_device = lambda: type("Target", (), {"compute_capability": CC})()
     (kernel, argtypes), = [(k, a) for n, k, a in kernels() if n == name]
-    ptx, _ = cuda.compile_ptx(kernel.py_func, argtypes, cc=CC)
-    with tempfile.TemporaryDirectory() as tmp:
-        src, cubin = Path(tmp) / "k.ptx", Path(tmp) / "k.cubin"
-        src.write_text(ptx)
-        subprocess.run([tools.ptxas, f"-arch={ARCH}", src, "-o", cubin], check=True)
-        return subprocess.run([tools.nvdisasm, "-c", cubin], capture_output=True, text=True,
-                              check=True).stdout  # fmt: skip
+    return kernel_build.sass(file_stem(name), kernel, argtypes, tools.ptxas, tools.nvdisasm)

@@ -97,6 +97,7 @@ def test_the_gate_fails_an_attention_kernel_above_the_ratio():
     assert (c.step, c.loop_max) == (0, 6)
 
 
+@pytest.mark.xdist_group("ptx")  # after test_ptx_gates, on its worker: it reads that build
 def test_every_int8_decode_kernel_within_the_gate_of_llamacpps(llama_bin, tmp_path):
     """python -m cudarun.sass_check: each type and tokens per pass, and the expert matvec (beside
     llama.cpp's 1-token kernel, which takes expert ids), loop and whole kernel at
