@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from gguf import GGMLQuantizationType as Q
 
-from cudarun.kernels import cpu, q8_gemm, q8_panel
+from cudarun.kernels import cpu, q8_gemm, q8_panel, simd
 from refengine.quants import dequantize
 from refengine.reference import matmul_q
 
@@ -57,19 +57,27 @@ def test_products_are_the_q8_rows_to_rounding(qtype, tokens):
 
 
 @pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q6_K, Q.Q8_0], ids=lambda t: t.name)
-def test_generic_ir_equals_the_native_instruction(qtype):
-    """A host without AVX-512 VNNI runs the same micro-kernel in generic integer IR."""
+def test_every_micro_kernel_the_host_runs_equals_the_generic_ir(qtype):
+    """The three micro-kernels (`q8_gemm.ISA`: 512-bit vpdpbusd, AVX2's half tiles with their
+    16-bit pair sums, generic IR for any host) give the same products, each over fresh random
+    weights whose q span the type's range (an AVX2 pair sum that saturated would differ): two
+    16-bit pair sums added (Q4_K), at |q| = 32 (Q6_K), the sign form (Q8_0)."""
     rng = np.random.default_rng(900 + int(qtype))
     n_rows, n_cols, tokens = 32, cols(qtype, 256), 8
     panel = q8_panel.repack(weights(rng, qtype, n_rows, n_cols), qtype, (n_rows, n_cols))
+    assert np.abs(panel.q.astype(np.int32)).max() >= panel.q_bound - 1  # the range is reached
     x8, xd, xs = cpu.quantize_activations(rng.standard_normal((tokens, n_cols)).astype(np.float32))
-    xu = (x8.view(np.uint8) ^ np.uint8(128)).reshape(-1)
+    isas = ["generic"] + [isa for isa in ("avx2", "vnni512")
+                          if isa == "avx2" and simd.AVX2 or isa == "vnni512" and q8_gemm.VNNI512]  # fmt: skip
     outs = []
-    for native in ([False, True] if q8_gemm.VNNI512 else [False]):
+    for isa in isas:
+        signed = q8_gemm.signed_activations(isa, panel.q_bound)
+        x = x8.view(np.uint8) if signed else x8.view(np.uint8) ^ np.uint8(128)
         out = np.full(tokens * n_rows, np.nan, np.float32)
-        q8_gemm.gemm_kernel(panel.group, panel.has_min, native)(
-            panel.q, panel.d, panel.m, panel.c, xu, xd.reshape(-1), xs.reshape(-1), out,
-            n_rows // q8_gemm.ROWS, n_cols // panel.group, n_cols, n_rows)  # fmt: skip
+        q8_gemm.gemm_kernel(panel.group, panel.has_min, panel.q_bound, isa)(
+            panel.q, panel.d, panel.m, panel.c, np.ascontiguousarray(x).reshape(-1),
+            xd.reshape(-1), xs.reshape(-1), out, n_rows // q8_gemm.ROWS, n_cols // panel.group,
+            n_cols, n_rows)  # fmt: skip
         outs.append(out)
     assert not np.isnan(outs[0]).any()
     for out in outs[1:]:  # the integer sums are equal; the fp32 scaling may contract differently

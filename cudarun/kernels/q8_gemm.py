@@ -30,7 +30,8 @@ from numba import njit, prange, types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from .simd import FAST, F32, I32, I8, Arrays, _host_has, _shuffle, _x86, broadcast, vec
+from . import simd
+from .simd import FAST, F32, I16, I32, I8, Arrays, _host_has, _shuffle, _x86, broadcast, vec
 
 ROWS = 16  # a tile's rows: one 32-bit lane of a 512-bit vector each
 TOKENS = 8  # tokens of one micro-kernel call: each weight vector serves them all
@@ -114,9 +115,124 @@ def tile_kernel(group: int, has_min: bool, native: bool = VNNI512):
     return intrinsic(impl)
 
 
+def _avx2_quads(b, xb, wv, quads: int, pairs: bool, sign: bool):
+    """<8 x i32>: each of 8 rows' sum over `quads` quads of its four weight bytes (wv(i)) times a
+    token's four activation bytes (xb(i), broadcast), on AVX2: pmaddubsw's 16-bit pair sums, then
+    pmaddwd with ones. `pairs`: two quads' pair sums added in 16 bits first (|q| <= 32: 2 x 2 x
+    255 x 32 < 2^15); `sign`: signed activations and the weights' signs moved onto them (Q8_0's
+    |q| up to 128: 255 x 128 x 2 overflows a 16-bit pair, 127 x 128 x 2 does not)."""
+    ones = simd.splat(I16, 16, 1)
+    isum = None
+    step = 2 if pairs else 1
+    for i in range(0, quads, step):
+        if sign:
+            w = wv(i)
+            p = simd.maddubs(b, simd.abs8(b, w), simd.sign_of(b, xb(i), w))
+        else:
+            p = simd.maddubs(b, xb(i), wv(i))
+            if pairs:
+                p = b.add(p, simd.maddubs(b, xb(i + 1), wv(i + 1)))
+        s = simd.madd(b, p, ones)
+        isum = s if isum is None else b.add(isum, s)
+    return isum
+
+
 @lru_cache(maxsize=None)
-def gemm_kernel(group: int, has_min: bool, native: bool = VNNI512):
-    tile = tile_kernel(group, has_min, native)
+def half_tile_kernel(group: int, has_min: bool, q_bound: int):
+    """The AVX2 micro-kernel `half(q, d, m, c, x, xd, xs, out, unit, t0, n_groups, n_cols, n_rows)`:
+    `tile_kernel`'s product for rows 8 unit.. 8 unit + 7 (one half of tile unit // 2: 32 bytes of
+    each 64-byte vector) and 8 tokens, in 256-bit vectors. x: the tokens' int8 bytes, signed
+    where the type's |q| (`q_bound`) needs pmaddubsw's sign form, else with the sign bit flipped
+    as `tile_kernel` takes them. Eight float accumulators, where a whole tile's sixteen would be
+    every register AVX2 has."""
+    quads = group // 4
+    sign = q_bound > 64
+    pairs = q_bound <= 32 and quads % 2 == 0
+
+    def impl(typingctx, q, d, m, c, x, xd, xs, out, unit, t0, n_groups, n_cols, n_rows):
+        sig = types.void(q, d, m, c, x, xd, xs, out, unit, t0, n_groups, n_cols, n_rows)
+
+        def codegen(context, b, sig, args):
+            arr = Arrays(context, b, sig, args)
+            unit_, t0_, n_groups_, n_cols_, n_rows_ = args[8:]
+            i64 = unit_.type
+
+            def k(v):
+                return ir.Constant(i64, v)
+
+            f32x8 = vec(F32, 8)
+            accs = [cgutils.alloca_once_value(b, ir.Constant(f32x8, [0.0] * 8))
+                    for _ in range(TOKENS)]  # fmt: skip
+            tile_groups = b.mul(b.lshr(unit_, k(1)), n_groups_)
+            half = b.and_(unit_, k(1))
+            n_xgroups = b.udiv(n_cols_, k(32))
+            with cgutils.for_range(b, n_groups_) as loop:
+                g = loop.index
+                tg = b.add(tile_groups, g)
+                qbase = b.add(b.mul(tg, k(quads * ROWS * 4)), b.mul(half, k(32)))
+                sbase = b.add(b.mul(tg, k(ROWS)), b.mul(half, k(8)))
+                dw = arr.load(D, sbase, F32, 8)
+                cw = None if sign else arr.load(C, sbase, I32, 8)
+                mw = arr.load(M, sbase, F32, 8) if has_min else None
+                col = b.mul(g, k(group))
+                xg = b.udiv(col, k(32))
+                for t in range(TOKENS):
+                    tok = b.add(t0_, k(t))
+                    xcol = b.add(b.mul(tok, n_cols_), col)
+
+                    def xb(i, xcol=xcol):
+                        four = arr.load(XU, b.add(xcol, k(4 * i)), I32)
+                        return b.bitcast(broadcast(b, four, 8), vec(I8, 32))
+
+                    def wv(i, qbase=qbase):
+                        return arr.load(Q, b.add(qbase, k(64 * i)), I8, 32)
+
+                    isum = _avx2_quads(b, xb, wv, quads, pairs, sign)
+                    if cw is not None:  # the unsigned activations' excess
+                        isum = b.add(isum, cw)
+                    gi = b.add(b.mul(tok, n_xgroups), xg)
+                    scale = b.fmul(dw, broadcast(b, arr.load(XD, gi, F32), 8), flags=FAST)
+                    part = b.fmul(b.sitofp(isum, f32x8), scale, flags=FAST)
+                    acc = b.fadd(b.load(accs[t]), part, flags=FAST)
+                    if has_min:
+                        offs = b.fmul(mw, broadcast(b, arr.load(XS, gi, F32), 8), flags=FAST)
+                        acc = b.fadd(acc, offs, flags=FAST)
+                    b.store(acc, accs[t])
+            for t in range(TOKENS):
+                at = b.add(b.mul(b.add(t0_, k(t)), n_rows_), b.mul(unit_, k(8)))
+                ptr = b.bitcast(b.gep(arr.data[OUT], [at]), f32x8.as_pointer())
+                b.store(b.load(accs[t]), ptr, align=4)
+            return context.get_dummy_value()
+
+        return sig, codegen
+
+    impl.__name__ = f"q8_half_tile_g{group}{'_min' if has_min else ''}_q{q_bound}"
+    return intrinsic(impl)
+
+
+# which micro-kernel a host runs: 512-bit vpdpbusd, AVX2's pmaddubsw on half tiles, or generic IR
+ISA = "vnni512" if VNNI512 else "avx2" if simd.AVX2 else "generic"
+
+
+def signed_activations(isa: str, q_bound: int) -> bool:
+    """Whether the kernel takes the activations as signed bytes (else with the sign bit flipped)."""
+    return isa == "avx2" and q_bound > 64
+
+
+@lru_cache(maxsize=None)
+def gemm_kernel(group: int, has_min: bool, q_bound: int, isa: str = ISA):
+    if isa == "avx2":
+        half = half_tile_kernel(group, has_min, q_bound)
+
+        @njit(parallel=True)
+        def gemm_halves(q, d, m, c, x, xd, xs, out, n_tiles, n_groups, n_cols, n_rows):
+            n_chunks = xd.size // (n_cols // 32) // TOKENS
+            for unit in prange(2 * n_tiles):  # a tile's halves on one thread: its lines once
+                for ch in range(n_chunks):
+                    half(q, d, m, c, x, xd, xs, out, unit, ch * TOKENS, n_groups, n_cols, n_rows)
+
+        return gemm_halves
+    tile = tile_kernel(group, has_min, isa == "vnni512")
 
     @njit(parallel=True)
     def gemm(q, d, m, c, xu, xd, xs, out, n_tiles, n_groups, n_cols, n_rows):
@@ -135,13 +251,17 @@ def product(panel, q8: tuple, out: np.ndarray) -> None:
     x8, xd, xs = q8
     n_tokens, n_cols = x8.shape
     padded = -(-n_tokens // TOKENS) * TOKENS
-    xu = np.full((padded, n_cols), 128, np.uint8)
-    np.bitwise_xor(x8.view(np.uint8), np.uint8(128), out=xu[:n_tokens])
+    if signed_activations(ISA, panel.q_bound):
+        xu = np.zeros((padded, n_cols), np.uint8)
+        xu[:n_tokens] = x8.view(np.uint8)
+    else:
+        xu = np.full((padded, n_cols), 128, np.uint8)
+        np.bitwise_xor(x8.view(np.uint8), np.uint8(128), out=xu[:n_tokens])
     if padded != n_tokens:
         xd = np.concatenate([xd, np.zeros((padded - n_tokens, xd.shape[1]), np.float32)])
         xs = np.concatenate([xs, np.zeros((padded - n_tokens, xs.shape[1]), np.float32)])
     full = out if padded == n_tokens else np.empty((padded, panel.n_rows), np.float32)
-    gemm_kernel(panel.group, panel.has_min)(
+    gemm_kernel(panel.group, panel.has_min, panel.q_bound)(
         panel.q, panel.d, panel.m, panel.c, xu.reshape(-1), np.ascontiguousarray(xd).reshape(-1),
         np.ascontiguousarray(xs).reshape(-1), full.reshape(-1), panel.n_rows // ROWS,
         panel.n_cols // panel.group, panel.n_cols, panel.n_rows,

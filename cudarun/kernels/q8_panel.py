@@ -109,16 +109,17 @@ def ints_q6_k(raw, base, q, d, m):
                 q[128 * n + 32 * quarter + lane] = ((low & 15) | (high << 4)) - 32
 
 
-# type -> (its integer decoder, group, whether it has a minimum)
+# type -> (its integer decoder, group, whether it has a minimum, the largest |q|: whether an AVX2
+# host's 16-bit pair sums can hold q times an unsigned activation byte, `q8_gemm`)
 INTS = {
-    Q.Q8_0: (ints_q8_0, 32, False),
-    Q.Q4_0: (ints_q4_0, 32, False),
-    Q.Q4_1: (ints_q4_1, 32, True),
-    Q.Q5_0: (ints_q5_0, 32, False),
-    Q.Q5_1: (ints_q5_1, 32, True),
-    Q.Q4_K: (ints_q4_k, 32, True),
-    Q.Q5_K: (ints_q5_k, 32, True),
-    Q.Q6_K: (ints_q6_k, 16, False),
+    Q.Q8_0: (ints_q8_0, 32, False, 128),
+    Q.Q4_0: (ints_q4_0, 32, False, 8),
+    Q.Q4_1: (ints_q4_1, 32, True, 15),
+    Q.Q5_0: (ints_q5_0, 32, False, 16),
+    Q.Q5_1: (ints_q5_1, 32, True, 31),
+    Q.Q4_K: (ints_q4_k, 32, True, 15),
+    Q.Q5_K: (ints_q5_k, 32, True, 31),
+    Q.Q6_K: (ints_q6_k, 16, False, 32),
 }
 
 
@@ -132,6 +133,7 @@ class Panel:
     c: np.ndarray
     group: int
     has_min: bool
+    q_bound: int  # the largest |q| of the type
     n_rows: int
     n_cols: int
 
@@ -147,7 +149,7 @@ def fits(qtype, shape: tuple[int, int]) -> bool:
 
 @lru_cache(maxsize=None)
 def _repack_kernel(qtype):
-    ints, group, _ = INTS[qtype]
+    ints, group = INTS[qtype][:2]
     per_block, block_nbytes = QTYPES[qtype].block_elems, QTYPES[qtype].block_nbytes
     groups_per_block = per_block // group
 
@@ -189,11 +191,11 @@ def repack(raw: np.ndarray, qtype, shape: tuple[int, int]) -> Panel:
     """The weight [n_rows, n_cols] held as GGUF blocks in `raw` (uint8), repacked."""
     qtype = Q(qtype)
     n_rows, n_cols = shape
-    _, group, has_min = INTS[qtype]
+    _, group, has_min, q_bound = INTS[qtype]
     n_scales = n_rows * (n_cols // group)
     panel = Panel(_aligned(n_rows * n_cols, np.int8), _aligned(n_scales, np.float32),
                   _aligned(n_scales, np.float32), _aligned(n_scales, np.int32), group, has_min,
-                  n_rows, n_cols)  # fmt: skip
+                  q_bound, n_rows, n_cols)  # fmt: skip
     _repack_kernel(qtype)(np.asarray(raw).reshape(-1), panel.q, panel.d, panel.m, panel.c,
                           n_rows, n_cols)  # fmt: skip
     return panel
