@@ -337,7 +337,8 @@ def _fifth_bits(b, arr, at):
 def _block_q8_0(b, arr, base, x_at, g_at):
     w8 = arr.load(0, _at(b, base, QTYPES[Q.Q8_0].offset("qs")), I8, 32)
     x8 = arr.load(X8, x_at, I8, 32)
-    if VNNI:  # |w| is shared by the tokens of a row; each token's x takes w's sign
+    if AVX2:  # |w| is shared by the tokens of a row; each token's x takes w's sign (pmaddubsw's
+        # pairs stay below 2^15: 128 x 127 x 2)
         isum = dot4(b, abs8(b, w8), sign_of(b, x8, w8))
     else:
         isum = sum8(b, madd(b, b.sext(w8, vec(I16, 32)), b.sext(x8, vec(I16, 32))))
