@@ -16,7 +16,8 @@ that sum per row and group (`c`), and a group's sums start from it. Every step i
 integers: the result is the dot product of the dequantized weights with the dequantized
 activations, as the decode rows' (`simd.q8_row`) and llama.cpp's are.
 
-On a host without AVX-512 VNNI the same IR is written with generic integer vectors (LLVM's own
+An AVX2 host without AVX-512 VNNI runs half tiles of 8 rows in 256-bit vectors (pmaddubsw and
+pmaddwd, `half_tile_kernel`); any other host the 512-bit kernel's generic integer IR (LLVM's own
 lowering): correct, slower.
 """
 
@@ -53,101 +54,16 @@ def dot4_512(b, acc, u8, s8, native: bool = VNNI512):
     return b.add(acc, b.add(b.add(quads[0], quads[1]), b.add(quads[2], quads[3])))
 
 
-@lru_cache(maxsize=None)
-def tile_kernel(group: int, has_min: bool, native: bool = VNNI512):
-    """The micro-kernel `tile(q, d, m, c, xu, xd, xs, out, tile, t0, n_groups, n_cols, n_rows)`:
-    out[t0 + t, 16 tile + r] for t < 8, r < 16 = row 16 tile + r of the panel (q, d, m, c as
-    `q8_panel.Panel` lays them out, flat) times token t0 + t's activations (xu: their int8 bytes
-    with the sign bit flipped, [T, n_cols] flat; xd, xs: [T, n_cols / 32] flat)."""
-    quads = group // 4
-
-    def impl(typingctx, q, d, m, c, xu, xd, xs, out, tile, t0, n_groups, n_cols, n_rows):
-        sig = types.void(q, d, m, c, xu, xd, xs, out, tile, t0, n_groups, n_cols, n_rows)
-
-        def codegen(context, b, sig, args):
-            arr = Arrays(context, b, sig, args)
-            tile_, t0_, n_groups_, n_cols_, n_rows_ = args[8:]
-            i64 = tile_.type
-
-            def k(v):
-                return ir.Constant(i64, v)
-
-            f32x16 = vec(F32, 16)
-            accs = [cgutils.alloca_once_value(b, ir.Constant(f32x16, [0.0] * 16))
-                    for _ in range(TOKENS)]  # fmt: skip
-            tile_groups = b.mul(tile_, n_groups_)
-            n_xgroups = b.udiv(n_cols_, k(32))
-            with cgutils.for_range(b, n_groups_) as loop:
-                g = loop.index
-                tg = b.add(tile_groups, g)  # the (tile, group) index
-                qbase = b.mul(tg, k(quads * ROWS * 4))
-                w = [arr.load(Q, b.add(qbase, k(64 * i)), I32, 16) for i in range(quads)]
-                sbase = b.mul(tg, k(ROWS))
-                dw = arr.load(D, sbase, F32, 16)
-                cw = arr.load(C, sbase, I32, 16)
-                mw = arr.load(M, sbase, F32, 16) if has_min else None
-                col = b.mul(g, k(group))
-                xg = b.udiv(col, k(32))
-                for t in range(TOKENS):
-                    tok = b.add(t0_, k(t))
-                    xrow = b.mul(tok, n_cols_)
-                    isum = cw
-                    for i in range(quads):
-                        xq = arr.load(XU, b.add(xrow, b.add(col, k(4 * i))), I32)
-                        isum = dot4_512(b, isum, broadcast(b, xq, 16), w[i], native)
-                    gi = b.add(b.mul(tok, n_xgroups), xg)
-                    scale = b.fmul(dw, broadcast(b, arr.load(XD, gi, F32), 16), flags=FAST)
-                    part = b.fmul(b.sitofp(isum, f32x16), scale, flags=FAST)
-                    acc = b.fadd(b.load(accs[t]), part, flags=FAST)
-                    if has_min:
-                        offs = b.fmul(mw, broadcast(b, arr.load(XS, gi, F32), 16), flags=FAST)
-                        acc = b.fadd(acc, offs, flags=FAST)
-                    b.store(acc, accs[t])
-            for t in range(TOKENS):
-                at = b.add(b.mul(b.add(t0_, k(t)), n_rows_), b.mul(tile_, k(ROWS)))
-                ptr = b.bitcast(b.gep(arr.data[OUT], [at]), f32x16.as_pointer())
-                b.store(b.load(accs[t]), ptr, align=4)
-            return context.get_dummy_value()
-
-        return sig, codegen
-
-    impl.__name__ = f"q8_tile_g{group}{'_min' if has_min else ''}{'' if native else '_generic'}"
-    return intrinsic(impl)
-
-
-def _avx2_quads(b, xb, wv, quads: int, pairs: bool, sign: bool):
-    """<8 x i32>: each of 8 rows' sum over `quads` quads of its four weight bytes (wv(i)) times a
-    token's four activation bytes (xb(i), broadcast), on AVX2: pmaddubsw's 16-bit pair sums, then
-    pmaddwd with ones. `pairs`: two quads' pair sums added in 16 bits first (|q| <= 32: 2 x 2 x
-    255 x 32 < 2^15); `sign`: signed activations and the weights' signs moved onto them (Q8_0's
-    |q| up to 128: 255 x 128 x 2 overflows a 16-bit pair, 127 x 128 x 2 does not)."""
-    ones = simd.splat(I16, 16, 1)
-    isum = None
-    step = 2 if pairs else 1
-    for i in range(0, quads, step):
-        if sign:
-            w = wv(i)
-            p = simd.maddubs(b, simd.abs8(b, w), simd.sign_of(b, xb(i), w))
-        else:
-            p = simd.maddubs(b, xb(i), wv(i))
-            if pairs:
-                p = b.add(p, simd.maddubs(b, xb(i + 1), wv(i + 1)))
-        s = simd.madd(b, p, ones)
-        isum = s if isum is None else b.add(isum, s)
-    return isum
-
-
-@lru_cache(maxsize=None)
-def half_tile_kernel(group: int, has_min: bool, q_bound: int):
-    """The AVX2 micro-kernel `half(q, d, m, c, x, xd, xs, out, unit, t0, n_groups, n_cols, n_rows)`:
-    `tile_kernel`'s product for rows 8 unit.. 8 unit + 7 (one half of tile unit // 2: 32 bytes of
-    each 64-byte vector) and 8 tokens, in 256-bit vectors. x: the tokens' int8 bytes, signed
-    where the type's |q| (`q_bound`) needs pmaddubsw's sign form, else with the sign bit flipped
-    as `tile_kernel` takes them. Eight float accumulators, where a whole tile's sixteen would be
-    every register AVX2 has."""
-    quads = group // 4
-    sign = q_bound > 64
-    pairs = q_bound <= 32 and quads % 2 == 0
+def _micro_kernel(name: str, group: int, has_min: bool, lanes: int, excess: bool, int_sum):
+    """A micro-kernel `kernel(q, d, m, c, x, xd, xs, out, unit, t0, n_groups, n_cols, n_rows)`:
+    out[t0 + t, lanes unit + r] for t < 8, r < lanes = row lanes unit + r of the panel (q, d, m,
+    c as `q8_panel.Panel` lays them out, flat) times token t0 + t's activations (x: their int8
+    bytes, [T, n_cols] flat; xd, xs: [T, n_cols / 32] flat). A unit is a tile (16 lanes) or
+    part of one: lanes of each of its 64-byte vectors' rows. `int_sum(b, xb, wv, cw)` gives a
+    group's <lanes x i32> sums for one token from xb(i) (its four bytes of quad i broadcast),
+    wv(i) (the unit's weight bytes of quad i), each <lanes x i32>, and cw: the rows' c (the
+    unsigned activations' excess) where `excess`, else None (signed activations)."""
+    quads, parts = group // 4, ROWS // lanes
 
     def impl(typingctx, q, d, m, c, x, xd, xs, out, unit, t0, n_groups, n_cols, n_rows):
         sig = types.void(q, d, m, c, x, xd, xs, out, unit, t0, n_groups, n_cols, n_rows)
@@ -160,20 +76,21 @@ def half_tile_kernel(group: int, has_min: bool, q_bound: int):
             def k(v):
                 return ir.Constant(i64, v)
 
-            f32x8 = vec(F32, 8)
-            accs = [cgutils.alloca_once_value(b, ir.Constant(f32x8, [0.0] * 8))
+            f32v = vec(F32, lanes)
+            accs = [cgutils.alloca_once_value(b, ir.Constant(f32v, [0.0] * lanes))
                     for _ in range(TOKENS)]  # fmt: skip
-            tile_groups = b.mul(b.lshr(unit_, k(1)), n_groups_)
-            half = b.and_(unit_, k(1))
+            tile_groups = b.mul(b.udiv(unit_, k(parts)), n_groups_)
+            part = b.urem(unit_, k(parts))
             n_xgroups = b.udiv(n_cols_, k(32))
             with cgutils.for_range(b, n_groups_) as loop:
                 g = loop.index
-                tg = b.add(tile_groups, g)
-                qbase = b.add(b.mul(tg, k(quads * ROWS * 4)), b.mul(half, k(32)))
-                sbase = b.add(b.mul(tg, k(ROWS)), b.mul(half, k(8)))
-                dw = arr.load(D, sbase, F32, 8)
-                cw = None if sign else arr.load(C, sbase, I32, 8)
-                mw = arr.load(M, sbase, F32, 8) if has_min else None
+                tg = b.add(tile_groups, g)  # the (tile, group) index
+                qbase = b.add(b.mul(tg, k(quads * ROWS * 4)), b.mul(part, k(4 * lanes)))
+                w = [arr.load(Q, b.add(qbase, k(64 * i)), I32, lanes) for i in range(quads)]
+                sbase = b.add(b.mul(tg, k(ROWS)), b.mul(part, k(lanes)))
+                dw = arr.load(D, sbase, F32, lanes)
+                mw = arr.load(M, sbase, F32, lanes) if has_min else None
+                cw = arr.load(C, sbase, I32, lanes) if excess else None
                 col = b.mul(g, k(group))
                 xg = b.udiv(col, k(32))
                 for t in range(TOKENS):
@@ -181,33 +98,81 @@ def half_tile_kernel(group: int, has_min: bool, q_bound: int):
                     xcol = b.add(b.mul(tok, n_cols_), col)
 
                     def xb(i, xcol=xcol):
-                        four = arr.load(XU, b.add(xcol, k(4 * i)), I32)
-                        return b.bitcast(broadcast(b, four, 8), vec(I8, 32))
+                        return broadcast(b, arr.load(XU, b.add(xcol, k(4 * i)), I32), lanes)
 
-                    def wv(i, qbase=qbase):
-                        return arr.load(Q, b.add(qbase, k(64 * i)), I8, 32)
-
-                    isum = _avx2_quads(b, xb, wv, quads, pairs, sign)
-                    if cw is not None:  # the unsigned activations' excess
-                        isum = b.add(isum, cw)
+                    isum = int_sum(b, xb, w.__getitem__, cw)
                     gi = b.add(b.mul(tok, n_xgroups), xg)
-                    scale = b.fmul(dw, broadcast(b, arr.load(XD, gi, F32), 8), flags=FAST)
-                    part = b.fmul(b.sitofp(isum, f32x8), scale, flags=FAST)
-                    acc = b.fadd(b.load(accs[t]), part, flags=FAST)
+                    scale = b.fmul(dw, broadcast(b, arr.load(XD, gi, F32), lanes), flags=FAST)
+                    part_sum = b.fmul(b.sitofp(isum, f32v), scale, flags=FAST)
+                    acc = b.fadd(b.load(accs[t]), part_sum, flags=FAST)
                     if has_min:
-                        offs = b.fmul(mw, broadcast(b, arr.load(XS, gi, F32), 8), flags=FAST)
+                        offs = b.fmul(mw, broadcast(b, arr.load(XS, gi, F32), lanes), flags=FAST)
                         acc = b.fadd(acc, offs, flags=FAST)
                     b.store(acc, accs[t])
             for t in range(TOKENS):
-                at = b.add(b.mul(b.add(t0_, k(t)), n_rows_), b.mul(unit_, k(8)))
-                ptr = b.bitcast(b.gep(arr.data[OUT], [at]), f32x8.as_pointer())
+                at = b.add(b.mul(b.add(t0_, k(t)), n_rows_), b.mul(unit_, k(lanes)))
+                ptr = b.bitcast(b.gep(arr.data[OUT], [at]), f32v.as_pointer())
                 b.store(b.load(accs[t]), ptr, align=4)
             return context.get_dummy_value()
 
         return sig, codegen
 
-    impl.__name__ = f"q8_half_tile_g{group}{'_min' if has_min else ''}_q{q_bound}"
+    impl.__name__ = name
     return intrinsic(impl)
+
+
+@lru_cache(maxsize=None)
+def tile_kernel(group: int, has_min: bool, native: bool = VNNI512):
+    """The 512-bit micro-kernel (`_micro_kernel` over whole tiles): one vpdpbusd (or its generic
+    IR) per quad and token, from the rows' c; x with the sign bit flipped."""
+
+    def int_sum(b, xb, wv, cw):
+        isum = cw
+        for i in range(group // 4):
+            isum = dot4_512(b, isum, xb(i), wv(i), native)
+        return isum
+
+    name = f"q8_tile_g{group}{'_min' if has_min else ''}{'' if native else '_generic'}"
+    return _micro_kernel(name, group, has_min, ROWS, True, int_sum)
+
+
+def _sign_form(q_bound: int) -> bool:
+    """Whether AVX2's pmaddubsw needs the weights' signs moved onto signed activations: a pair
+    of unsigned activation bytes (up to 255) times |q| up to 128 overflows its 16 bits, 127 x
+    128 x 2 does not."""
+    return q_bound > 64
+
+
+@lru_cache(maxsize=None)
+def half_tile_kernel(group: int, has_min: bool, q_bound: int):
+    """The AVX2 micro-kernel (`_micro_kernel` over half tiles of 8 rows, 256-bit vectors: eight
+    float accumulators, where a whole tile's sixteen would be every register AVX2 has):
+    pmaddubsw's 16-bit pair sums, then pmaddwd with ones. Where |q| <= 32, two quads' pair sums
+    are added in 16 bits first (2 x 2 x 255 x 32 < 2^15); where `_sign_form`, x is signed and
+    takes the weights' signs, else it has the sign bit flipped and the sums start from c."""
+    quads, sign = group // 4, _sign_form(q_bound)
+    step = 2 if q_bound <= 32 and quads % 2 == 0 else 1
+    ones = simd.splat(I16, 16, 1)
+
+    def int_sum(b, xb, wv, cw):
+        def u8(v):
+            return b.bitcast(v, vec(I8, 32))
+
+        isum = cw
+        for i in range(0, quads, step):
+            if sign:
+                w = u8(wv(i))
+                p = simd.maddubs(b, simd.abs8(b, w), simd.sign_of(b, u8(xb(i)), w))
+            else:
+                p = simd.maddubs(b, u8(xb(i)), u8(wv(i)))
+                if step == 2:
+                    p = b.add(p, simd.maddubs(b, u8(xb(i + 1)), u8(wv(i + 1))))
+            s = simd.madd(b, p, ones)
+            isum = s if isum is None else b.add(isum, s)
+        return isum
+
+    name = f"q8_half_tile_g{group}{'_min' if has_min else ''}_q{q_bound}"
+    return _micro_kernel(name, group, has_min, ROWS // 2, not sign, int_sum)
 
 
 # which micro-kernel a host runs: 512-bit vpdpbusd, AVX2's pmaddubsw on half tiles, or generic IR
@@ -216,30 +181,22 @@ ISA = "vnni512" if VNNI512 else "avx2" if simd.AVX2 else "generic"
 
 def signed_activations(isa: str, q_bound: int) -> bool:
     """Whether the kernel takes the activations as signed bytes (else with the sign bit flipped)."""
-    return isa == "avx2" and q_bound > 64
+    return isa == "avx2" and _sign_form(q_bound)
 
 
 @lru_cache(maxsize=None)
 def gemm_kernel(group: int, has_min: bool, q_bound: int, isa: str = ISA):
     if isa == "avx2":
-        half = half_tile_kernel(group, has_min, q_bound)
-
-        @njit(parallel=True)
-        def gemm_halves(q, d, m, c, x, xd, xs, out, n_tiles, n_groups, n_cols, n_rows):
-            n_chunks = xd.size // (n_cols // 32) // TOKENS
-            for unit in prange(2 * n_tiles):  # a tile's halves on one thread: its lines once
-                for ch in range(n_chunks):
-                    half(q, d, m, c, x, xd, xs, out, unit, ch * TOKENS, n_groups, n_cols, n_rows)
-
-        return gemm_halves
-    tile = tile_kernel(group, has_min, isa == "vnni512")
+        kernel, parts = half_tile_kernel(group, has_min, q_bound), 2
+    else:
+        kernel, parts = tile_kernel(group, has_min, isa == "vnni512"), 1
 
     @njit(parallel=True)
-    def gemm(q, d, m, c, xu, xd, xs, out, n_tiles, n_groups, n_cols, n_rows):
+    def gemm(q, d, m, c, x, xd, xs, out, n_tiles, n_groups, n_cols, n_rows):
         n_chunks = xd.size // (n_cols // 32) // TOKENS
-        for tl in prange(n_tiles):
+        for unit in prange(parts * n_tiles):  # a tile's parts on one thread: its lines once
             for ch in range(n_chunks):
-                tile(q, d, m, c, xu, xd, xs, out, tl, ch * TOKENS, n_groups, n_cols, n_rows)
+                kernel(q, d, m, c, x, xd, xs, out, unit, ch * TOKENS, n_groups, n_cols, n_rows)
 
     return gemm
 
