@@ -67,8 +67,7 @@ def test_every_micro_kernel_the_host_runs_equals_the_generic_ir(qtype):
     panel = q8_panel.repack(weights(rng, qtype, n_rows, n_cols), qtype, (n_rows, n_cols))
     assert np.abs(panel.q.astype(np.int32)).max() >= panel.q_bound - 1  # the range is reached
     x8, xd, xs = cpu.quantize_activations(rng.standard_normal((tokens, n_cols)).astype(np.float32))
-    isas = ["generic"] + [isa for isa in ("avx2", "vnni512")
-                          if isa == "avx2" and simd.AVX2 or isa == "vnni512" and q8_gemm.VNNI512]  # fmt: skip
+    isas = ["generic", *(["avx2"] if simd.AVX2 else []), *(["vnni512"] if q8_gemm.VNNI512 else [])]
     outs = []
     for isa in isas:
         signed = q8_gemm.signed_activations(isa, panel.q_bound)
