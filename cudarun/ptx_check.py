@@ -31,9 +31,9 @@ from numba import types as t
 from solver.workspace import INT8_PASS_TOKENS
 
 from . import compat  # noqa: F401  (before numba.cuda)
+from . import kernel_build
+from .kernel_build import ARCH
 
-CC = (9, 0)  # the H100 of docs/toolchain.md
-ARCH = f"sm_{CC[0]}{CC[1]}"
 
 
 def arr(dtype, ndim):
@@ -312,8 +312,6 @@ def ptxas_path() -> Path:
 def check(out: Path | None, only: str | None) -> dict[str, dict]:
     """name -> its row: `error` when it did not compile, else (with `out`) its resources, PTX stats
     and gate failures."""
-    from . import kernel_build
-
     ptxas = ptxas_path() if out else None
     rows: dict[str, dict] = {}
     for name, kernel, argtypes in kernels():
