@@ -19,7 +19,7 @@ from numba import njit, prange
 from refengine.quants import qtype as as_qtype, quantize
 from refengine.synthetic import random_kquant_blocks
 
-from .kernels import cpu
+from .kernels import cpu, q8_gemm, q8_panel
 
 GIB = 1 << 30
 
@@ -69,7 +69,7 @@ def random_weights(t, rows: int, cols: int, rng) -> np.ndarray:
 @dataclass(frozen=True)
 class MatmulRate:
     qtype: str
-    path: str  # cpu.path: q8, f32 or blas
+    path: str  # cpu.path: q8, q8gemm, f16, f32 or blas
     shape: tuple[int, int]
     tokens: int
     seconds: float  # one call, median
@@ -97,7 +97,9 @@ def matmul_rate(
     """The median time of `cpu.matmul` on `tokens` tokens, over weights rotated through
     `rotate_nbytes` (default: twice the last-level cache) and fresh inputs. `q8`: the q8 row
     kernels at any token count (what a routed stack's experts run), activations quantized in the
-    time."""
+    time. Where the path is int8 tiles, the weights are repacked before the timing, as the engine
+    keeps them (`hostmath.HostMath`): the products on the tiles, activations quantized in the
+    time, are what a prompt's ubatch runs."""
     rng = np.random.default_rng(seed)
     rows, cols = shape
     one = random_weights(t, rows, cols, rng)
@@ -108,11 +110,19 @@ def matmul_rate(
     ggml = as_qtype(t).ggml
     out = np.empty((tokens, rows), np.float32)
 
-    def product(w, x):
-        if not q8:
-            return cpu.matmul(w, x, ggml, shape, threads)
+    path = "q8" if q8 else cpu.path(ggml, tokens, shape)
+    if path == "q8gemm":
         with cpu.threads_set(threads):
-            cpu.q8_matvec(w, cpu.quantize_activations(x), ggml, shape, out)
+            weights = [q8_panel.repack(w, ggml, shape) for w in weights]
+
+    def product(w, x):
+        with cpu.threads_set(threads):
+            if path == "q8":
+                cpu.q8_matvec(w, cpu.quantize_activations(x), ggml, shape, out)
+            elif path == "q8gemm":
+                q8_gemm.product(w, cpu.quantize_activations(x), out)
+            else:
+                cpu.matmul(w, x, ggml, shape, threads)
 
     product(weights[0], xs[0])  # compile, warm
     per_pass = []
@@ -121,7 +131,4 @@ def matmul_rate(
         for w, x in zip(weights, xs):
             product(w, x)
         per_pass.append((time.perf_counter() - start) / count)
-    return MatmulRate(
-        t, "q8" if q8 else cpu.path(ggml, tokens), shape, tokens, statistics.median(per_pass),
-        one.nbytes,
-    )  # fmt: skip
+    return MatmulRate(t, path, shape, tokens, statistics.median(per_pass), one.nbytes)

@@ -1,9 +1,10 @@
 """The CPU side of a hardware profile (`solver.profile.CPUProfile`), measured on this machine by
 the runtime with its own CPU kernels (`cudarun.kernels.cpu`): the q8 matvec (int8 activations, as
-llama.cpp) for 1 token and the dequantized-panel BLAS product for prefill token counts. The memory
-figure is a Numba parallel read of at least 1 GiB on the same threads. Weights rotate over more
-than twice the last-level cache and inputs are fresh, so no rate is a cache hit (docs/pshard.md,
-reason 2).
+llama.cpp) for 1 token and, for prefill token counts, the products on int8 tiles of the weights
+repacked once (the types that repack) and on dequantized fp32 panels by BLAS (the others). The
+memory figure is a Numba parallel read of at least 1 GiB on the same threads. Weights rotate over
+more than twice the last-level cache and inputs are fresh, so no rate is a cache hit
+(docs/pshard.md, reason 2).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from refengine.spec import ModelSpec
 from .bench_cpu import GIB, host_read_gbps, last_level_cache_nbytes, matmul_rate
 from .kernels import cpu
 
-KERNEL = "cudarun CPU kernels (q8 matvec, fp32-panel BLAS matmul)"
+KERNEL = "cudarun CPU kernels (q8 matvec, int8-tile and fp32-panel matmul)"
 MATVEC_TYPES = measured_on(HOST)
 MATMUL_TOKENS = (64, 512)
 Q8_TOKENS = (8, 64)  # an expert's share of a prompt: from cpu.BLAS_TOKENS to a few dozen
@@ -52,7 +53,7 @@ def measure_cpu(
     progress("a decoded token's own cost and the output head")
     token = token_seconds(threads, quick)
     head_row, head_gbps = our_head_rates(threads, quick, token)
-    matvec, matmul, q8 = {}, {}, {}
+    matvec, matmul, q8, tiles = {}, {}, {}, {}
     for name in types:
         progress(f"matvec {name}")
         r = matmul_rate(name, shape, 1, threads, runs, nbytes)
@@ -63,12 +64,15 @@ def measure_cpu(
             )
         }
         progress(f"matmul {name}")
-        row = {}
+        row, paths = {}, set()
         for tokens in MATMUL_TOKENS:
             # compute-bound: two tensors rotate, as cache hits hardly change the rate
             r = matmul_rate(name, shape, tokens, threads, runs, rotate_nbytes=1)
             row[tokens] = Figure(r.gflops, f"{src}; {r.path} path, {tokens} tokens")
+            paths.add(r.path)
         matmul[name] = row
+        if paths == {"q8gemm"}:  # what our host's prompt runs for the type
+            tiles[name] = row
         if as_qtype(name).ggml in cpu.Q8_ROWS:
             progress(f"q8 rows {name}")
             q8[name] = {tokens: Figure(r.gflops, f"{src}; q8 path on {tokens} tokens")
@@ -158,6 +162,7 @@ def measure_cpu(
                                                                 "the slope per expert used")}
                                             for t, x in per_expert_type.items()}),  # fmt: skip
         q8_matmul_gflops=RateTable("GFLOP/s", q8),
+        tile_gflops=RateTable("GFLOP/s", tiles),
         routed_slot_seconds=Figure(slot, f"{src}; the cpu engine's prompts of {SLOT_LAYERS}-layer "
                                          "qwen3moe twins (8 experts 64 wide, 2 and 6 used), the "
                                          "slope per slot less its products and activation, per "

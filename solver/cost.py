@@ -9,7 +9,9 @@ Formulas (every rate from the HardwareProfile; M = tokens in the ubatch, the tie
    D = E * (1 - (1 - k/E)^M) distinct experts touched (docs/pshard.md reason 5), and
    flops = 2 * (params / E) * k * M. The output head computes only the rows that need logits
    (one per sequence per ubatch); the embedding is a row gather.
-2. On the CPU the same with cpu.matvec_gbps(type, threads) and cpu.matmul_gflops(type, M).
+2. On the CPU the same with cpu.matvec_gbps(type, threads) and cpu.matmul_gflops(type, M);
+   our runtime's prompt runs a type that repacks on the int8 tiles it keeps (cpu.tile_gflops),
+   the others on kept fp32 panels (the F32 row).
    Under llama.cpp, where the profile measured its own kernels, a prompt also pays per token a
    layer's cost beyond its FLOPs by type (shared by the layer's seven products) and, for an
    expert stack, each chosen expert's by type (shared by the layer's stacks).
@@ -65,7 +67,7 @@ from .groups import (ATTN_SIDE, EMBD, EXPERTS, FFN_MATRIX, HEAD, Group, expert_n
                      ffn_rank, routed_nbytes)
 from .groups import tensor_groups
 from .memory import expected_distinct_experts, kv_cell_nbytes
-from .profile import ANY_TYPE, PANEL_TYPE, Figure, HardwareProfile
+from .profile import ANY_TYPE, PANEL_TYPE, TILE_ROWS, Figure, HardwareProfile
 from .routing import RoutingStats, miss_ratio, prefetch_ratios
 from .targets import traits
 from .workspace import MAX_DECODE_TOKENS, matrix_launches
@@ -372,6 +374,8 @@ class CostModel:
         q8 = cpu.q8_matmul_gflops
         if not llama and g.kind == EXPERTS and q8 and qtype in q8.rows:
             rates, at = q8, drawn  # our host runs a stack's experts on the q8 rows
+        elif not llama and tokens >= HOST_PANEL_TOKENS and self.host_tiles(g):
+            rates = cpu.tile_gflops  # our host multiplies the int8 tiles it keeps
         elif not llama and tokens >= HOST_PANEL_TOKENS and PANEL_TYPE in rates.rows:
             qtype = PANEL_TYPE  # our host multiplies the fp32 panels it keeps, at BLAS's rate
         seconds = max(read, flops / (rates.at(qtype, at) * 1e9)) + fixed
@@ -381,6 +385,14 @@ class CostModel:
                     and tokens >= HOST_PANEL_TOKENS and cpu.routed_handoff_seconds):  # fmt: skip
                 seconds += cpu.routed_handoff_seconds.value  # after the last layer's experts
         return seconds
+
+    def host_tiles(self, g: Group) -> bool:
+        """Whether our host's prompt multiplies g on int8 tiles (`tile_gflops`): its type repacks
+        and every matrix of it has its rows in whole tiles."""
+        tiles = self.profile.cpu.tile_gflops
+        return bool(tiles) and g.qtype in tiles.rows and all(
+            self.spec.by_name[t].shape[0] % TILE_ROWS == 0
+            for t in g.tensors if len(self.spec.by_name[t].shape) == 2)
 
     def llamacpp_beyond_seconds(self, g: Group, tokens: int) -> float:
         """A prompt token's cost in llama.cpp's CPU products of g beyond their FLOPs, where the

@@ -29,6 +29,9 @@ VERSION = 1
 ANY_TYPE = "*"
 # the CPU matmul row of fp32 weights: our runtime's host prefill multiplies cached fp32 panels
 PANEL_TYPE = "F32"
+# the rows of one of our host's int8 tiles (`cudarun.kernels.q8_gemm.ROWS`): a weight whose rows
+# are not a whole number of tiles stays on the fp32 panels
+TILE_ROWS = 16
 
 
 @dataclass(frozen=True)
@@ -213,6 +216,11 @@ class CPUProfile:
     # experts at prefill, each on the tokens it drew), by type and token count
     routed_layer_seconds: Figure | None = None
     q8_matmul_gflops: RateTable | None = None
+    # ours: a prompt's products on the int8 tiles of a weight repacked once and kept (`q8_gemm`),
+    # by type and token count, for the types that repack (rows in whole tiles of TILE_ROWS): the
+    # rest run on kept fp32 panels (matmul_gflops' PANEL_TYPE row); absent, every type is priced
+    # at the panels' rate
+    tile_gflops: RateTable | None = None
     llamacpp_routed_layer_seconds: Figure | None = None  # llama.cpp's, the same way
     # a routed layer's fixed cost beyond the above for each expert a decode chose (ours,
     # llama.cpp's): where these are measured, the routed layer's figure is its cost before any

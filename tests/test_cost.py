@@ -46,18 +46,17 @@ def toy_profile(h2d_busy=5.0) -> HardwareProfile:
     return HardwareProfile("toy", (gpu,), cpu)
 
 
-DENSE = spec_from_hparams(
-    SyntheticConfig(
-        "llama",
-        n_layer=2,
-        n_embd=1024,
-        n_ff=4096,
-        n_head=8,
-        n_head_kv=8,
-        n_vocab=32000,
-        qtype="F16",
-    )
+DENSE_CONFIG = SyntheticConfig(
+    "llama",
+    n_layer=2,
+    n_embd=1024,
+    n_ff=4096,
+    n_head=8,
+    n_head_kv=8,
+    n_vocab=32000,
+    qtype="F16",
 )
+DENSE = spec_from_hparams(DENSE_CONFIG)
 W = Workload(n_ctx=4096, prompt_tokens=512, gen_tokens=100)
 
 
@@ -101,6 +100,41 @@ def test_our_host_prefill_runs_at_the_fp32_panels_rate():
     assert CostModel(DENSE, panels, W, "llamacpp").cpu_seconds(up, 512) == pytest.approx(
         flops / 100e9)
     assert CostModel(DENSE, base, W).cpu_seconds(up, 512) == pytest.approx(flops / 100e9)
+
+
+def test_our_host_prefill_runs_a_type_that_repacks_at_its_int8_tiles_rate():
+    """Our runtime multiplies the int8 tiles it keeps for the types that repack (`tile_gflops`),
+    the fp32 panels for the rest; a matrix whose rows are not whole tiles stays on the panels, and
+    llama.cpp's CPU backend keeps the type's own rate."""
+    from solver.cost import TILE_ROWS
+    from solver.profile import PANEL_TYPE
+
+    q4k = spec_from_hparams(replace(DENSE_CONFIG, qtype="Q4_K"))
+    base = toy_profile()
+    rows = dict(base.cpu.matmul_gflops.rows) | {PANEL_TYPE: {64: Figure(400.0, "toy")}}
+    tiles = RateTable("GFLOP/s", {"Q4_K": {64: Figure(250.0, "toy"), 512: Figure(1000.0, "toy")}})
+    prof = replace(base, cpu=replace(base.cpu, matmul_gflops=RateTable("GFLOP/s", rows),
+                                     tile_gflops=tiles))  # fmt: skip
+    up = next(g for g in CostModel(q4k, prof, W).groups if g.name == "blk.0.ffn_up")
+    flops = 2 * 4194304 * 512
+    assert CostModel(q4k, prof, W).cpu_seconds(up, 512) == pytest.approx(flops / 1000e9)
+    assert CostModel(q4k, prof, W, "llamacpp").cpu_seconds(up, 512) == pytest.approx(
+        flops / 100e9)
+    # F16 does not repack: the panels' rate
+    f16_up = next(g for g in CostModel(DENSE, prof, W).groups if g.name == "blk.0.ffn_up")
+    assert CostModel(DENSE, prof, W).cpu_seconds(f16_up, 512) == pytest.approx(flops / 400e9)
+    # 4096 + 8 rows: not whole tiles of 16
+    odd = spec_from_hparams(replace(DENSE_CONFIG, qtype="Q4_K", n_ff=4096 + TILE_ROWS // 2))
+    odd_up = next(g for g in CostModel(odd, prof, W).groups if g.name == "blk.0.ffn_up")
+    odd_flops = 2 * 1024 * (4096 + TILE_ROWS // 2) * 512
+    assert CostModel(odd, prof, W).cpu_seconds(odd_up, 512) == pytest.approx(odd_flops / 400e9)
+
+
+def test_the_cost_models_tile_rows_are_the_kernels():
+    from cudarun.kernels.q8_gemm import ROWS
+    from solver.profile import TILE_ROWS
+
+    assert TILE_ROWS == ROWS
 
 
 def test_prefill_can_stream_cpu_resident_weights_instead_of_computing_them_on_the_cpu():

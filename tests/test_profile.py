@@ -176,6 +176,7 @@ def test_profile_measures_the_cpu_and_llama_cpps_rates_which_price_the_llamacpp_
     kernels' rates."""
     from dataclasses import replace
 
+    from cudarun.kernels import q8_panel
     from cudarun.measure_cpu import TINY
     from refengine.synthetic import SyntheticConfig, spec_from_hparams
     from solver.cpu_tests import cpu_cost_model, generation_seconds, prompt_seconds
@@ -205,6 +206,11 @@ def test_profile_measures_the_cpu_and_llama_cpps_rates_which_price_the_llamacpp_
     fixed_bound = 1e-2
     assert "q8 path" in cpu.matvec_gbps.rows["Q4_K"][cpu.threads].source
     assert cpu.matmul_gflops.at("Q8_0", 512) > 1.0
+    # a prompt's products on int8 tiles, for exactly the types that repack
+    assert set(cpu.tile_gflops.rows) == {t for t in cpu.matmul_gflops.rows
+                                         if t in {q.name for q in q8_panel.INTS}}  # fmt: skip
+    assert {"Q4_K", "Q6_K", "Q8_0"} <= set(cpu.tile_gflops.rows)
+    assert "q8gemm path" in cpu.tile_gflops.rows["Q4_K"][512].source
     # our host prefill's attention and gated activation, beyond the matrices; our decode's
     # attention, a layer's and a routed layer's fixed cost, the q8 rows on several tokens
     assert 0 < cpu.attention_score_seconds.at(ANY_TYPE, 64) < 1e-6

@@ -94,3 +94,19 @@ def test_matmul_takes_the_tiles_for_a_prompt_of_whole_tiles():
     assert normwise(got, matmul_q(x, raw, Q.Q4_K, (64, 512))) < 1e-2
     exact = cpu.matmul(raw, x, Q.Q4_K, (64, 512), exact=True)
     assert normwise(exact, matmul_q(x, raw, Q.Q4_K, (64, 512))) < 1e-5
+
+
+def test_the_profiles_prompt_rate_times_the_kept_tiles_products(monkeypatch):
+    """`bench_cpu.matmul_rate` on a type that repacks times what a prompt's ubatch runs: the
+    products on tiles repacked once before the timing (the engine keeps them), not a repack per
+    product, which priced a prompt at a fraction of its speed."""
+    from cudarun import bench_cpu
+
+    repacks, products = [], []
+    repack, product = q8_panel.repack, q8_gemm.product
+    monkeypatch.setattr(q8_panel, "repack", lambda *a: repacks.append(1) or repack(*a))
+    monkeypatch.setattr(q8_gemm, "product", lambda *a: products.append(len(repacks)) or product(*a))
+    r = bench_cpu.matmul_rate("Q4_K", (32, 256), 16, threads=1, runs=2, rotate_nbytes=1)
+    assert r.path == "q8gemm" and r.seconds > 0
+    # two weights rotate: both repacked, then 1 warm-up and 2 runs x 2 products on them
+    assert len(repacks) == 2 and products == [2] * 5
