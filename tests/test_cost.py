@@ -106,8 +106,7 @@ def test_our_host_prefill_runs_a_type_that_repacks_at_its_int8_tiles_rate():
     """Our runtime multiplies the int8 tiles it keeps for the types that repack (`tile_gflops`),
     the fp32 panels for the rest; a matrix whose rows are not whole tiles stays on the panels, and
     llama.cpp's CPU backend keeps the type's own rate."""
-    from solver.cost import TILE_ROWS
-    from solver.profile import PANEL_TYPE
+    from solver.profile import PANEL_TYPE, TILE_ROWS
 
     q4k = spec_from_hparams(replace(DENSE_CONFIG, qtype="Q4_K"))
     base = toy_profile()
