@@ -98,8 +98,8 @@ def matmul_rate(
     `rotate_nbytes` (default: twice the last-level cache) and fresh inputs. `q8`: the q8 row
     kernels at any token count (what a routed stack's experts run), activations quantized in the
     time. Where the path is int8 tiles, the weights are repacked before the timing, as the engine
-    keeps them (`hostmath.HostMath`): the products on the tiles, activations quantized in the
-    time, are what a prompt's ubatch runs."""
+    keeps them (`hostmath.HostMath`), and the activations quantized before it too: the products on
+    the tiles alone (a profile prices the quantization per value apart)."""
     rng = np.random.default_rng(seed)
     rows, cols = shape
     one = random_weights(t, rows, cols, rng)
@@ -114,13 +114,14 @@ def matmul_rate(
     if path == "q8gemm":
         with cpu.threads_set(threads):
             weights = [q8_panel.repack(w, ggml, shape) for w in weights]
+        xs = [cpu.quantize_activations(x) for x in xs]
 
     def product(w, x):
         with cpu.threads_set(threads):
             if path == "q8":
                 cpu.q8_matvec(w, cpu.quantize_activations(x), ggml, shape, out)
             elif path == "q8gemm":
-                q8_gemm.product(w, cpu.quantize_activations(x), out)
+                q8_gemm.product(w, x, out)
             else:
                 cpu.matmul(w, x, ggml, shape, threads)
 

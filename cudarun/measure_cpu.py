@@ -91,6 +91,7 @@ def measure_cpu(
     score, row = attention_costs(quick, runs)
     decode_score = decode_attention_costs(threads, quick)
     glu, gelu = (glu_seconds(quick, runs, act) for act in ("silu", "gelu"))
+    quantize = quantize_seconds(quick, runs)
     rope_angle, rope = rope_seconds(quick, runs)
     rope_twins = (f"cpu_ops.rope, serial, over {128 if quick else 512} tokens x "
                   f"{' and '.join(map(str, ROPE_HEADS))} heads of 128")
@@ -163,6 +164,8 @@ def measure_cpu(
                                             for t, x in per_expert_type.items()}),  # fmt: skip
         q8_matmul_gflops=RateTable("GFLOP/s", q8),
         tile_gflops=RateTable("GFLOP/s", tiles),
+        quantize_value_seconds=Figure(quantize, f"{src}; cpu.quantize_activations over "
+                                                f"{' x '.join(map(str, QUANTIZE_SHAPE))}, serial"),
         routed_slot_seconds=Figure(slot, f"{src}; the cpu engine's prompts of {SLOT_LAYERS}-layer "
                                          "qwen3moe twins (8 experts 64 wide, 2 and 6 used), the "
                                          "slope per slot less its products and activation, per "
@@ -283,6 +286,19 @@ def glu_seconds(quick: bool, runs: int, act: str = "silu") -> float:
     gate, up = (np.random.default_rng(1).standard_normal(shape).astype(np.float32) for _ in "gu")
     return _median_seconds(lambda: cpu_ops.gated(gate, up, act == "gelu", parallel=False),
                            runs) / gate.size  # fmt: skip
+
+
+QUANTIZE_SHAPE = (512, 4096)
+
+
+def quantize_seconds(quick: bool, runs: int) -> float:
+    """Seconds per value of a prompt's activations quantized for its int8 tiles, as a ubatch runs
+    it: serially, once per product input."""
+    import numpy as np
+
+    x = np.random.default_rng(2).standard_normal(QUANTIZE_SHAPE).astype(np.float32)
+    cpu.quantize_activations(x)  # compiled
+    return _median_seconds(lambda: cpu.quantize_activations(x), runs) / x.size
 
 
 ROPE_HEADS = (1, 16)  # the twins: the angles' cost is the same, the rotated elements' 16x

@@ -11,7 +11,8 @@ Formulas (every rate from the HardwareProfile; M = tokens in the ubatch, the tie
    (one per sequence per ubatch); the embedding is a row gather.
 2. On the CPU the same with cpu.matvec_gbps(type, threads) and cpu.matmul_gflops(type, M);
    our runtime's prompt runs a type that repacks on the int8 tiles it keeps (cpu.tile_gflops),
-   the others on kept fp32 panels (the F32 row).
+   after quantizing each input once (cpu.quantize_value_seconds per value), the others on kept
+   fp32 panels (the F32 row).
    Under llama.cpp, where the profile measured its own kernels, a prompt also pays per token a
    layer's cost beyond its FLOPs by type (shared by the layer's seven products) and, for an
    expert stack, each chosen expert's by type (shared by the layer's stacks).
@@ -376,6 +377,8 @@ class CostModel:
             rates, at = q8, drawn  # our host runs a stack's experts on the q8 rows
         elif not llama and tokens >= HOST_PANEL_TOKENS and self.host_tiles(g):
             rates = cpu.tile_gflops  # our host multiplies the int8 tiles it keeps
+            if cpu.quantize_value_seconds:  # their inputs quantized first, serially
+                fixed += tokens * self.quantized_values(g) * cpu.quantize_value_seconds.value
         elif not llama and tokens >= HOST_PANEL_TOKENS and PANEL_TYPE in rates.rows:
             qtype = PANEL_TYPE  # our host multiplies the fp32 panels it keeps, at BLAS's rate
         seconds = max(read, flops / (rates.at(qtype, at) * 1e9)) + fixed
@@ -393,6 +396,20 @@ class CostModel:
         return bool(tiles) and g.qtype in tiles.rows and all(
             self.spec.by_name[t].shape[0] % TILE_ROWS == 0
             for t in g.tensors if len(self.spec.by_name[t].shape) == 2)
+
+    def quantized_values(self, g: Group) -> float:
+        """Values a prompt token's inputs to g's products hold, each input quantized once: Q, K
+        and V read one; gate and up read one, half of it priced to each."""
+        inputs = {}
+        for t in g.tensors:
+            shape = self.spec.by_name[t].shape
+            if len(shape) == 2:
+                role = t.split(".")[-2]
+                inputs["qkv" if role in ("attn_q", "attn_k", "attn_v") else role] = shape[1]
+        shared = g.kind == FFN_MATRIX and {"ffn_gate", "ffn_up"} <= {
+            x.name.split(".")[-1] for x in self.by_layer[g.layer]} and (
+            g.name.endswith(("ffn_gate", "ffn_up")))  # fmt: skip
+        return sum(inputs.values()) / (2 if shared else 1)
 
     def llamacpp_beyond_seconds(self, g: Group, tokens: int) -> float:
         """A prompt token's cost in llama.cpp's CPU products of g beyond their FLOPs, where the

@@ -221,6 +221,10 @@ class CPUProfile:
     # rest run on kept fp32 panels (matmul_gflops' PANEL_TYPE row); absent, every type is priced
     # at the panels' rate
     tile_gflops: RateTable | None = None
+    # ours: the activations of those products quantized to int8 per 32 (once per input, serially:
+    # `cpu.quantize_activations`), per value; the tiles' rate above is without it: a product of
+    # few rows pays it over few FLOPs (640 x 2048 ran at 269 GFLOP/s where 4096 x 4096 ran 463)
+    quantize_value_seconds: Figure | None = None
     llamacpp_routed_layer_seconds: Figure | None = None  # llama.cpp's, the same way
     # a routed layer's fixed cost beyond the above for each expert a decode chose (ours,
     # llama.cpp's): where these are measured, the routed layer's figure is its cost before any

@@ -129,6 +129,34 @@ def test_our_host_prefill_runs_a_type_that_repacks_at_its_int8_tiles_rate():
     assert CostModel(odd, prof, W).cpu_seconds(odd_up, 512) == pytest.approx(odd_flops / 400e9)
 
 
+def test_our_host_prefill_on_tiles_pays_each_inputs_quantization_once():
+    """Before its products on tiles our host quantizes each input once, serially, per value
+    (`quantize_value_seconds`): Q, K and V share the normed input, gate and up share theirs (half
+    priced to each), down and the output matrix read their own; the panels pay none."""
+    from solver.profile import PANEL_TYPE
+
+    q4k = spec_from_hparams(replace(DENSE_CONFIG, qtype="Q4_K"))
+    base = toy_profile()
+    rows = dict(base.cpu.matmul_gflops.rows) | {PANEL_TYPE: {64: Figure(400.0, "toy")}}
+    tiles = RateTable("GFLOP/s", {"Q4_K": {64: Figure(1000.0, "toy")}})
+    per_value = 2e-9
+    quantized = replace(base, cpu=replace(base.cpu, matmul_gflops=RateTable("GFLOP/s", rows),
+                                          tile_gflops=tiles,
+                                          quantize_value_seconds=Figure(per_value, "toy")))
+    alone = replace(quantized, cpu=replace(quantized.cpu, quantize_value_seconds=None))
+    groups = {g.name: g for g in CostModel(q4k, alone, W).groups}
+    # n_embd 1024: q, k and v read one input, the output matrix its 8 x 128; gate and up read
+    # the normed input (half each), down its 4096
+    for name, values in (("blk.0.attn", 1024 + 1024), ("blk.0.ffn_gate", 512),
+                         ("blk.0.ffn_up", 512), ("blk.0.ffn_down", 4096)):  # fmt: skip
+        extra = (CostModel(q4k, quantized, W).cpu_seconds(groups[name], 512)
+                 - CostModel(q4k, alone, W).cpu_seconds(groups[name], 512))
+        assert extra == pytest.approx(512 * values * per_value), name
+    f16_up = next(g for g in CostModel(DENSE, quantized, W).groups if g.name == "blk.0.ffn_up")
+    assert (CostModel(DENSE, quantized, W).cpu_seconds(f16_up, 512)
+            == CostModel(DENSE, alone, W).cpu_seconds(f16_up, 512))
+
+
 def test_the_cost_models_tile_rows_are_the_kernels():
     from cudarun.kernels.q8_gemm import ROWS
     from solver.profile import TILE_ROWS

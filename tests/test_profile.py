@@ -211,6 +211,7 @@ def test_profile_measures_the_cpu_and_llama_cpps_rates_which_price_the_llamacpp_
                                          if t in {q.name for q in q8_panel.INTS}}  # fmt: skip
     assert {"Q4_K", "Q6_K", "Q8_0"} <= set(cpu.tile_gflops.rows)
     assert "q8gemm path" in cpu.tile_gflops.rows["Q4_K"][512].source
+    assert 0 < cpu.quantize_value_seconds.value < 1e-6  # ~2 ns a value on one thread
     # our host prefill's attention and gated activation, beyond the matrices; our decode's
     # attention, a layer's and a routed layer's fixed cost, the q8 rows on several tokens
     assert 0 < cpu.attention_score_seconds.at(ANY_TYPE, 64) < 1e-6

@@ -97,16 +97,18 @@ def test_matmul_takes_the_tiles_for_a_prompt_of_whole_tiles():
 
 
 def test_the_profiles_prompt_rate_times_the_kept_tiles_products(monkeypatch):
-    """`bench_cpu.matmul_rate` on a type that repacks times what a prompt's ubatch runs: the
-    products on tiles repacked once before the timing (the engine keeps them), not a repack per
-    product, which priced a prompt at a fraction of its speed."""
+    """`bench_cpu.matmul_rate` on a type that repacks times the products a prompt's ubatch runs
+    on tiles repacked once before the timing (the engine keeps them), not a repack per product,
+    which priced a prompt at a fraction of its speed; the activations are quantized before it too
+    (a profile prices that per value, apart)."""
     from cudarun import bench_cpu
 
-    repacks, products = [], []
-    repack, product = q8_panel.repack, q8_gemm.product
-    monkeypatch.setattr(q8_panel, "repack", lambda *a: repacks.append(1) or repack(*a))
-    monkeypatch.setattr(q8_gemm, "product", lambda *a: products.append(len(repacks)) or product(*a))
+    calls, product = [], q8_gemm.product
+    for module, name in ((q8_panel, "repack"), (cpu, "quantize_activations")):
+        monkeypatch.setattr(module, name, lambda *a, f=getattr(module, name), n=name: (
+            calls.append(n) or f(*a)))  # fmt: skip
+    monkeypatch.setattr(q8_gemm, "product", lambda *a: calls.append("product") or product(*a))
     r = bench_cpu.matmul_rate("Q4_K", (32, 256), 16, threads=1, runs=2, rotate_nbytes=1)
     assert r.path == "q8gemm" and r.seconds > 0
-    # two weights rotate: both repacked, then 1 warm-up and 2 runs x 2 products on them
-    assert len(repacks) == 2 and products == [2] * 5
+    # two weights and two inputs rotate: prepared, then 1 warm-up and 2 runs x 2 products
+    assert calls == ["repack"] * 2 + ["quantize_activations"] * 2 + ["product"] * 5
