@@ -77,7 +77,7 @@ PINNED, STREAMED, CPU = "pinned", "streamed", "cpu"
 # an expert stack streamed in part: once the router has run, only the experts it chose are copied
 ROUTED = "routed"
 OP_OFFLOAD_MIN_TOKENS = 32  # llama.cpp's GGML_OP_OFFLOAD_MIN_BATCH
-# from this many tokens on our host matmul is BLAS on cached fp32 panels (cudarun.kernels.cpu's
+# from this many tokens our host multiplies kept int8 tiles or fp32 panels (cudarun.kernels.cpu's
 # BLAS_TOKENS; below it the q8 row kernels)
 HOST_PANEL_TOKENS = 8
 # Calibrated, each on one cell of llama.cpp #22692 (Qwen3-32B-Q4 at 256K on the RTX 5080 machine),
@@ -115,9 +115,15 @@ class Operations:
         return Operations(self.copies * n, self.all_reduces * n, self.hops * n)
 
 
+def matrices(spec: ModelSpec, g: Group) -> dict[str, tuple[int, ...]]:
+    """Group g's matrices (its 2-D tensors, not norms or biases) by name, with their shapes."""
+    shapes = {t: spec.by_name[t].shape for t in g.tensors}
+    return {t: shape for t, shape in shapes.items() if len(shape) == 2}
+
+
 def matrix_rows(spec: ModelSpec, g: Group) -> int:
     """The rows of group g's matrices (a head's: its vocabulary)."""
-    return sum(spec.by_name[t].shape[0] for t in g.tensors if len(spec.by_name[t].shape) == 2)
+    return sum(shape[0] for shape in matrices(spec, g).values())
 
 
 def hops_between(a: int, b: int) -> int:
@@ -394,21 +400,18 @@ class CostModel:
         and every matrix of it has its rows in whole tiles."""
         tiles = self.profile.cpu.tile_gflops
         return bool(tiles) and g.qtype in tiles.rows and all(
-            self.spec.by_name[t].shape[0] % TILE_ROWS == 0
-            for t in g.tensors if len(self.spec.by_name[t].shape) == 2)
+            shape[0] % TILE_ROWS == 0 for shape in matrices(self.spec, g).values())
 
     def quantized_values(self, g: Group) -> float:
         """Values a prompt token's inputs to g's products hold, each input quantized once: Q, K
         and V read one; gate and up read one, half of it priced to each."""
         inputs = {}
-        for t in g.tensors:
-            shape = self.spec.by_name[t].shape
-            if len(shape) == 2:
-                role = t.split(".")[-2]
-                inputs["qkv" if role in ("attn_q", "attn_k", "attn_v") else role] = shape[1]
-        shared = g.kind == FFN_MATRIX and {"ffn_gate", "ffn_up"} <= {
-            x.name.split(".")[-1] for x in self.by_layer[g.layer]} and (
-            g.name.endswith(("ffn_gate", "ffn_up")))  # fmt: skip
+        for t, shape in matrices(self.spec, g).items():
+            role = t.split(".")[-2]
+            inputs["qkv" if role in ("attn_q", "attn_k", "attn_v") else role] = shape[1]
+        gate_up = {"ffn_gate", "ffn_up"}
+        shared = g.name.split(".")[-1] in gate_up and gate_up <= {
+            x.name.split(".")[-1] for x in self.by_layer[g.layer]}  # fmt: skip
         return sum(inputs.values()) / (2 if shared else 1)
 
     def llamacpp_beyond_seconds(self, g: Group, tokens: int) -> float:
