@@ -132,7 +132,8 @@ def measure_cpu(
             for dim, x in score.items()}}),  # fmt: skip
         attention_row_seconds=Figure(row, f"{src}; the same two runs' per-row intercept"),
         decode_score_seconds=RateTable("s", {ANY_TYPE: {
-            dim: Figure(x, f"{src}; the cpu engine decoding tiny synthetic llamas, 8/2 heads of "
+            dim: Figure(x, f"{src}; the cpu engine decoding synthetic llamas of "
+                           f"{'tiny layers' if quick else DECODE_TWIN_MATRICES}, 8/2 heads of "
                            f"{dim}, at depth {'512' if quick else '4096'} and 0, the per-score "
                            "difference")
             for dim, x in decode_score.items()}}),  # fmt: skip
@@ -215,13 +216,13 @@ SCORE_HEADS = 8  # query heads of the attention twins, over SCORE_TWIN_KV_HEADS 
 
 
 def score_twin_config(n_layer: int, head_dim: int, n_ctx: int,
-                      kv_heads: int = SCORE_TWIN_KV_HEADS):  # fmt: skip
-    """A synthetic llama whose time at depth is its attention: small matrices, `kv_heads` KV heads
-    of `head_dim` under SCORE_HEADS query heads for every SCORE_TWIN_KV_HEADS, a 512-token
-    vocabulary."""
+                      kv_heads: int = SCORE_TWIN_KV_HEADS, **matrices):  # fmt: skip
+    """A synthetic llama whose time at depth is its attention: small matrices (unless `matrices`
+    sizes them: n_embd, n_ff, qtype), `kv_heads` KV heads of `head_dim` under SCORE_HEADS query
+    heads for every SCORE_TWIN_KV_HEADS, a 512-token vocabulary."""
     from refengine.synthetic import SyntheticConfig
 
-    return SyntheticConfig("llama", n_layer=n_layer, n_embd=256, n_ff=256,
+    return SyntheticConfig("llama", n_layer=n_layer, **({"n_embd": 256, "n_ff": 256} | matrices),
                            n_head=score_heads(kv_heads), n_head_kv=kv_heads, head_dim=head_dim,
                            n_vocab=512, n_ctx_train=n_ctx)  # fmt: skip
 
@@ -244,14 +245,20 @@ def twin_engine(path: Path, config, threads: int, n_ctx: int):
     return engine
 
 
+# the decode attention twins' matrices: a 1B model's layer (~38 MB of Q4_K) between attentions.
+# Between the tiny twin's matrices of 256, a score cost 13-26% less than between these, and 25-45%
+# less than inside qwen2-1.5B or a small qwen3moe (docs/measured/2026-12-07-decode-score-twins.txt)
+DECODE_TWIN_MATRICES = dict(n_embd=2048, n_ff=8192, qtype="Q4_K")
+
+
 def decode_attention_costs(threads: int, quick: bool) -> dict[int, float]:
     """{head size: seconds per query head and key} of our decode's attention as the cpu engine
-    runs it (the fused layer's, cell by cell): tiny synthetic llamas, 8 query heads over 2 KV
-    heads of the size, decoding at a depth and at 0; the difference per layer, query head and
-    key. (The kernel timed on its own ran ~25% faster than inside a model's decode.) The two
-    depths are two engines decoding in turn, each side's least disturbed token taken: timed one
-    depth after the other, a busy host's burst during one read 5e-6 s a score where a quiet
-    sitting reads 2-8e-8."""
+    runs it (the fused layer's, cell by cell): synthetic llamas with a real model's layers
+    (DECODE_TWIN_MATRICES; tiny with `quick`), 8 query heads over 2 KV heads of the size,
+    decoding at a depth and at 0; the difference per layer, query head and key. (The kernel timed
+    on its own ran ~25% faster than inside a model's decode.) The two depths are two engines
+    decoding in turn, each side's least disturbed token taken: timed one depth after the other, a
+    busy host's burst during one read 5e-6 s a score where a quiet sitting reads 2-8e-8."""
     import tempfile
 
     import numpy as np
@@ -263,8 +270,9 @@ def decode_attention_costs(threads: int, quick: bool) -> dict[int, float]:
     with tempfile.TemporaryDirectory(prefix="refengine-attention-") as tmp:
         for dim in ATTENTION_DIMS:
             n_ctx = depth + 4 * tokens
-            shallow = twin_engine(Path(tmp) / f"{dim}.gguf",
-                                  score_twin_config(n_layer, dim, 2 * depth), threads, n_ctx)
+            config = score_twin_config(n_layer, dim, 2 * depth,
+                                       **({} if quick else DECODE_TWIN_MATRICES))  # fmt: skip
+            shallow = twin_engine(Path(tmp) / f"{dim}.gguf", config, threads, n_ctx)
             deep = CpuEngine(shallow.spec, threads=threads, n_ctx=n_ctx)
             deep.warm_up()
             for engine, fill in ((shallow, 4), (deep, depth)):

@@ -80,6 +80,11 @@ OP_OFFLOAD_MIN_TOKENS = 32  # llama.cpp's GGML_OP_OFFLOAD_MIN_BATCH
 # from this many tokens our host multiplies kept int8 tiles or fp32 panels (cudarun.kernels.cpu's
 # BLAS_TOKENS; below it the q8 row kernels)
 HOST_PANEL_TOKENS = 8
+# (cell, query head) pairs of a decode step from which our host's attention (cudarun.kernels.
+# cpu_layer) scores its cells on every thread; below them on one: the parallel region paid ~20 us
+# a call more than the serial (qwen2-1.5B's 12 heads: 21 against 0.8 us at depth 0, 29 against 9
+# at 32, even at 256 cells, ahead from 1024); at depth 32 that was a thirtieth of the layer
+HOST_ATTENTION_PARALLEL_PAIRS = 3072
 # Calibrated, each on one cell of llama.cpp #22692 (Qwen3-32B-Q4 at 256K on the RTX 5080 machine),
 # which examples/compare_seeds.py then leaves out of its medians:
 # - flash attention on a GPU reaches this fraction of the profile's matmul rate (its softmax runs
@@ -616,7 +621,10 @@ class CostModel:
                               rows * (cells * score + cpu.attention_row_seconds.value))
         # our decode's attention (the fused layer's, cell by cell), where measured
         if not self.traits.ggml_cpu and tokens < HOST_PANEL_TOKENS and cpu.decode_score_seconds:
-            score = cpu.decode_score_seconds.at(ANY_TYPE, hp.head_dim)
+            score = cpu.decode_score_seconds.at(ANY_TYPE, hp.head_dim)  # on the profile's threads
+            # Gemma-3's windows of 512 cells under 4 heads stay on one thread at any depth
+            serial = tokens * keys * hp.n_head < HOST_ATTENTION_PARALLEL_PAIRS
+            score = np.where(serial, score * cpu.threads, score)
             return np.maximum(nbytes / (gbps * 1e9), hp.n_head * tokens * keys * score)
         return np.maximum(
             nbytes / (gbps * 1e9),

@@ -789,6 +789,24 @@ def test_our_decode_attention_is_priced_per_query_head_and_key_as_measured():
             CostModel(DENSE, base, W, target).attention_seconds(0, tokens, 1000, cpu))
 
 
+def test_our_decode_attention_below_the_parallel_pairs_runs_on_one_thread():
+    """Under HOST_ATTENTION_PARALLEL_PAIRS (cell, query head) pairs our host scores a decode's
+    cells on one thread: each score costs the profile's threads times the measured (parallel)
+    figure; at the pairs and above, the figure itself."""
+    from solver.cost import HOST_ATTENTION_PARALLEL_PAIRS
+
+    base = toy_profile()
+    measured = replace(base, cpu=replace(base.cpu, threads=4, decode_score_seconds=RateTable(
+        "s", {ANY_TYPE: {128: Figure(3e-7, "toy")}})))  # fmt: skip
+    hp = DENSE.hparams
+    assert hp.head_dim == 128
+    ours = CostModel(DENSE, measured, W)
+    edge = HOST_ATTENTION_PARALLEL_PAIRS // hp.n_head  # keys at which the pairs are reached
+    for keys, threads in ((edge - 8, 4), (edge + 8, 1)):
+        assert ours.attention_seconds(0, 1, keys - 1, Loc(CPU)) == pytest.approx(
+            hp.n_head * keys * 3e-7 * threads)
+
+
 def test_a_prompt_pays_a_dequantize_and_a_product_launch_per_fp16_panel(monkeypatch):
     """Past the matvec tokens each product on our runtime dequantizes fp16 panels and calls cuBLAS
     per panel, each a launch from Python (an 8B prompt on 256-row panels ran 10x slower than on

@@ -31,6 +31,8 @@ from llvmlite import ir
 from numba import njit, prange, types
 from numba.extending import intrinsic, register_jitable
 
+from solver.cost import HOST_ATTENTION_PARALLEL_PAIRS
+
 from ..blocks import layout
 from .cpu import quantize_activations, quantize_group, row_dots
 from .cpu_ops import activation32, hidden, twins
@@ -200,21 +202,17 @@ def _attention_chunks(q, kc, vc, pos, lo, hi, seq, cell_pos, cell_seq, n_head, n
 
 
 _attention_parallel, _attention_serial = twins(fastmath=True)(_attention_chunks)
-# (cell, query head) pairs of a decode step from which the chunks run in parallel: the parallel
-# twin paid ~20 us a call more than the serial (qwen2-1.5B's 12 heads: 21 against 0.8 us at depth
-# 0, 29 against 9 at 32, even at 256 cells, ahead from 1024); at depth 32 that was a thirtieth of
-# the layer
-ATTENTION_PARALLEL_PAIRS = 3072
 
 
 @register_jitable
 def _attention(q, kc, vc, pos, lo, hi, seq, cell_pos, cell_seq, n_head, n_kv, window, attn_scale,
                out):  # fmt: skip
-    """`_attention_chunks`, serial below ATTENTION_PARALLEL_PAIRS."""
+    """`_attention_chunks`, serial below HOST_ATTENTION_PARALLEL_PAIRS (which the cost model
+    prices)."""
     cells = 0
     for t in range(q.shape[0]):
         cells += hi[t] - lo[t]
-    if cells * n_head < ATTENTION_PARALLEL_PAIRS:
+    if cells * n_head < HOST_ATTENTION_PARALLEL_PAIRS:
         _attention_serial(q, kc, vc, pos, lo, hi, seq, cell_pos, cell_seq, n_head, n_kv, window,
                           attn_scale, out)  # fmt: skip
     else:
