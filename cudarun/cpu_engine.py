@@ -2,7 +2,8 @@
 what a user without a GPU runs, and the CPU half of every hybrid plan (`hostmath.HostMath`, the
 named int8 path), with the fp16 KV of every layer in host memory (`kvstore.KVMirror`).
 
-The weights are read in place from the memory-mapped GGUF: nothing is copied at load. A plan, when
+The GGUF is read once into memory of huge pages (`hostweights.file_in_memory`), and the weights
+are used in place there. A plan, when
 given, supplies its context, workload and tiers; its placement does not matter here, since every
 part runs on the host. Several sequences (docs/sequences.md) share the mirror's cells
 (`kvstore.KVCells`): a decode step over many of them is one fused call a layer (a routed
@@ -26,7 +27,7 @@ from . import program
 from .hostmath import Act, HostMath
 from .kernels import cpu
 from .fused_layers import FusedLayers
-from .hostweights import group_layout, in_file
+from .hostweights import file_in_memory, group_layout, in_file
 from .kvstore import KVCells, KVMirror
 from .plan_check import check_plan
 
@@ -79,19 +80,12 @@ class CpuEngine(SequenceCalls):
 
             numba.set_num_threads(min(threads, numba.config.NUMBA_NUM_THREADS))
         self.math = HostMath(spec, exact=False)
-        # a plain ndarray over the mapping: memmap slices cost a Python hook each
-        source = np.memmap(spec.path, dtype=np.uint8, mode="r").view(np.ndarray)
-        self.weights = {}  # group -> its tensors, read in place from the file
+        source = file_in_memory(spec.path)
+        self.weights = {}  # group -> its tensors, read in place from the copy
         for g in tensor_groups(spec):
             self.weights[g.name] = {
                 p.info.name: in_file(source, p.info) for p in group_layout(spec, g)
             }
-        # every page of the embedding table mapped now, as llama.cpp maps its file
-        # (MAP_POPULATE): each new token's row otherwise cost a page fault (0.35-0.47 ms, 2% of
-        # a qwen2-1.5B token); the matrices are all read by the first pass anyway
-        for tensors in self.weights.values():
-            if "token_embd.weight" in tensors:
-                int(tensors["token_embd.weight"].reshape(-1)[::4096].sum())
         self.seqs = Sequences(self.n_ctx, n_seq, unified)
         self.mirror = KVMirror(spec, self.n_ctx)  # n_ctx cells, shared out by `cells`
         self.cells = KVCells(self.seqs, spec.hparams.n_swa)
@@ -139,7 +133,7 @@ class CpuEngine(SequenceCalls):
 
     def memory_report(self) -> list[str]:
         kv = self.mirror.buffer.nbytes
-        return [f"host: weights read in place from {self.spec.path.name}; KV {kv / 2**20:.1f} MiB"]
+        return [f"host: {self.spec.path.name} read into memory; KV {kv / 2**20:.1f} MiB"]
 
     def launch_report(self, launch_seconds: float) -> list[str]:
         return []

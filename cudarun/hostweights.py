@@ -10,6 +10,8 @@ Q4_K, Q5_K: `kernels.int8`), so they start on one too; the group takes exactly i
 
 from __future__ import annotations
 
+import mmap
+import os
 from dataclasses import dataclass
 
 import numpy as np
@@ -216,6 +218,25 @@ def _progress(groups: list[Group], total: int, show: bool):
             bar.advance(task, g.nbytes)
 
 
+def file_in_memory(path) -> np.ndarray:
+    """The whole file read into private anonymous memory advised for huge pages. A decode reads
+    every matrix each token: read in place from the file's mapping, a qwen2-1.5B-shaped decode took
+    69-76 ms a token in a process's first engine (51-55 in later ones, for reasons left unknown),
+    from this copy 48-50 in every engine, the cost model's 51.8
+    (docs/measured/2026-12-07-cpu-weights-in-memory.txt). llama.cpp's CPU backend multiplies its
+    own repacked copies too."""
+    nbytes = os.path.getsize(path)
+    # private: a shared anonymous mapping is shmem, which takes no transparent huge pages
+    buffer = mmap.mmap(-1, max(nbytes, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    if hasattr(mmap, "MADV_HUGEPAGE"):  # Linux
+        buffer.madvise(mmap.MADV_HUGEPAGE)
+    with open(path, "rb") as f:
+        if f.readinto(memoryview(buffer)[:nbytes]) != nbytes:
+            raise OSError(f"{path}: read fewer than its {nbytes} bytes")
+    return np.frombuffer(buffer, np.uint8, nbytes)
+
+
 def in_file(source: np.ndarray, info) -> np.ndarray:
-    """A tensor's bytes in the memory-mapped file, as `tensors_of` gives a group's."""
+    """A tensor's bytes in the file (mapped or read into memory), as `tensors_of` gives a
+    group's."""
     return tensors_of([Placed(info, 0)], source[info.offset : info.offset + info.nbytes])[info.name]
