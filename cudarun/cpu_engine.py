@@ -3,9 +3,8 @@ what a user without a GPU runs, and the CPU half of every hybrid plan (`hostmath
 named int8 path), with the fp16 KV of every layer in host memory (`kvstore.KVMirror`).
 
 The GGUF is read once into memory of huge pages (`hostweights.file_in_memory`), and the weights
-are used in place there. A plan, when
-given, supplies its context, workload and tiers; its placement does not matter here, since every
-part runs on the host. Several sequences (docs/sequences.md) share the mirror's cells
+are used in place there. A plan, when given, supplies its context, workload and tiers; its
+placement does not matter here, since every part runs on the host. Several sequences (docs/sequences.md) share the mirror's cells
 (`kvstore.KVCells`): a decode step over many of them is one fused call a layer (a routed
 layer: two, the router between them).
 """
