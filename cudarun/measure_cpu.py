@@ -246,8 +246,8 @@ def twin_engine(path: Path, config, threads: int, n_ctx: int):
 
 
 # the decode attention twins' matrices: a 1B model's layer (~38 MB of Q4_K) between attentions.
-# Between the tiny twin's matrices of 256, a score cost 13-26% less than between these, and 25-45%
-# less than inside qwen2-1.5B or a small qwen3moe (docs/measured/2026-12-07-decode-score-twins.txt)
+# Between the tiny twin's matrices of 256, a score cost 13-26% less than between these
+# (docs/measured/2026-12-07-decode-score-twins.txt)
 DECODE_TWIN_MATRICES = dict(n_embd=2048, n_ff=8192, qtype="Q4_K")
 
 
