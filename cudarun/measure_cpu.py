@@ -1,6 +1,7 @@
 """The CPU side of a hardware profile (`solver.profile.CPUProfile`), measured on this machine by
-the runtime with its own CPU kernels (`cudarun.kernels.cpu`): the q8 matvec (int8 activations, as
-llama.cpp) for 1 token and, for prefill token counts, the products on int8 tiles of the weights
+the runtime with its own CPU kernels (`cudarun.kernels.cpu`): a decode's weight rate as the cpu
+engine's fused layers read them (`layer_rate_and_fixed`; the lone q8 matvec, int8 activations as
+llama.cpp, where that fit fails) and, for prefill token counts, the products on int8 tiles of the weights
 repacked once (the types that repack) and on dequantized fp32 panels by BLAS (the others). The
 memory figure is a Numba parallel read of at least 1 GiB on the same threads. Weights rotate over
 more than twice the last-level cache and inputs are fresh, so no rate is a cache hit
@@ -95,27 +96,38 @@ def measure_cpu(
     rope_angle, rope = rope_seconds(quick, runs)
     rope_twins = (f"cpu_ops.rope, serial, over {128 if quick else 512} tokens x "
                   f"{' and '.join(map(str, ROPE_HEADS))} heads of 128")
-    progress("a layer's fixed cost")
+    others = [t for t in types if t != LAYER["qtype"] and t in matvec and not quick]
+    layers = " and ".join(map(str, layer_counts(quick)))
+    per_type = {}
+    for t in [LAYER["qtype"]] + others:
+        progress(f"a decode layer's rate and fixed cost, {t}")
+        decoding = twins_rate(quick).replace("llamas", f"{t} llamas")
+        in_layer = layer_rate_and_fixed(threads, quick, t)
+        if in_layer:
+            gbps, fixed_seconds = in_layer
+            matvec[t] = {threads: Figure(gbps, f"{src}; {decoding}, per byte")}
+            per_type[t] = Figure(fixed_seconds, f"{src}; {decoding}, per layer")
+        else:  # the lone matvec's rate, the small twins' slope beyond it
+            gbps = matvec[t][threads].value if t in matvec else memory_gbps.value
+            per_type[t] = Figure(layer_seconds(threads, quick, gbps, qtype=t)[0],
+                                 f"{src}; the cpu engine decoding synthetic {t} llamas of "
+                                 f"{layers} layers, the slope per layer less its bytes at the "
+                                 "lone matvec's rate")  # fmt: skip
     layer_gbps = matvec[LAYER["qtype"]][threads].value if LAYER["qtype"] in matvec else (
         memory_gbps.value)  # fmt: skip
-    others = [t for t in types if t != LAYER["qtype"] and t in matvec and not quick]
 
     def fixed(kinds: tuple, t: str | None = None) -> list[float]:  # twins of type t
         gbps = layer_gbps if t is None else matvec[t][threads].value
         return layer_seconds(threads, quick, gbps, kinds, qtype=t)
 
-    per_layer = fixed((None,))[0]
-    per_type = {LAYER["qtype"]: per_layer, ANY_TYPE: per_layer} | {
-        t: fixed((None,), t)[0] for t in others}
+    per_layer = per_type[ANY_TYPE] = per_type[LAYER["qtype"]]
     per_routed_layer, per_expert = routed_fixed(*fixed(ROUTED_TWINS))
     per_expert_type = {LAYER["qtype"]: per_expert, ANY_TYPE: per_expert} | {
         t: routed_fixed(*fixed(ROUTED_TWINS, t))[1] for t in others}
     q8_gflops = (q8[LAYER["qtype"]] if LAYER["qtype"] in q8 else matmul[types[0]])[Q8_TOKENS[-1]]
     slot = routed_slot_seconds(threads, quick, q8_gflops.value, glu)
     handoff = handoff_seconds(quick, runs)
-    layers = " and ".join(map(str, layer_counts(quick)))
-    twin = TINY if quick else LAYER
-    width, twin_ff = twin["n_embd"], twin["n_ff"]
+    twin_ff = (TINY if quick else LAYER)["n_ff"]
     twins = ("the cpu engine decoding synthetic llamas of one layer whose Q8_0 heads hold the "
              f"same bytes in {' and '.join(str(v) for _, v in row_twins(quick))} rows")
     matvec[ANY_TYPE] = matvec[types[0]]
@@ -147,13 +159,8 @@ def measure_cpu(
         head_gbps=Figure(head_gbps, f"{src}; {twins}, per byte"),
         layer_activation_seconds=Figure(twin_ff * glu, f"{src}; the layer twins' SiLU gate over "
                                                        f"{twin_ff} elements at the gate's rate"),
-        layer_seconds=Figure(per_layer, f"{src}; the cpu engine decoding synthetic Q8_0 llamas "
-                                        f"{width} wide of {layers} layers, the slope per layer "
-                                        "less its bytes at the Q8_0 matvec rate"),  # fmt: skip
-        layer_type_seconds=RateTable("s", {t: {threads: Figure(x, f"{src}; the same twins with "
-                                                               f"every matrix {t}, less their "
-                                                               f"bytes at {t}'s matvec rate")}
-                                           for t, x in per_type.items()}),  # fmt: skip
+        layer_seconds=per_layer,
+        layer_type_seconds=RateTable("s", {t: {threads: x} for t, x in per_type.items()}),
         routed_layer_seconds=Figure(per_routed_layer, f"{src}; the same with synthetic "
                                                       "qwen3moe (8 experts, 2 and 6 used), the "
                                                       "intercept at none used"),
@@ -563,6 +570,47 @@ def layer_seconds(threads: int, quick: bool, gbps: float, kinds: tuple = (None,)
     return fixed_layer_seconds(per_token, layer_counts(quick), specs, gbps)
 
 
+# a decoded token's bytes are read inside the fused layer kernels (`cpu_layer`), rows of several
+# matrices in one parallel region on activations quantized once. A lone 4096x4096 matvec called
+# from Python read Q4_K at 18.1 GB/s and Q6_K at 18.1 where a 1B model's layers read them at 21.3
+# and 23.6, and it priced qwen2-1.5B's decode at 54.0 ms a token where it ran 48.2 (with the
+# layers' rates: 47.6; docs/measured/2026-12-07-in-layer-rates.txt). The rate is that of twins
+# whose layers hold a real model's bytes (BIG_LAYER, 34 MB of Q4_K) beside the small layer twins
+BIG_LAYER = dict(n_layer=4, n_embd=2048, n_ff=8192)
+QUICK_BIG_LAYER = dict(n_layer=2, n_embd=256, n_ff=512)
+
+
+def big_layer_config(quick: bool, qtype: str | None = None):
+    from refengine.synthetic import SyntheticConfig
+
+    shape = (TINY | QUICK_BIG_LAYER) if quick else (LAYER | BIG_LAYER)
+    return SyntheticConfig(arch="llama", **(shape | ({"qtype": qtype} if qtype else {})))
+
+
+def twins_rate(quick: bool) -> str:
+    """What `layer_rate_and_fixed` decodes, in words."""
+    small, big = (TINY, QUICK_BIG_LAYER) if quick else (LAYER, BIG_LAYER)
+    return (f"the cpu engine decoding synthetic llamas {small['n_embd']} wide of "
+            f"{' and '.join(map(str, layer_counts(quick)))} layers and {big['n_embd']} x "
+            f"{big['n_ff']} of {big['n_layer']}, in turn: the fit of their times to a token's, "
+            "each layer's and each byte's cost")
+
+
+def layer_rate_and_fixed(threads: int, quick: bool, qtype: str) -> tuple[float, float] | None:
+    """(GB/s, seconds per layer) of our decode's layers of `qtype`: the small layer twins at
+    `layer_counts` and a big one (`big_layer_config`), timed in turn; their times fitted exactly
+    as a token's own cost + layers x a layer's fixed cost + weight bytes / the rate. None where
+    noise leaves the rate or the fixed cost out of range."""
+    import numpy as np
+
+    per_token, specs = twin_decode_seconds(threads, quick, qtype=qtype, big=True)
+    terms = np.array([[1.0, s.hparams.n_layer, token_nbytes(s)] for s in specs])
+    _, per_layer, per_byte = np.linalg.solve(terms, np.array(per_token))
+    if per_byte <= 0 or per_layer < 0:
+        return None
+    return float(1.0 / per_byte / 1e9), float(per_layer)
+
+
 def token_seconds(threads: int, quick: bool) -> float:
     """Our cpu engine's cost of a decoded token beyond its layers and its head (the embedding
     row, the final norm, the step's Python): the dense layer twins' intercept
@@ -578,9 +626,10 @@ def decode_intercept(per_token: list[float], counts: tuple[int, int]) -> float:
 
 
 def twin_decode_seconds(threads: int, quick: bool, kinds: tuple = (None,),
-                        qtype: str | None = None) -> tuple[list[float], list]:  # fmt: skip
+                        qtype: str | None = None, big: bool = False) -> tuple[list[float], list]:  # fmt: skip
     """(a decoded token's seconds, the specs) of each kind's layer twins (`layer_config` at
-    `layer_counts`' depths, kind after kind), every twin timed in turn, token by token."""
+    `layer_counts`' depths, kind after kind; `big`: then `big_layer_config`'s), every twin timed
+    in turn, token by token."""
     import tempfile
 
     import numpy as np
@@ -593,6 +642,10 @@ def twin_decode_seconds(threads: int, quick: bool, kinds: tuple = (None,),
                                            layer_config(n_layer, kind, quick, qtype), threads,
                                            4 * tokens))  # fmt: skip
                 engines[-1].prefill(np.arange(4))
+        if big:
+            engines.append(twin_engine(Path(tmp) / "big.gguf", big_layer_config(quick, qtype),
+                                       threads, 4 * tokens))  # fmt: skip
+            engines[-1].prefill(np.arange(4))
         # a profile's is the median token, as a run's mean prices it (the least disturbed
         # token's slope read 152 us a layer where the median's read 162); the tests' quick
         # profile, measured beside the suite's other worker, takes the least disturbed one

@@ -867,3 +867,26 @@ def test_llamacpp_prompt_products_pay_their_measured_cost_beyond_their_flops():
     for spec in (DENSE, ROUTED_MIX):
         assert beyond(spec, "llamacpp", 1, 0) == 0.0
         assert beyond(spec, "refengine", 512, 0) == 0.0
+
+
+def test_layer_twins_of_unequal_bytes_give_a_decode_layers_rate_and_fixed_cost(tmp_path,
+                                                                               monkeypatch):
+    """The small layer twins' and the big twin's decode times, made from a known token cost,
+    layer cost and rate, give the rate and the layer cost back; times that no positive rate
+    gives are refused (the profile then keeps the lone matvec's rate)."""
+    from cudarun import measure_cpu
+    from refengine.spec import load_spec
+    from refengine.synthetic import write_synthetic
+
+    configs = [measure_cpu.layer_config(n, quick=True) for n in measure_cpu.TINY_LAYERS]
+    configs.append(measure_cpu.big_layer_config(True))
+    specs = [load_spec(str(write_synthetic(tmp_path / f"{i}.gguf", c)))
+             for i, c in enumerate(configs)]  # fmt: skip
+    token, per_layer, gbps = 3e-4, 5e-5, 22.0
+    seconds = [token + s.hparams.n_layer * per_layer
+               + measure_cpu.token_nbytes(s) / (gbps * 1e9) for s in specs]  # fmt: skip
+    monkeypatch.setattr(measure_cpu, "twin_decode_seconds",
+                        lambda *a, **k: (list(seconds), specs))  # fmt: skip
+    assert measure_cpu.layer_rate_and_fixed(2, True, "Q8_0") == pytest.approx((gbps, per_layer))
+    seconds[2] = seconds[0]  # the big twin no slower than the small one: no rate
+    assert measure_cpu.layer_rate_and_fixed(2, True, "Q8_0") is None

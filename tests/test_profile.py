@@ -218,7 +218,7 @@ def test_profile_measures_the_cpu_and_llama_cpps_rates_which_price_the_llamacpp_
     assert 0 < cpu.glu_element_seconds.value < 1e-6 and "serial" in cpu.glu_element_seconds.source
     assert 0 < cpu.rope_angle_seconds.value < 1e-6 and 0 < cpu.rope_element_seconds.value < 1e-6
     assert 0 <= cpu.layer_seconds.value < fixed_bound
-    assert "slope per layer" in cpu.layer_seconds.source
+    assert "per layer" in cpu.layer_seconds.source
     assert cpu.layer_type_seconds.at("Q8_0", cpu.threads) == cpu.layer_seconds.value  # its twins
     # the twins' own gated activation inside those figures: their FFN's SiLU
     assert cpu.layer_activation_seconds.value == pytest.approx(
