@@ -1,11 +1,11 @@
 """The CPU side of a hardware profile (`solver.profile.CPUProfile`), measured on this machine by
 the runtime with its own CPU kernels (`cudarun.kernels.cpu`): a decode's weight rate as the cpu
 engine's fused layers read them (`layer_rate_and_fixed`; the lone q8 matvec, int8 activations as
-llama.cpp, where that fit fails) and, for prefill token counts, the products on int8 tiles of the weights
-repacked once (the types that repack) and on dequantized fp32 panels by BLAS (the others). The
-memory figure is a Numba parallel read of at least 1 GiB on the same threads. Weights rotate over
-more than twice the last-level cache and inputs are fresh, so no rate is a cache hit
-(docs/pshard.md, reason 2).
+llama.cpp, where that fit fails) and, for prefill token counts, the products on int8 tiles of the
+weights repacked once (the types that repack) and on dequantized fp32 panels by BLAS (the
+others). The memory figure is a Numba parallel read of at least 1 GiB on the same threads.
+Weights rotate over more than twice the last-level cache and inputs are fresh, so no rate is a
+cache hit (docs/pshard.md, reason 2).
 """
 
 from __future__ import annotations
@@ -626,7 +626,8 @@ def decode_intercept(per_token: list[float], counts: tuple[int, int]) -> float:
 
 
 def twin_decode_seconds(threads: int, quick: bool, kinds: tuple = (None,),
-                        qtype: str | None = None, big: bool = False) -> tuple[list[float], list]:  # fmt: skip
+                        qtype: str | None = None,
+                        big: bool = False) -> tuple[list[float], list]:  # fmt: skip
     """(a decoded token's seconds, the specs) of each kind's layer twins (`layer_config` at
     `layer_counts`' depths, kind after kind; `big`: then `big_layer_config`'s), every twin timed
     in turn, token by token."""
