@@ -183,6 +183,18 @@ def product_rates(llama_bench: Path, threads: int, runs: int, tmp: Path, qtype: 
     return rates, beyond, gbps
 
 
+# llama.cpp's layer twins' depths: past the cache. It decoded 512-wide Q8_0 llamas of up to 24
+# layers (77 MB a token) at 20-25 GB/s from the last-level cache and from 36 layers (116 MB) on at
+# ~12 GB/s; twins of 12 and 36 layers straddled that, and the layer cost taken off their slope read
+# 81-152 us from one profile to the next where the slope past it is 63-73 us beyond the bytes
+# (docs/measured/2026-12-07-llamacpp-layer-twins.txt). Ours has no such cliff (LAYER_COUNTS)
+LLAMACPP_LAYER_COUNTS = (36, 108)
+
+
+def llamacpp_layer_counts(quick: bool) -> tuple[int, int]:
+    return layer_counts(True) if quick else LLAMACPP_LAYER_COUNTS
+
+
 def layer_seconds(llama_bench: Path, threads: int, runs: int, tmp: Path, gbps: float,
                   quick: bool = False, kinds: tuple = (None,)) -> list[float]:  # fmt: skip
     """llama.cpp's fixed cost of a layer per decoded token, as ours is measured
@@ -190,7 +202,7 @@ def layer_seconds(llama_bench: Path, threads: int, runs: int, tmp: Path, gbps: f
     MORE_USED) of two depths generate; the slope per layer less its bytes at `gbps`, llama.cpp's
     rate for LAYER's type. Run after run, every twin generates once in turn (`measure_cpu.
     layer_seconds` times ours token by token in turn): the median run of each."""
-    paths, counts = [], layer_counts(quick)
+    paths, counts = [], llamacpp_layer_counts(quick)
     for i, kind in enumerate(kinds):
         for n_layer in counts:
             paths.append(tmp / f"layers-{i}-{n_layer}.gguf")
@@ -404,9 +416,9 @@ def measure_llamacpp_cpu(
         progress("llama.cpp's fixed cost of a layer")
         qtype = LAYER["qtype"]
         gbps = (matvec.get(qtype) or next(iter(matvec.values())))[threads].value
+        depths = " and ".join(map(str, llamacpp_layer_counts(quick)))
         per_layer = Figure(layer_seconds(llama_bench, threads, runs, Path(tmp), gbps, quick)[0],
-                           f"{short}; synthetic {qtype} llamas of "
-                           f"{' and '.join(map(str, layer_counts(quick)))} layers generating 64 "
+                           f"{short}; synthetic {qtype} llamas of {depths} layers generating 64 "
                            f"tokens, the slope per layer less its bytes at llama.cpp's {qtype} "
                            "rate")  # fmt: skip
         routed, per_expert = routed_fixed(*layer_seconds(llama_bench, threads, runs, Path(tmp),

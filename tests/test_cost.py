@@ -890,3 +890,17 @@ def test_layer_twins_of_unequal_bytes_give_a_decode_layers_rate_and_fixed_cost(t
     assert measure_cpu.layer_rate_and_fixed(2, True, "Q8_0") == pytest.approx((gbps, per_layer))
     seconds[2] = seconds[0]  # the big twin no slower than the small one: no rate
     assert measure_cpu.layer_rate_and_fixed(2, True, "Q8_0") is None
+
+
+def test_llamacpp_layer_twins_read_past_the_cache(tmp_path):
+    """llama.cpp's layer twins each read more a token than its decode ran from the cache here
+    (up to 77 MB at 20-25 GB/s, from 116 MB at ~12): a line through twins on both sides of that
+    cliff gave a layer cost of 81-152 us by the hour."""
+    from cudarun import measure_cpu
+    from cudarun.measure_llamacpp import llamacpp_layer_counts
+    from refengine.spec import load_spec
+    from refengine.synthetic import write_synthetic
+
+    one = load_spec(str(write_synthetic(tmp_path / "one.gguf", measure_cpu.layer_config(1))))
+    per_layer = measure_cpu.layer_read_nbytes(one)
+    assert min(llamacpp_layer_counts(False)) * per_layer > 100e6
