@@ -341,11 +341,12 @@ def rope_seconds(quick: bool, runs: int) -> tuple[float, float]:
     return per_angle, per_element
 
 
-# a layer's fixed cost is measured where a real model's layers run: 512 wide, the weights of the
-# two models (12 and 36 layers, 40 and 119 MiB) streaming from memory past the last-level cache,
-# each layer's bytes at the profile's own rate taken off the slope. Tiny llamas (64 wide, in
-# cache) measured 26 us a layer where layers of 512-2048 cost 51-68 us beyond their bytes: per
-# parallel region, its threads' first reads of a matrix from memory
+# a layer's fixed cost is measured where a real model's layers run: 512 wide, two models of 12
+# and 36 layers (40 and 119 MiB; our engine decodes them at the same cost a layer as it does
+# 108 layers, llama.cpp's 12 from the cache: its twins are deeper, `measure_llamacpp.
+# LLAMACPP_LAYER_COUNTS`). Tiny llamas (64 wide, in cache) measured 26 us a layer where layers of
+# 512-2048 cost 51-68 us beyond their bytes: per parallel region, its threads' first reads of a
+# matrix from memory
 LAYER_COUNTS = (12, 36)
 LAYER = dict(n_embd=512, n_ff=1536, n_head=8, n_head_kv=2, n_vocab=512, qtype="Q8_0")
 ROUTED = dict(arch="qwen3moe", n_expert=8, n_expert_used=2, n_ff_exp=512)
