@@ -4,9 +4,9 @@ named int8 path), with the fp16 KV of every layer in host memory (`kvstore.KVMir
 
 The GGUF is read once into memory of huge pages (`hostweights.file_in_memory`), and the weights
 are used in place there. A plan, when given, supplies its context, workload and tiers; its
-placement does not matter here, since every part runs on the host. Several sequences (docs/sequences.md) share the mirror's cells
-(`kvstore.KVCells`): a decode step over many of them is one fused call a layer (a routed
-layer: two, the router between them).
+placement does not matter here, since every part runs on the host. Several sequences
+(docs/sequences.md) share the mirror's cells (`kvstore.KVCells`): a decode step over many of them
+is one fused call a layer (a routed layer: two, the router between them).
 """
 
 from __future__ import annotations
