@@ -11,6 +11,7 @@ cache hit (docs/pshard.md, reason 2).
 from __future__ import annotations
 
 import os
+from dataclasses import replace
 from datetime import date
 from pathlib import Path
 from typing import Callable
@@ -132,7 +133,7 @@ def measure_cpu(
              f"same bytes in {' and '.join(str(v) for _, v in row_twins(quick))} rows")
     matvec[ANY_TYPE] = matvec[types[0]]
     matmul[ANY_TYPE] = matmul[types[0]]
-    return CPUProfile(
+    measured = CPUProfile(
         name=_cpu_name(),
         threads=threads,
         memory_gbps=memory_gbps,
@@ -187,6 +188,68 @@ def measure_cpu(
             "not measurable without a GPU; the kernels issue measures it",
         ),
     )
+    progress("a prompt layer's cost beyond its price")
+    tokens, counts = prompt_twins(quick)
+    beyond = Figure(prompt_layer_element_seconds(threads, quick, measured),
+                    f"{src}; the cpu engine's prompts of {tokens} tokens on synthetic Q8_0 llamas "
+                    f"of {' and '.join(map(str, counts))} layers, the slope per layer less the "
+                    "cost model's price of a layer (this profile's other figures), per token and "
+                    "element of n_embd")  # fmt: skip
+    return replace(measured, prompt_layer_element_seconds=beyond)
+
+
+# a prompt layer's cost beyond its price: twins of LAYER's shape (`quick`: TINY's) at two depths
+# prefill a prompt of this many tokens, in turn
+PROMPT_TWIN_TOKENS = {False: 512, True: 64}
+PROMPT_TWIN_LAYERS = {False: (4, 16), True: (2, 6)}
+
+
+def prompt_twins(quick: bool) -> tuple[int, tuple[int, int]]:
+    return PROMPT_TWIN_TOKENS[quick], PROMPT_TWIN_LAYERS[quick]
+
+
+def prompt_layer_element_seconds(threads: int, quick: bool, cpu_profile: CPUProfile) -> float:
+    """Seconds per prompt token and element of n_embd that our cpu engine's prompt layer takes
+    beyond what the cost model prices of it from `cpu_profile` (every other figure measured): the
+    slope per layer of two twins' prefill times less that of their prices, over tokens x width.
+    What it stands for scales with the activations' width (norms, residual adds, their passes
+    between calls): 512-wide twins' priced SmolLM2 (576), Gemma-3 (640) and a qwen2-1.5B (1536)
+    within 3%, where a cost per layer and token would have left the last 5% off."""
+    import tempfile
+
+    import numpy as np
+
+    from solver.cpu_tests import cpu_cost_model, prompt_seconds
+    from solver.profile import HardwareProfile
+
+    tokens, counts = prompt_twins(quick)
+    host = HardwareProfile(cpu_profile.name, (), cpu_profile)
+    engines = []
+    with tempfile.TemporaryDirectory(prefix="refengine-prompt-") as tmp:
+        for n_layer in counts:
+            engines.append(twin_engine(Path(tmp) / f"{n_layer}.gguf",
+                                       layer_config(n_layer, quick=quick), threads, 2 * tokens))
+        ids = np.arange(tokens) % engines[0].spec.hparams.n_vocab
+
+        def prompt(engine):
+            engine.reset()
+            engine.prefill(ids)
+
+        seconds = _median_seconds([lambda e=e: prompt(e) for e in engines], 3 if quick else 11,
+                                  fastest=quick)  # fmt: skip
+    priced = [prompt_seconds(cpu_cost_model(e.spec, host, "refengine", threads, 2 * tokens),
+                             tokens, 0) for e in engines]  # fmt: skip
+    return beyond_price(seconds, priced, counts, tokens * engines[0].spec.hparams.n_embd)
+
+
+def beyond_price(seconds: list[float], priced: list[float], counts: tuple[int, int],
+                 elements: int) -> float:  # fmt: skip
+    """Seconds per element that twins of `counts` layers took a layer beyond their price: the
+    slope of their times less the slope of their prices, over each layer's `elements`; a noisy
+    pair below its price reads none, not a negative cost."""
+    slope = (seconds[1] - seconds[0]) / (counts[1] - counts[0])
+    priced_slope = (priced[1] - priced[0]) / (counts[1] - counts[0])
+    return max(slope - priced_slope, 0.0) / elements
 
 
 LONG_KEYS = 4608

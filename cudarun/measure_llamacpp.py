@@ -215,15 +215,20 @@ def layer_seconds(llama_bench: Path, threads: int, runs: int, tmp: Path, gbps: f
     return fixed_layer_seconds(per_token, counts, specs, gbps)
 
 
+HEAD_RUNS = 5
+
+
 def head_rates(llama_bench: Path, threads: int, runs: int, tmp: Path,
                quick: bool) -> tuple[float, float]:  # fmt: skip
     """(seconds per row, GB/s) of llama.cpp's output head in a decode (`row_seconds_and_gbps`
-    on ROW_TWINS)."""
+    on ROW_TWINS). Five runs at least: their rows' difference is a tenth of their time, and
+    profile y's three runs a side lost it (rows free at 12.3 GB/s, where twins run beside real
+    files read 16.4 GB/s and 7.1 ns a row, and priced Gemma-3's decode within 5%)."""
     paths = [tmp / f"rows-{width}.gguf" for width, _ in row_twins(quick)]
     for path, (width, vocab) in zip(paths, row_twins(quick)):
         write_synthetic(path, row_twin_config(width, vocab))
     seconds = [median_seconds(records["tg32"]) for records in
-               bench_alternated(llama_bench, paths, threads, max(runs, 3), (0,), 32)]
+               bench_alternated(llama_bench, paths, threads, max(runs, HEAD_RUNS), (0,), 32)]
     specs = [load_spec(str(path)) for path in paths]
     for path in paths:
         path.unlink()

@@ -395,6 +395,9 @@ class CostModel:
         seconds = max(read, flops / (rates.at(qtype, at) * 1e9)) + fixed
         if not llama:  # our host's element-wise work beside the matrices, where measured
             seconds += tokens * self.host_elementwise_seconds(g, tokens)
+            beyond = cpu.prompt_layer_element_seconds
+            if beyond and g.kind == ATTN_SIDE and tokens >= HOST_PANEL_TOKENS:
+                seconds += tokens * hp.n_embd * beyond.value
             if (g.kind == ATTN_SIDE and g.layer > 0 and hp.routed(g.layer - 1)
                     and tokens >= HOST_PANEL_TOKENS and cpu.routed_handoff_seconds):  # fmt: skip
                 seconds += cpu.routed_handoff_seconds.value  # after the last layer's experts

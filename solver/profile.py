@@ -190,6 +190,12 @@ class CPUProfile:
     # whose OpenMP threads spin ~300,000 times on the cores BLAS's threads need), beyond its time
     # alone: once per layer that follows a routed one
     routed_handoff_seconds: Figure | None = None
+    # ours: a prompt layer's time beyond what the terms above price of it, per token and element
+    # of n_embd (its norms, residual adds and the activations' passes between calls): 512-wide
+    # twins ran 1.2x their price, SmolLM2 and Gemma-3 1.12-1.18x and a qwen2-1.5B 1.09x, and
+    # this, taken off the twins, priced all three within 3%
+    # (docs/measured/2026-12-07-prompt-layer-residual.txt)
+    prompt_layer_element_seconds: Figure | None = None
     # a host-run layer's fixed cost per ubatch, whatever its width (the calls, the graph's nodes):
     # what a small model's decode feels most; ours, and llama.cpp's CPU backend's
     layer_seconds: Figure | None = None

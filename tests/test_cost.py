@@ -391,6 +391,30 @@ def test_our_decode_pays_the_tokens_own_cost_once_with_its_head():
     assert decode_intercept([1e-3, 5e-3], (12, 36)) == 0.0
 
 
+
+def test_our_prompt_layer_pays_its_measured_cost_beyond_its_price():
+    """Where the profile measured our prompt layer's time beyond its price, each layer's
+    attention side carries it per token and element of n_embd on a prompt's ubatch (the BLAS
+    tier, where the twins measured it); a decode, a ubatch below that tier and llama.cpp's
+    target do not. The figure is the twins' slope less their prices' slope, per element."""
+    from cudarun.measure_cpu import beyond_price
+
+    base = toy_profile()
+    measured = replace(base, cpu=replace(base.cpu, prompt_layer_element_seconds=Figure(
+        2e-9, "toy")))  # fmt: skip
+    width = DENSE.hparams.n_embd
+    for target, tokens, per_token in (("refengine", 512, width * 2e-9), ("refengine", 1, 0.0),
+                                      ("refengine", 4, 0.0), ("llamacpp", 512, 0.0)):
+        cm, before = CostModel(DENSE, measured, W, target), CostModel(DENSE, base, W, target)
+        assert [cm.cpu_seconds(g, tokens) - before.cpu_seconds(g, tokens)
+                for g in cm.groups] == pytest.approx(
+            [tokens * per_token if g.kind == "attn" else 0.0 for g in cm.groups])  # fmt: skip
+    # twins of 4 and 16 layers at 100 and 400 ms priced at 70 and 280: 25 ms a layer against 17.5,
+    # 7.5 ms over 512 x 512 elements; a pair under its price reads none
+    assert beyond_price([0.1, 0.4], [0.07, 0.28], (4, 16), 512 * 512) == pytest.approx(
+        7.5e-3 / (512 * 512))
+    assert beyond_price([0.1, 0.3], [0.07, 0.28], (4, 16), 512 * 512) == 0.0
+
 # a small Qwen3-MoE of the Q4_K_M mix: Q4_K stacks and attention, a Q6_K down stack in some layers
 ROUTED_MIX = spec_from_hparams(SyntheticConfig("qwen3moe", n_layer=2, n_embd=1024, n_ff=3072,
                                                n_head=16, n_head_kv=4, head_dim=64, n_vocab=32000,

@@ -232,6 +232,8 @@ def test_profile_measures_the_cpu_and_llama_cpps_rates_which_price_the_llamacpp_
     assert 0 <= cpu.routed_handoff_seconds.value < 0.05  # a product's toll after Numba's kernel
     assert 0 <= cpu.head_row_seconds.value < 1e-6 and 0.1 < cpu.head_gbps.value < cache_bound
     assert 0 <= cpu.token_seconds.value < 0.01 and "intercept" in cpu.token_seconds.source
+    beyond = cpu.prompt_layer_element_seconds  # ns an element where measured beside its price
+    assert 0 <= beyond.value < 1e-6 and "per token and element of n_embd" in beyond.source
     assert cpu.q8_matmul_gflops.at("Q4_K", 8) > 1 and "q8 path" in (
         cpu.q8_matmul_gflops.rows["Q4_K"][64].source)
     # llama.cpp's own rows
