@@ -213,8 +213,9 @@ def prompt_layer_element_seconds(threads: int, quick: bool, cpu_profile: CPUProf
     beyond what the cost model prices of it from `cpu_profile` (every other figure measured): the
     slope per layer of two twins' prefill times less that of their prices, over tokens x width.
     What it stands for scales with the activations' width (norms, residual adds, their passes
-    between calls): 512-wide twins' priced SmolLM2 (576), Gemma-3 (640) and a qwen2-1.5B (1536)
-    within 3%, where a cost per layer and token would have left the last 5% off."""
+    between calls): the 512-wide twins' figure priced SmolLM2 (576), Gemma-3 (640) and a
+    qwen2-1.5B (1536) within 3-10% in three runs, where a cost per layer and token priced the
+    qwen2-1.5B 5% further off."""
     import tempfile
 
     import numpy as np

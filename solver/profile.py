@@ -192,8 +192,8 @@ class CPUProfile:
     routed_handoff_seconds: Figure | None = None
     # ours: a prompt layer's time beyond what the terms above price of it, per token and element
     # of n_embd (its norms, residual adds and the activations' passes between calls): 512-wide
-    # twins ran 1.2x their price, SmolLM2 and Gemma-3 1.12-1.18x and a qwen2-1.5B 1.09x, and
-    # this, taken off the twins, priced all three within 3%
+    # twins took 1.2x their price, SmolLM2 and Gemma-3 1.12-1.18x and a qwen2-1.5B 1.09x, and
+    # this, taken off the twins, priced all three within 3-10% in three runs
     # (docs/measured/2026-12-07-prompt-layer-residual.txt)
     prompt_layer_element_seconds: Figure | None = None
     # a host-run layer's fixed cost per ubatch, whatever its width (the calls, the graph's nodes):

@@ -391,7 +391,6 @@ def test_our_decode_pays_the_tokens_own_cost_once_with_its_head():
     assert decode_intercept([1e-3, 5e-3], (12, 36)) == 0.0
 
 
-
 def test_our_prompt_layer_pays_its_measured_cost_beyond_its_price():
     """Where the profile measured our prompt layer's time beyond its price, each layer's
     attention side carries it per token and element of n_embd on a prompt's ubatch (the BLAS
@@ -414,6 +413,7 @@ def test_our_prompt_layer_pays_its_measured_cost_beyond_its_price():
     assert beyond_price([0.1, 0.4], [0.07, 0.28], (4, 16), 512 * 512) == pytest.approx(
         7.5e-3 / (512 * 512))
     assert beyond_price([0.1, 0.3], [0.07, 0.28], (4, 16), 512 * 512) == 0.0
+
 
 # a small Qwen3-MoE of the Q4_K_M mix: Q4_K stacks and attention, a Q6_K down stack in some layers
 ROUTED_MIX = spec_from_hparams(SyntheticConfig("qwen3moe", n_layer=2, n_embd=1024, n_ff=3072,
