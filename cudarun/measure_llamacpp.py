@@ -215,6 +215,32 @@ def layer_seconds(llama_bench: Path, threads: int, runs: int, tmp: Path, gbps: f
     return fixed_layer_seconds(per_token, counts, specs, gbps)
 
 
+# llama.cpp's decode from the last-level cache: Q8_0 llamas of LAYER's width from a few layers to
+# the deepest layer twin, whose per-layer time is the streaming reference. On this host twins of up
+# to 24 layers (77 MB a token) decoded at 20-25 GB/s and from 36 (116 MB) on at ~12, and
+# SmolLM2-135M's ~100 MB a token ran 1.47x its streaming price in sitting z (docs/measured/
+# 2026-12-07-llamacpp-layer-twins.txt). A ladder, as the cliff's place is the host's
+CACHE_LADDER = {False: (3, 6, 12, 18, 24, 30, 36, 108), True: (1, 2, 10)}
+
+
+def cache_speedups(llama_bench: Path, threads: int, runs: int, tmp: Path,
+                   quick: bool = False) -> dict[int, float]:  # fmt: skip
+    """{bytes a token reads: how many times faster than streaming} of llama.cpp's decode on
+    CACHE_LADDER's twins, generating 64 tokens in turn: the deepest twin's time per layer times
+    a twin's layers over that twin's time (the deepest reads 1)."""
+    counts, paths = CACHE_LADDER[quick], []
+    for n_layer in counts:
+        paths.append(tmp / f"ladder-{n_layer}.gguf")
+        write_synthetic(paths[-1], layer_config(n_layer, quick=quick))
+    seconds = [median_seconds(records["tg64"]) for records in
+               bench_alternated(llama_bench, paths, threads, max(runs, 3), (0,), 64)]
+    nbytes = [token_nbytes(load_spec(str(path))) for path in paths]
+    for path in paths:
+        path.unlink()
+    per_layer = seconds[-1] / counts[-1]
+    return {b: n * per_layer / s for b, n, s in zip(nbytes, counts, seconds)}
+
+
 HEAD_RUNS = 5
 
 
@@ -426,6 +452,12 @@ def measure_llamacpp_cpu(
                            f"{short}; synthetic {qtype} llamas of {depths} layers generating 64 "
                            f"tokens, the slope per layer less its bytes at llama.cpp's {qtype} "
                            "rate")  # fmt: skip
+        progress("llama.cpp's decode from the cache")
+        speedups = cache_speedups(llama_bench, threads, runs, Path(tmp), quick)
+        how = (f"{short}; synthetic {qtype} llamas of {' '.join(map(str, CACHE_LADDER[quick]))} "
+               "layers generating 64 tokens in turn: the deepest's time a layer times the "
+               "layers, over the time")
+        cached = RateTable("x", {ANY_TYPE: {b: Figure(x, how) for b, x in speedups.items()}})
         routed, per_expert = routed_fixed(*layer_seconds(llama_bench, threads, runs, Path(tmp),
                                                          gbps, quick, ROUTED_TWINS))  # fmt: skip
         qwen3moe = per_layer.source.replace("llamas", "qwen3moe (8 experts, 2 and 6 used)")
@@ -472,6 +504,7 @@ def measure_llamacpp_cpu(
                 llamacpp_matvec_gbps=RateTable("GB/s", matvec),
                 llamacpp_head_row_seconds=Figure(head_row, f"{twins_head}, per row"),
                 llamacpp_head_gbps=Figure(head_gbps, f"{twins_head}, per byte"),
+                llamacpp_decode_cache_speedup=cached,
                 llamacpp_layer_seconds=per_layer, llamacpp_routed_layer_seconds=per_routed_layer,
                 llamacpp_expert_seconds=per_expert,
                 llamacpp_expert_gflops=table_or_none("GFLOP/s", experts, qtype),

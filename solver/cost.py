@@ -816,7 +816,29 @@ class CostModel:
             prev = self.effective(last, place.groups[last.name], tokens).where
         for g in self.by_layer[None]:  # token_embd and the output head
             total.add(self.global_terms(g, place, tokens, cpu_busy, prev))
+        if self.traits.ggml_cpu and tokens == 1 and self.profile.cpu.llamacpp_decode_cache_speedup:
+            faster = self.host_cache_speedup(place, depth)
+            total.total = total.total - total.cpu * (1 - 1 / faster)
+            total.cpu = total.cpu / faster
         return total
+
+    def host_cache_speedup(self, place: TierPlacement, depth):
+        """How many times faster than streaming llama.cpp's host decodes a token
+        (`llamacpp_decode_cache_speedup`) at the bytes its host part touches token after token:
+        every matrix it holds (a routed stack whole, as tokens choose other experts) and its KV
+        cells at `depth`. A layer by layer sum cannot see this, so the solver's objective prices
+        a decode streaming; its predictions do not."""
+        hp = self.spec.hparams
+        nbytes = sum(g.nbytes for g in self.groups
+                     if g.kind != EMBD and not place.groups[g.name].on_gpu)  # fmt: skip
+        for il, kv in place.kv.items():
+            if not kv.on_gpu and not hp.recurrent(il):
+                cells = depth + 1
+                if self.spec.is_swa(il):
+                    cells = np.minimum(cells, hp.n_swa + 1)
+                nbytes = nbytes + cells * self.cell_nbytes
+        table = self.profile.cpu.llamacpp_decode_cache_speedup
+        return np.vectorize(lambda b: table.at(ANY_TYPE, b), otypes=[float])(nbytes)
 
     # -- a request -------------------------------------------------------------------------------
 

@@ -200,6 +200,10 @@ class CPUProfile:
     # what a small model's decode feels most; ours, and llama.cpp's CPU backend's
     layer_seconds: Figure | None = None
     llamacpp_layer_seconds: Figure | None = None
+    # llama.cpp's decode from the last-level cache: by the bytes a token reads (key), how many
+    # times faster than streaming a decode runs (Q8_0 llama twins of a few layers to many); 1
+    # past the cache, ~2 here on twins of 12 layers (38 MB)
+    llamacpp_decode_cache_speedup: RateTable | None = None
     # ours by type, on twins whose every matrix is of the type: a narrow layer's rows cost beyond
     # their bytes by type (Q8_0's ~40 us, Q5_0's ~110 on 512-wide twins); by threads
     layer_type_seconds: RateTable | None = None

@@ -415,6 +415,40 @@ def test_our_prompt_layer_pays_its_measured_cost_beyond_its_price():
     assert beyond_price([0.1, 0.3], [0.07, 0.28], (4, 16), 512 * 512) == 0.0
 
 
+
+def test_llamacpp_decode_runs_faster_from_the_cache_by_the_bytes_it_touches():
+    """Where the profile measured how much faster llama.cpp decodes from the cache, by the bytes
+    a token reads, a llama.cpp decode's host time runs that much faster at the bytes its host
+    part touches: the tensors it holds (not the embedding's row) and its KV cells at the depth,
+    interpolated in log(bytes). Past the table's last point, a prompt and ours: the price as
+    before."""
+    from solver.cpu_tests import all_on_cpu
+
+    hp = DENSE.hparams
+    held = {t.name: t.nbytes for t in DENSE.tensors if t.name != "token_embd.weight"}
+    ffn = lambda name: any(f".{m}" in name for m in ("ffn_gate", "ffn_up", "ffn_down"))  # noqa: E731
+    cell = hp.n_layer * 2 * hp.n_head_kv * hp.head_dim * 2  # f16 K and V of every layer
+    lo, hi = sum(held.values()) // 4, sum(held.values()) + 500 * cell
+    table = RateTable("x", {ANY_TYPE: {lo: Figure(3.0, "toy"), hi: Figure(1.0, "toy")}})
+    base = toy_profile()
+    measured = replace(base, cpu=replace(base.cpu, llamacpp_decode_cache_speedup=table))
+    every = all_on_cpu(DENSE)
+    ffn_up = dict(every.groups, **{g: Loc(PINNED) for g in every.groups if ffn(g)})
+    for groups, depth, host in (
+        (every.groups, 0, sum(held.values()) + cell),
+        (every.groups, 1000, None),  # past the table
+        (ffn_up, 0, sum(n for t, n in held.items() if not ffn(t)) + cell),
+    ):
+        faster = 1.0 if host is None else 3.0 - 2.0 * math.log(host / lo) / math.log(hi / lo)
+        tier = TierPlacement(groups, every.kv)
+        t, s = (CostModel(DENSE, p, W, "llamacpp").ubatch_terms(tier, 1, depth)
+                for p in (measured, base))  # fmt: skip
+        assert s.cpu > 0 and t.cpu == pytest.approx(s.cpu / faster)
+        assert t.total == pytest.approx(s.total - s.cpu + s.cpu / faster)
+    for target, tokens in (("llamacpp", 512), ("refengine", 1)):
+        assert CostModel(DENSE, measured, W, target).ubatch_terms(every, tokens, 0).total == (
+            CostModel(DENSE, base, W, target).ubatch_terms(every, tokens, 0).total)
+
 # a small Qwen3-MoE of the Q4_K_M mix: Q4_K stacks and attention, a Q6_K down stack in some layers
 ROUTED_MIX = spec_from_hparams(SyntheticConfig("qwen3moe", n_layer=2, n_embd=1024, n_ff=3072,
                                                n_head=16, n_head_kv=4, head_dim=64, n_vocab=32000,

@@ -178,6 +178,7 @@ def test_profile_measures_the_cpu_and_llama_cpps_rates_which_price_the_llamacpp_
 
     from cudarun.kernels import q8_panel
     from cudarun.measure_cpu import TINY
+    from cudarun.measure_llamacpp import CACHE_LADDER
     from refengine.synthetic import SyntheticConfig, spec_from_hparams
     from solver.cpu_tests import cpu_cost_model, generation_seconds, prompt_seconds
 
@@ -245,6 +246,10 @@ def test_profile_measures_the_cpu_and_llama_cpps_rates_which_price_the_llamacpp_
     matvec = cpu.llamacpp_matvec_gbps.at("Q4_K", cpu.threads)
     assert cpu.memory_gbps.value / 100 < matvec < cache_bound
     assert 0 <= cpu.llamacpp_layer_seconds.value < fixed_bound
+    # its decode from the cache, by bytes a token reads: the ladder's deepest twin is the reference
+    cached = cpu.llamacpp_decode_cache_speedup.rows[ANY_TYPE]
+    assert len(cached) == len(CACHE_LADDER[True]) and cached[max(cached)].value == 1.0
+    assert all(0 < x.value < 100 for x in cached.values()) and "deepest" in cached[max(cached)].source
     # (a difference of two quick runs: on CI's two busy cores it can clamp at 0)
     for scores in (cpu.llamacpp_prompt_score_seconds, cpu.llamacpp_decode_score_seconds):
         assert set(scores.rows) == {"256", "512", "256@8", "512@8"}
