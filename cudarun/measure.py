@@ -26,7 +26,7 @@ def measure_profile(
         gpu, sync = measure_gpu(quick, progress)
         gpus, gpu_name = (gpu,), gpu.name
     else:
-        gpus, sync, gpu_name = gpu_from.gpus, None, gpu_from.name
+        gpus, sync, gpu_name = gpu_from.gpus, None, gpu_from.gpu_side_name
     shape = (1024, 1024) if quick else (4096, 4096)
     cpu = measure_cpu(threads, shape, quick, progress)
     if sync is not None:

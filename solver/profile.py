@@ -262,6 +262,13 @@ class HardwareProfile:
     cpu: CPUProfile
     notes: str = ""
 
+    @property
+    def gpu_side_name(self) -> str:
+        """The name less its CPU's ("<cpu> + h100" -> "h100"): what its GPU side is called in a
+        profile that another CPU measured beside it (kept whole, each reuse named the CPU again)."""
+        mine = f"{self.cpu.name} + "
+        return self.name[len(mine):] if self.name.startswith(mine) else self.name
+
     def to_json(self) -> dict:
         def fig_fields(obj) -> dict:
             out = {}

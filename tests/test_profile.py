@@ -183,16 +183,20 @@ def test_profile_measures_the_cpu_and_llama_cpps_rates_which_price_the_llamacpp_
     from solver.cpu_tests import cpu_cost_model, generation_seconds, prompt_seconds
 
     out = tmp_path / "me.json"
-    # the GPU side from a shipped profile's name (test_cli: a name that is none, one line)
-    # on one thread: CI's other worker holds one of its two cores, and at llama.cpp's two threads
-    # the one sharing that core kept the other waiting a time slice at each barrier (a quick
-    # profile there put llama.cpp's attention at more than 1 us a query head, token and key,
-    # ~700x a quiet host's)
-    r = refengine("profile", "-o", out, "--quick", "--threads", "1", "--gpu-from", "h100",
-                  "--llama-bin", llama_bin)  # fmt: skip
+    # the GPU side kept from a profile that was itself measured beside another CPU (test_cli: a
+    # name that is none, one line), on one thread: CI's other worker holds one of its two cores,
+    # and at llama.cpp's two threads the one sharing that core kept the other waiting a time
+    # slice at each barrier (a quick profile there put llama.cpp's attention at more than 1 us a
+    # query head, token and key, ~700x a quiet host's)
+    h100 = json.loads((PROFILES / "h100.json").read_text())
+    h100["name"] = f"{h100['cpu']['name']} + h100"
+    (tmp_path / "base.json").write_text(json.dumps(h100))
+    r = refengine("profile", "-o", out, "--quick", "--threads", "1", "--gpu-from",
+                  tmp_path / "base.json", "--llama-bin", llama_bin)  # fmt: skip
     assert r.returncode == 0, r.stderr
     prof = HardwareProfile.load(out)
     cpu = prof.cpu
+    assert prof.name == f"{cpu.name} + h100"  # the kept side's CPU not named again
     # the CPU measured, the GPU side kept (one quick profile in the suite: two at once on CI's
     # two cores measured each other's load)
     assert prof.gpus == HardwareProfile.load(PROFILES / "h100.json").gpus

@@ -123,7 +123,7 @@ def _measure(base, local_gpu: bool, endpoints: list[str], cpu_from: str | None,
 
                 gpu, sync = measure_gpu(quick, say)
                 gpus, cpu = (gpu,), replace(cpu, sync_seconds=sync)
-            names = [cpu.name] + ([base.name if base else gpus[0].name] if gpus else [])
+            names = [cpu.name] + ([base.gpu_side_name if base else gpus[0].name] if gpus else [])
             prof = HardwareProfile(name=" + ".join(names), gpus=gpus, cpu=cpu,
                                    notes=base.notes if base else "")  # fmt: skip
         elif local_gpu:
