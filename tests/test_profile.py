@@ -1,4 +1,5 @@
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -197,6 +198,9 @@ def test_profile_measures_the_cpu_and_llama_cpps_rates_which_price_the_llamacpp_
     prof = HardwareProfile.load(out)
     cpu = prof.cpu
     assert prof.name == f"{cpu.name} + h100"  # the kept side's CPU not named again
+    # not on a terminal (a log): a line a phase, stamped with the time it began
+    stamped = [line[9:] for line in r.stderr.splitlines() if re.match(r"\d\d:\d\d:\d\d ", line)]
+    assert {"host memory bandwidth", "llama.cpp's decode from the cache"} <= set(stamped)
     # the CPU measured, the GPU side kept (one quick profile in the suite: two at once on CI's
     # two cores measured each other's load)
     assert prof.gpus == HardwareProfile.load(PROFILES / "h100.json").gpus

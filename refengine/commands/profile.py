@@ -4,6 +4,8 @@ llama.cpp RPC servers as devices of it (`cudarun.measure_rpc`)."""
 from __future__ import annotations
 
 import json
+import time
+from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
 
@@ -83,32 +85,43 @@ def profile(output: Path, gpu_from: str | None, threads: int | None, quick: bool
     _summary(output, prof, servers, base, local_gpu, cpu_from)
 
 
-def _with_llamacpp(prof, llama_bench: Path, quick: bool):
-    """The profile with llama.cpp's CPU rows, on the threads its CPU side was measured at."""
+@contextmanager
+def _phases(first: str):
+    """A callback naming each phase of the measuring: a bar on a terminal; in a log (a profile
+    runs for half an hour, often under nohup), a line a phase on stderr with the time it began."""
+    from rich.console import Console
     from rich.progress import Progress
 
+    if Console().is_terminal:
+        with Progress(transient=True) as bar:
+            task = bar.add_task(first, total=None)
+            yield lambda what: bar.update(task, description=what)
+        return
+
+    def say(what: str) -> None:  # (none before the first phase: a refusal stays one line)
+        click.echo(f"{time.strftime('%H:%M:%S')} {what}", err=True)
+
+    yield say
+
+
+def _with_llamacpp(prof, llama_bench: Path, quick: bool):
+    """The profile with llama.cpp's CPU rows, on the threads its CPU side was measured at."""
     from cudarun.measure_llamacpp import measure_llamacpp_cpu
 
-    with Progress(transient=True) as bar:
-        task = bar.add_task("llama.cpp", total=None)
-        rows = measure_llamacpp_cpu(llama_bench, prof.cpu.threads, quick,
-                                    lambda what: bar.update(task, description=what))  # fmt: skip
+    with _phases("llama.cpp") as say:
+        rows = measure_llamacpp_cpu(llama_bench, prof.cpu.threads, quick, say)
     return replace(prof, cpu=replace(prof.cpu, **rows))
 
 
 def _measure(base, local_gpu: bool, endpoints: list[str], cpu_from: str | None,
              threads: int | None, quick: bool):  # fmt: skip
     """(the profile, [(device, link, compute) of each RPC server])."""
-    from rich.progress import Progress
-
     from cudarun.measure_rpc import measure_rpc_device
     from cudarun.rpc_client import RpcClient
     from solver.profile import HardwareProfile, with_rpc_devices
     from solver.solve import load_profile
 
-    with Progress(transient=True) as bar:
-        task = bar.add_task("profiling", total=None)
-        say = lambda what: bar.update(task, description=what)  # noqa: E731
+    with _phases("profiling") as say:
         # the servers first, each greeted before any is measured: one that does not answer is
         # refused before minutes of measuring
         for e in endpoints:
