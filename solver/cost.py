@@ -825,8 +825,8 @@ class CostModel:
     def host_cache_speedup(self, place: TierPlacement, depth):
         """How many times faster than streaming llama.cpp's host decodes a token
         (`llamacpp_decode_cache_speedup`) at the bytes its host part touches token after token:
-        every matrix it holds (a routed stack whole, as tokens choose other experts) and its KV
-        cells at `depth`. A layer by layer sum cannot see this, so the solver's objective prices
+        every tensor it holds but the embedding (a routed stack whole, as tokens choose other
+        experts) and its KV cells at `depth`. A layer by layer sum cannot see this, so the solver's objective prices
         a decode streaming; its predictions do not."""
         hp = self.spec.hparams
         nbytes = sum(g.nbytes for g in self.groups

@@ -415,7 +415,6 @@ def test_our_prompt_layer_pays_its_measured_cost_beyond_its_price():
     assert beyond_price([0.1, 0.3], [0.07, 0.28], (4, 16), 512 * 512) == 0.0
 
 
-
 def test_llamacpp_decode_runs_faster_from_the_cache_by_the_bytes_it_touches():
     """Where the profile measured how much faster llama.cpp decodes from the cache, by the bytes
     a token reads, a llama.cpp decode's host time runs that much faster at the bytes its host
@@ -448,6 +447,7 @@ def test_llamacpp_decode_runs_faster_from_the_cache_by_the_bytes_it_touches():
     for target, tokens in (("llamacpp", 512), ("refengine", 1)):
         assert CostModel(DENSE, measured, W, target).ubatch_terms(every, tokens, 0).total == (
             CostModel(DENSE, base, W, target).ubatch_terms(every, tokens, 0).total)
+
 
 # a small Qwen3-MoE of the Q4_K_M mix: Q4_K stacks and attention, a Q6_K down stack in some layers
 ROUTED_MIX = spec_from_hparams(SyntheticConfig("qwen3moe", n_layer=2, n_embd=1024, n_ff=3072,
