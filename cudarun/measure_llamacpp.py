@@ -237,8 +237,8 @@ def cache_speedups(llama_bench: Path, threads: int, runs: int, tmp: Path,
     nbytes = [token_nbytes(load_spec(str(path))) for path in paths]
     for path in paths:
         path.unlink()
-    per_layer = seconds[-1] / counts[-1]
-    return {b: n * per_layer / s for b, n, s in zip(nbytes, counts, seconds)}
+    # (as one quotient: the deepest reads exactly 1, where n * (t / n) / t may round below it)
+    return {b: n * seconds[-1] / (counts[-1] * s) for b, n, s in zip(nbytes, counts, seconds)}
 
 
 HEAD_RUNS = 5
